@@ -1,0 +1,189 @@
+"""CSA2 attention (spec §4.4): a sliding window of raw KV plus Top-K entries of a compressed,
+cross-layer shared KV, attended together in one sparse softmax with a per-head sink.
+
+Per layer (mode from the layer plan):
+    q     = RoPE(W_qb RMSNorm_q(W_qa x), t)                       [H, D]   (rope on the last r dims)
+    c_t   = FP8(RoPE(RMSNorm_kv(W_kv x_t), t))                    window KV, a ring of `window_size`
+  kv-source layers (Full) also compress, m tokens -> one entry:
+    m=2:  c_g = RMSNorm_c(bf16(sum_i softmax_i(W_gate x_i) * W_ckv x_i))   per-channel softmax gate
+    m=1:  c_g = RMSNorm_c(W_ckv x_g)
+    C_g   = FP4(RoPE(c_g, g m))  (E2M1, one E4M3 scale per 16)    the shared main KV entry
+    k_g   = indexer keys from the pre-RoPE c_g (indexer.py)
+  index-source layers (Full, Reindex) run the indexer -> Top-K; Reuse layers take the latest Top-K.
+    o     = sparse_attention(q, [window ; C], sink, [window idx ; Top-K])
+    out   = W_ob( W_oa^g (RoPE^-1(o, t)) for each of G head groups )
+
+Keys and values are the same latent (MQA with one 512-wide head); the attention output is rotated
+back to position 0 so the shared cache can keep one rotated form.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model import formats
+from model.config import LayerSpec, ModelArgs
+from model.indexer import Indexer
+from model.layers import Linear, RMSNorm, rope_frequencies, rope_tail, storage_dtype
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Reference sparse MQA with a sink. q [B,T,H,D], kv [B,N,D] (K = V), sink [H] (fp32 logit that
+    joins the denominator only), idx [B,T,K] with -1 = empty. A row with no valid index gives 0.
+
+        o = sum_j e^{l_j - M} kv_j / (sum_j e^{l_j - M} + e^{sink - M}),   l_j = scale q.kv_{idx_j}
+    """
+    valid = idx >= 0
+    batch = torch.arange(kv.size(0), device=kv.device).view(-1, 1, 1)
+    gathered = kv.float()[batch, idx.clamp_min(0).long()]  # [B,T,K,D]
+    logits = torch.einsum("bthd,btkd->bthk", q.float(), gathered) * scale
+    logits = logits.masked_fill(~valid.unsqueeze(2), -torch.inf)
+    sink = sink.float().view(1, 1, -1, 1)
+    m = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)
+    p = torch.exp(logits - m)
+    denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink - m)
+    o = torch.einsum("bthk,btkd->bthd", p / denom, gathered)
+    return o.to(q.dtype)
+
+
+def window_indices(start_pos: int, seqlen: int, n_prev: int, window: int, device) -> torch.Tensor:
+    """For queries at start_pos..start_pos+T-1 over window KV laid out as [n_prev cached ; T new]
+    (the cached part holding positions start_pos-n_prev..start_pos-1): the causal window
+    [t-window+1, t] as indices into that layout, -1 where the window reaches before position 0. [T, min(window, n_prev+T)]"""
+    base = start_pos - n_prev
+    t = torch.arange(start_pos, start_pos + seqlen, device=device).unsqueeze(1)
+    width = min(window, n_prev + seqlen)
+    pos = t - width + 1 + torch.arange(width, device=device)
+    return torch.where(pos >= max(base, 0), pos - base, -1)
+
+
+class Compressor(nn.Module):
+    """m tokens -> one pre-RoPE latent. A trailing incomplete group waits in the cache's compressor
+    state and is emitted when its last token arrives, so entries appear only when complete."""
+
+    def __init__(self, args: ModelArgs, spec: LayerSpec):
+        super().__init__()
+        self.ratio, self.head_dim = spec.compress_ratio, args.head_dim
+        self.wkv = Linear(args.dim, args.head_dim, torch.bfloat16)
+        if self.ratio > 1:
+            self.wgate = Linear(args.dim, args.head_dim, torch.bfloat16)
+        self.norm = RMSNorm(args.head_dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, state) -> torch.Tensor | None:
+        """x [B,T,dim] -> latents of the groups completed by these tokens, [B,G,head_dim] (None if G=0).
+        `state` (from the cache) holds the pending partial group's projections for m > 1."""
+        if self.ratio == 1:  # nothing to pool: no gate, no fp32
+            return self.norm(self.wkv(x))
+        xf = x.float()
+        kv = torch.nn.functional.linear(xf, self.wkv.weight.float())
+        score = torch.nn.functional.linear(xf, self.wgate.weight.float())
+        kv, score = state.take(kv, score, self.ratio)
+        if kv is None:
+            return None
+        kv = kv.unflatten(1, (-1, self.ratio))
+        score = score.unflatten(1, (-1, self.ratio))
+        pooled = (kv * score.softmax(dim=2)).sum(dim=2)  # per-channel softmax over the group's tokens
+        return self.norm(pooled.to(x.dtype))
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        self.n_heads, self.head_dim, self.rope_dim = args.n_heads, args.head_dim, args.rope_head_dim
+        self.n_groups, self.o_lora_rank = args.o_groups, args.o_lora_rank
+        self.window = args.window_size
+        self.scale = args.head_dim ** -0.5
+        dense, block = storage_dtype(args.dtype), args.fp8_block_size
+
+        self.attn_sink = nn.Parameter(torch.zeros(args.n_heads, dtype=torch.float32))
+        self.wq_a = Linear(args.dim, args.q_lora_rank, dense, block)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.wq_b = Linear(args.q_lora_rank, args.n_heads * args.head_dim, dense, block)
+        self.wkv = Linear(args.dim, args.head_dim, dense, block)
+        self.kv_norm = RMSNorm(args.head_dim, args.norm_eps)
+        # wo_a is FP8 in the official checkpoint and bf16 after conversion (REF dequantizes it)
+        self.wo_a = Linear(args.n_heads * args.head_dim // args.o_groups, args.o_groups * args.o_lora_rank,
+                           dense, block)
+        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.dim, dense, block)
+        self.compressor = Compressor(args, spec) if spec.owns_kv else None
+        self.indexer = Indexer(args, spec) if (spec.owns_kv or spec.owns_index) else None
+
+        # compressing layers rotate at compress_rope_theta with YaRN; window-only layers at rope_theta without
+        if spec.compress_ratio:
+            rope = (args.compress_rope_theta, args.original_seq_len, args.rope_factor)
+        else:
+            rope = (args.rope_theta, 0, 1.0)
+        self.rope = (args.rope_head_dim, args.max_position_embeddings, rope[0], rope[1], rope[2],
+                     args.beta_fast, args.beta_slow)
+
+    def freqs(self, positions: slice | torch.Tensor, device) -> torch.Tensor:
+        rd, _, base, orig, factor, bf, bs = self.rope
+        # a table as long as the positions in use, grown in powers of two (1M rows would be 256 MB)
+        stop = positions.stop if isinstance(positions, slice) else int(positions.max()) + 1
+        length = 1 << max(stop - 1, 1).bit_length()
+        return rope_frequencies(rd, max(length, 64), base, orig, factor, bf, bs)[positions].to(device)
+
+    # ---------------------------------------------------------------- pieces of the forward
+    def query(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        return qr, rope_tail(q, freqs, self.rope_dim)
+
+    def window_kv(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        kv = rope_tail(self.kv_norm(self.wkv(x)), freqs, self.rope_dim)
+        return formats.fp8_fake_quant(kv, 32)  # all 512 dims, rope tail included
+
+    def compress(self, x: torch.Tensor, start_pos: int, cache) -> None:
+        """kv-source layers: emit completed groups into the shared main KV and index-key caches."""
+        layer = cache.layer(self.spec.id)
+        latent = self.compressor(x, layer.compressor_state)
+        if latent is None:
+            return
+        m = self.spec.compress_ratio
+        first = layer.n_compressed
+        positions = torch.arange(first, first + latent.size(1), device=x.device) * m  # each group at its first token
+        freqs = self.freqs(positions, x.device)
+        cache.write_index_keys(self.spec.id, self.indexer.keys(latent, freqs))  # keys use the pre-RoPE latent
+        main = formats.fp4_e4m3_fake_quant(rope_tail(latent, freqs, self.rope_dim), 16)
+        cache.write_compressed(self.spec.id, main)
+
+    def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        o = rope_tail(o, freqs, self.rope_dim, inverse=True)
+        B, T = o.shape[:2]
+        o = o.reshape(B, T, self.n_groups, -1)
+        wo_a = self.wo_a.dequantized_weight(torch.bfloat16).view(self.n_groups, self.o_lora_rank, -1)
+        o = torch.einsum("btgd,grd->btgr", o, wo_a)  # block-diagonal: each group projects only its heads
+        return self.wo_b(o.flatten(2))
+
+    def forward(self, x: torch.Tensor, start_pos: int, cache, shared) -> torch.Tensor:
+        """x [B,T,dim] normalized sub-layer input at positions start_pos..start_pos+T-1."""
+        B, T, _ = x.shape
+        freqs = self.freqs(slice(start_pos, start_pos + T), x.device)
+        qr, q = self.query(x, freqs)
+        new_kv = self.window_kv(x, freqs)
+        prev = cache.window_before(self.spec.id, start_pos)  # [B, n_prev, D] in position order
+        kv = torch.cat([prev, new_kv], dim=1)
+        idx = window_indices(start_pos, T, prev.size(1), self.window, x.device).expand(B, -1, -1)
+        cache.write_window(self.spec.id, new_kv, start_pos)
+
+        if self.spec.compress_ratio:
+            if self.spec.owns_kv:
+                self.compress(x, start_pos, cache)
+            src = self.spec.kv_source
+            compressed = cache.compressed(src)
+            if self.spec.owns_index:
+                if compressed.size(1) == 0:
+                    top = torch.full((B, T, 0), -1, dtype=torch.long, device=x.device)
+                else:
+                    top = self.indexer(x, qr, cache.index_keys_for(src), freqs, start_pos, shared)
+                shared.topk = top
+            top = shared.topk
+            offset = kv.size(1)
+            idx = torch.cat([idx, torch.where(top >= 0, top + offset, -1)], dim=-1)
+            kv = torch.cat([kv, compressed.to(kv.dtype)], dim=1)
+
+        o = sparse_attention(q, kv, self.attn_sink, idx, self.scale)
+        return self.output(o, freqs)

@@ -1,0 +1,95 @@
+"""The CSA2 indexer (spec §4.4): which compressed entries each query attends to.
+
+Keys (kv-source layers only) are projected from the compressor's pre-RoPE latent:
+    k_g = MXFP4(RoPE(RMSNorm_k(W_k c_g), g m))                      [index_head_dim]
+Queries (index-source layers) come from the layer's own q_lora latent q_r:
+    q_t = MXFP4(RoPE(W_qb^I q_r, t))                                 [index_heads, index_head_dim]
+    score_{t,g} = sum_h w_{t,h} ReLU(q_{t,h} . k_g),   w_t = W_w x_t / sqrt(index_head_dim * index_heads)
+An entry is visible once the query has passed its group's last token: g < floor((t+1)/m).
+
+Hierarchical pool: the candidate-source layer (decoder Full layer) scores the whole context and keeps
+the best `candidate_topk_blocks` blocks of `candidate_block_size` entries; Reindex layers score only
+inside that pool. Scores are computed in fp32 (REF keeps them in bf16, where near-ties may break
+differently); Top-K ties go to `torch.topk`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import formats
+from model.config import LayerSpec, ModelArgs
+from model.layers import Linear, RMSNorm, rope_tail, storage_dtype
+
+
+def visible_counts(start_pos: int, seqlen: int, ratio: int, device) -> torch.Tensor:
+    """Number of compressed entries each query position sees: floor((t+1)/m), [seqlen]."""
+    return torch.div(torch.arange(start_pos + 1, start_pos + seqlen + 1, device=device), ratio,
+                     rounding_mode="floor")
+
+
+def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int,
+                            block_size: int) -> torch.Tensor:
+    """Level one of the two-level Top-K. scores [..., T, N] (invisible = -inf), visible [T].
+
+    A block's score is its best entry; the block holding the newest visible entry is always kept
+    (it is only partly filled, so an older full block could outscore it); blocks with no visible
+    entry are never kept. Returns a bool mask over entries, shaped like scores."""
+    n = scores.size(-1)
+    padded = F.pad(scores, (0, -n % block_size), value=-torch.inf)
+    block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
+    n_blocks = block_scores.size(-1)
+    newest = torch.div(visible - 1, block_size, rounding_mode="floor").unsqueeze(-1)
+    block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, torch.inf)
+    top = block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+    return keep.repeat_interleave(block_size, dim=-1)[..., :n]
+
+
+class Indexer(nn.Module):
+    """Owns the key path on kv-source layers and the query path on index-source layers."""
+
+    def __init__(self, args: ModelArgs, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        self.ratio = spec.compress_ratio
+        self.n_heads, self.head_dim, self.rope_dim = args.index_n_heads, args.index_head_dim, args.rope_head_dim
+        self.topk = args.index_topk
+        self.topk_blocks, self.block_size = args.candidate_topk_blocks, args.candidate_block_size
+        if spec.owns_index:
+            self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, storage_dtype(args.dtype),
+                               args.fp8_block_size)
+            self.weights_proj = Linear(args.dim, self.n_heads, torch.bfloat16)
+            self.weight_scale = (self.head_dim * self.n_heads) ** -0.5
+        if spec.owns_kv:
+            self.wk = Linear(args.head_dim, self.head_dim, torch.bfloat16)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+
+    def keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Index keys of new compressed entries: latent [B, G, head_dim] (pre-RoPE), freqs at g*m."""
+        k = self.k_norm(self.wk(latent))
+        return formats.mxfp4_fake_quant(rope_tail(k, freqs, self.rope_dim), 32)
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, freqs: torch.Tensor,
+                start_pos: int, shared) -> torch.Tensor:
+        """Top-K compressed positions per query, ascending, -1 where fewer are visible: [B, T, K].
+
+        keys [B, N, index_head_dim] are the index keys of every compressed entry written so far."""
+        B, T, _ = x.shape
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = formats.mxfp4_fake_quant(rope_tail(q, freqs, self.rope_dim), 32)
+        w = self.weights_proj(x).float() * self.weight_scale
+        scores = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).relu_()
+        scores = (scores * w.unsqueeze(-1)).sum(dim=2)  # [B, T, N]
+        visible = visible_counts(start_pos, T, self.ratio, x.device)
+        n = keys.size(1)
+        scores = scores.masked_fill(torch.arange(n, device=x.device) >= visible.unsqueeze(-1), -torch.inf)
+        if self.spec.builds_candidates:
+            shared.candidates = select_candidate_blocks(scores, visible, self.topk_blocks, self.block_size)
+        elif self.spec.uses_candidates:
+            scores = scores.masked_fill(~shared.candidates, -torch.inf)
+        k = min(self.topk, n)
+        idx = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+        return torch.where(idx < visible.view(1, T, 1), idx, -1)

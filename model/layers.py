@@ -1,0 +1,132 @@
+"""Shared building blocks: RMSNorm, rotary embeddings (with YaRN), and the linear layer that holds
+weights in the checkpoint's storage format (bf16, FP8 E4M3 with 32x32 UE8M0 block scales, or packed
+FP4 E2M1 with one UE8M0 scale per 32 inputs).
+
+Activations are bf16 between modules, as in REF; each module computes in fp32 where REF does.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import formats
+
+FP4 = "fp4"  # packed E2M1 experts are stored as int8 bytes ("I8" in safetensors), two values per byte
+
+
+def storage_dtype(kind: str | torch.dtype | None) -> torch.dtype | str:
+    """Map a config string ("fp8", "fp4", "bf16") to what `Linear` stores."""
+    if isinstance(kind, torch.dtype) or kind == FP4:
+        return kind
+    return {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, None: torch.bfloat16,
+            "fp32": torch.float32}[kind]
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back (V4.1 uses eps = 1e-20)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T with W in its storage format.
+
+    FP8 and FP4 weights take the quantized path of REF: the activation is quantized to FP8 in groups
+    of `block` along K with power-of-two scales, both sides are dequantized exactly to fp32 (the
+    products of FP8 x FP8 and FP4 x FP8 values are exact in fp32), and the sum runs in fp32. Only the
+    summation order differs from the tensor-core kernel. bf16/fp32 weights use a plain F.linear.
+    """
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | str = torch.bfloat16,
+                 block: int = 32, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.kind = "fp4" if dtype == FP4 else ("fp8" if dtype == torch.float8_e4m3fn else "dense")
+        if self.kind == "fp4":
+            self.weight = nn.Parameter(torch.zeros(out_features, in_features // 2, dtype=torch.int8),
+                                       requires_grad=False)
+            self.scale = nn.Parameter(torch.zeros(out_features, in_features // 32, dtype=torch.float8_e8m0fnu),
+                                      requires_grad=False)
+        elif self.kind == "fp8":
+            self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn),
+                                       requires_grad=False)
+            self.scale = nn.Parameter(torch.zeros(math.ceil(out_features / block), math.ceil(in_features / block),
+                                                  dtype=torch.float8_e8m0fnu), requires_grad=False)
+        else:
+            self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=dtype))
+            self.register_parameter("scale", None)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=torch.bfloat16))
+        else:
+            self.register_parameter("bias", None)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as real numbers (exact for FP8/FP4 storage)."""
+        if self.kind == "fp8":
+            return formats.dequant_fp8_weight(self.weight, self.scale, self.block).to(dtype)
+        if self.kind == "fp4":
+            return formats.dequant_fp4_weight(self.weight, self.scale, 32).to(dtype)
+        return self.weight.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "fp8":
+            y = formats.fp8_linear(x, self.weight, self.scale, self.block)
+        elif self.kind == "fp4":
+            y = formats.fp4_linear(x, self.weight, self.scale, self.block)
+        else:
+            y = F.linear(x.to(self.weight.dtype), self.weight)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+
+# ----------------------------------------------------------------------------------- rotary
+@lru_cache(maxsize=16)
+def rope_frequencies(rope_dim: int, max_len: int, base: float, original_seq_len: int = 0, factor: float = 1.0,
+                     beta_fast: int = 32, beta_slow: int = 1) -> torch.Tensor:
+    """Complex rotations e^{i t theta_j}, [max_len, rope_dim/2] (complex64).
+
+    theta_j = base^(-2j/r). With original_seq_len > 0 YaRN rescales: dimensions whose wavelength
+    fits the training context keep theta, those far beyond it use theta/factor, and a linear ramp
+    between beta_fast and beta_slow fades from one to the other (no mscale)."""
+    theta = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if original_seq_len > 0:
+        def corrected_dim(rotations: float) -> float:
+            return rope_dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corrected_dim(beta_fast)), 0)
+        high = min(math.ceil(corrected_dim(beta_slow)), rope_dim - 1)
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        smooth = 1 - ramp
+        theta = theta / factor * (1 - smooth) + theta * smooth
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), theta)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate adjacent pairs (2i, 2i+1) of x's last dim by freqs (interleaved / GPT-J layout).
+
+    x: [B, T, r] or [B, T, H, r]; freqs: [T, r/2] complex. Returns a new tensor in x's dtype;
+    `inverse` applies the conjugate rotation (used to un-rotate the attention output)."""
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+    f = freqs.conj() if inverse else freqs
+    f = f.view(1, xc.size(1), *([1] * (xc.dim() - 3)), xc.size(-1))
+    return torch.view_as_real(xc * f).flatten(-2).to(x.dtype)
+
+
+def rope_tail(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
+    """RoPE on the LAST rope_dim channels only; the leading channels carry no position."""
+    return torch.cat([x[..., :-rope_dim], apply_rope(x[..., -rope_dim:], freqs, inverse)], dim=-1)

@@ -1,0 +1,236 @@
+"""The whole V4.1 model (spec §4.2), reading top to bottom like the forward pass:
+
+    h = embed(ids)                                   image positions take vision embeddings
+    X = [h, h, h, h]; pre = one-hot(stream 0)        four residual streams (mHC)
+    rows = engram hashes of the ids                  computed once, used at the Engram layers
+    for l in 0..L-1:
+        X = Engram_l(X, rows)                        only before layers 1 and 14
+        X, pre = Block_l(X, pre)                     attention then MoE, single-pass mHC
+    logits = head(RMSNorm(sum_j pre_j X_j))          fp32
+
+`Transformer.forward` is both the full-sequence reference (start_pos 0, no cache given) and the
+incremental step (a `KVCache` carried across calls); one code path serves both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import formats, mhc
+from model.attention import Attention
+from model.cache import KVCache
+from model.config import LayerSpec, ModelArgs
+from model.layers import Linear, RMSNorm, storage_dtype
+from model.moe import MoE
+
+
+@dataclass
+class SharedState:
+    """What attention layers hand down the stack within one forward (REF's SharedAttentionRuntime,
+    made explicit and per call): the latest published Top-K and the decoder's candidate pool."""
+
+    topk: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+
+
+class Block(nn.Module):
+    """Attention and MoE sub-layers, each between an mHC collapse and expansion.
+
+    Single-pass mHC: each sub-layer collapses its input with the `pre` computed by the sub-layer
+    before it, while post/comb come from its own input. The block returns its FFN `pre` for the next."""
+
+    def __init__(self, args: ModelArgs, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        self.norm_eps, self.hc_eps, self.hc_iters = args.norm_eps, args.hc_eps, args.hc_sinkhorn_iters
+        self.attn = Attention(args, spec)
+        self.ffn = MoE(args, spec)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.engram = None
+        if spec.engram is not None:
+            from model.engram import Engram
+
+            self.engram = Engram(args, spec.id)
+        n_mix, width = (2 + args.hc_mult) * args.hc_mult, args.hc_mult * args.dim
+        for sub in ("attn", "ffn"):
+            self.register_parameter(f"hc_{sub}_fn", nn.Parameter(torch.zeros(n_mix, width)))
+            self.register_parameter(f"hc_{sub}_base", nn.Parameter(torch.zeros(n_mix)))
+            self.register_parameter(f"hc_{sub}_scale", nn.Parameter(torch.zeros(3)))
+
+    def coefficients(self, x: torch.Tensor, sub: str):
+        return mhc.hc_coefficients(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
+                                   getattr(self, f"hc_{sub}_base"), self.hc_iters, self.hc_eps, self.norm_eps)
+
+    def forward(self, x: torch.Tensor, pre: torch.Tensor, start_pos: int, cache: KVCache, shared: SharedState,
+                image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        pre_a, post_a, comb_a = self.coefficients(x, "attn")
+        y = self.attn(self.attn_norm(mhc.collapse(x, pre)), start_pos, cache, shared)
+        x = mhc.expand(y, x, post_a, comb_a)
+
+        pre_f, post_f, comb_f = self.coefficients(x, "ffn")
+        z = self.ffn(self.ffn_norm(mhc.collapse(x, pre_a)), image_mask)
+        x = mhc.expand(z, x, post_f, comb_f)
+        return x, pre_f
+
+
+class Head(nn.Module):
+    """Output projection; stored bf16, applied in fp32 so logits come out fp32."""
+
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(vocab_size, dim, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, tokenizer=None):
+        super().__init__()
+        if args.family != "v4.1":
+            raise ValueError("the forward pass implements DeepSeek-V4.1; V4 configs are supported by the "
+                             "ledgers (dsv41 info) only")
+        self.args = args
+        self.plan = args.plan
+        self.embed = nn.Embedding(args.vocab_size, args.dim, dtype=torch.bfloat16)
+        self.layers = nn.ModuleList(Block(args, spec) for spec in self.plan.layers)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.head = Head(args.vocab_size, args.dim)
+        self.mtp = nn.ModuleList()
+        if args.dspark_enabled:
+            from model.dspark import DSparkStage
+
+            self.mtp.extend(DSparkStage(args, spec, k) for k, spec in enumerate(self.plan.extra))
+        if args.vision_enabled:
+            from model.vision import Aligner, VisionTransformer
+
+            self.vision = VisionTransformer(args)
+            self.aligner = Aligner(args)
+            self.image_start = nn.Parameter(torch.zeros(args.dim, dtype=torch.bfloat16))
+            self.image_end = nn.Parameter(torch.zeros(args.dim, dtype=torch.bfloat16))
+            self.image_newline = nn.Parameter(torch.zeros(args.dim, dtype=torch.bfloat16))
+        self._tokenizer = tokenizer
+        self._hasher = None
+
+    # ------------------------------------------------------------------ engram hashing
+    @property
+    def hasher(self):
+        """Token ids -> Engram table rows; built on first use from the tokenizer (it needs the vocabulary)."""
+        if self._hasher is None and self.args.engram_layer_ids:
+            from model.engram import NgramHasher
+            from model.tokenizer import load_tokenizer
+
+            tok = self._tokenizer or load_tokenizer()
+            self._hasher = NgramHasher.from_tokenizer(self.args, tok).to(self.embed.weight.device)
+        return self._hasher
+
+    # ------------------------------------------------------------------ forward
+    def new_cache(self, batch_size: int, **kw) -> KVCache:
+        return KVCache(self.args, batch_size, self.embed.weight.device, **kw)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
+                image_mask: torch.Tensor | None = None, all_logits: bool = False,
+                return_taps: bool = False):
+        """ids [B, T] at positions start_pos..start_pos+T-1 -> logits [B, V] (last position) or
+        [B, T, V] with all_logits. Without a cache the call is a full-sequence forward from position 0.
+        With return_taps, also the DSpark taps [B, T, len(targets) * dim] (residual entering each
+        target layer, averaged over streams)."""
+        if cache is None:
+            if start_pos != 0:
+                raise ValueError("a forward from start_pos > 0 needs the cache of the earlier positions")
+            cache = self.new_cache(ids.size(0))
+        if start_pos != cache.pos:
+            raise ValueError(f"cache holds {cache.pos} positions but the input starts at {start_pos}")
+        shared = SharedState()
+        rows = None
+        if self.hasher is not None:
+            rows, cache.engram_history = self.hasher(ids, image_mask, cache.engram_history)
+        engram_mask = None if image_mask is None else ~image_mask
+        x = self.embed(ids)
+        x = x.unsqueeze(2).repeat(1, 1, self.args.hc_mult, 1)
+        pre = mhc.identity_pre(x)
+        taps = []
+        for block in self.layers:
+            spec = block.spec
+            if block.engram is not None:
+                x = block.engram(x, rows[:, :, spec.engram], engram_mask)
+            if spec.dspark_tap:
+                taps.append(x.float().mean(dim=2).to(x.dtype))
+            x, pre = block(x, pre, start_pos, cache, shared, image_mask)
+        cache.pos = start_pos + ids.size(1)
+        u = mhc.collapse(x, pre)
+        if not all_logits:
+            u = u[:, -1]
+        logits = self.head(self.norm(u))
+        if return_taps:
+            return logits, (torch.cat(taps, dim=-1) if taps else None)
+        return logits
+
+
+# ---------------------------------------------------------------------------------- random weights
+@torch.no_grad()
+def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+    """Fill every parameter with random values of sensible scale, quantized into its storage format
+    (FP8 + UE8M0 block scales, packed FP4 + UE8M0): a stand-in checkpoint for tests and benchmarks."""
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(shape, s=std):
+        return torch.randn(shape, generator=g) * s
+
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            w = normal((module.out_features, module.in_features), std * (module.in_features / 32) ** -0.25)
+            if module.kind == "fp8":
+                q, s = formats.quant_fp8_weight(w, module.block)
+                module.weight.copy_(q), module.scale.copy_(s)
+            elif module.kind == "fp4":
+                q, s = formats.quant_fp4_weight(w, 32)
+                module.weight.copy_(q.view(torch.int8)), module.scale.copy_(s)
+            else:
+                module.weight.copy_(w.to(module.weight.dtype))
+            if module.bias is not None:
+                module.bias.copy_(normal(module.bias.shape).to(module.bias.dtype))
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if p.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e8m0fnu) and "engram.embed" not in name:
+            continue  # quantized linears were filled above
+        if name.endswith("norm.weight") or name.endswith(("norm1.weight", "norm2.weight")):
+            p.copy_(1.0 + normal(p.shape, 0.1))
+        elif "_fn" in leaf:
+            p.copy_(normal(p.shape, 0.5 / p.shape[1] ** 0.5))
+        elif leaf.endswith("_scale") and leaf.startswith("hc_"):
+            p.copy_(torch.ones(3) * 0.5)
+        elif leaf.endswith("_base"):
+            p.copy_(normal(p.shape, 0.5))
+        elif leaf == "attn_sink":
+            p.copy_(normal(p.shape, 1.0))
+        elif leaf in ("bias", "bias_vl") and p.dtype == torch.float32:
+            p.copy_(normal(p.shape, 0.1))
+        elif "engram.embed" in name:
+            if leaf == "weight":
+                rows = normal(p.shape, 1.0)
+                q, s = _quant_rows_fp8(rows)
+                p.copy_(q)
+                model.get_parameter(name[: -len("weight")] + "scale").copy_(s)
+        elif leaf in ("q_weight", "k_weight"):
+            p.copy_(1.0 + normal(p.shape, 0.1))
+        elif p.dtype in (torch.bfloat16, torch.float32) and not _is_linear_param(model, name):
+            p.copy_(normal(p.shape, 1.0 if "embed" in name or "image_" in name else std).to(p.dtype))
+    return model
+
+
+def _quant_rows_fp8(rows: torch.Tensor, block: int = 32):
+    """Per-row FP8 with one UE8M0 scale per `block` values (the Engram table's format)."""
+    q, s = formats.pack_fp8_ue8m0(rows, block)
+    return q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu)
+
+
+def _is_linear_param(model: nn.Module, name: str) -> bool:
+    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    return isinstance(owner, Linear)
