@@ -495,4 +495,10 @@ def load_config(path: str | Path) -> ModelArgs:
 
 
 def resolve_config(name_or_path: str) -> ModelArgs:
-    return preset(name_or_path) if name_or_path in PRESETS else load_config(name_or_path)
+    """A preset name or a config.json / checkpoint directory path."""
+    if name_or_path in PRESETS:
+        return preset(name_or_path)
+    if not Path(name_or_path).exists():
+        raise ValueError(f"unknown config {name_or_path!r}: not a preset ({', '.join(PRESETS)}) "
+                         f"and no such file or directory")
+    return load_config(name_or_path)

@@ -1,0 +1,64 @@
+"""The `dsv41` command line: registers the commands and turns exceptions into exit codes.
+
+Each command module parses its flags, calls a library function, and renders the result; nothing
+else lives here."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from dsv41_cli.commands import info
+
+app = typer.Typer(
+    name="dsv41",
+    help="Run, convert and evaluate DeepSeek-V4.1-Flash (and the bundled dsv41-tiny model).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Run, convert and evaluate DeepSeek-V4.1-Flash."""
+
+
+app.command("info", help="Parameter, layer-plan and KV-cache ledgers of a model.")(info.command)
+
+
+def _click_exceptions():
+    try:  # typer vendors its own copy of click; its exception classes live there
+        from typer._click import exceptions
+    except ImportError:  # older typer runs on plain click
+        from click import exceptions
+    return exceptions
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point. Usage errors and bad input: one line on stderr, exit 2. Internal
+    errors: one line, exit 1 (DSV41_DEBUG=1 shows the traceback)."""
+    from dsv41_cli.console import EXIT_INTERNAL, err
+
+    click_exc = _click_exceptions()
+    try:
+        rc = app(args=argv, standalone_mode=False)
+    except typer.Exit as e:  # a command chose its exit code (fail() raises this)
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        err.print("dsv41: interrupted", markup=False)
+        sys.exit(130)
+    except click_exc.ClickException as e:  # usage errors: unknown flag, missing value, bad choice
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `dsv41` or a group without a command
+            print(e.ctx.get_help())
+            sys.exit(0)
+        err.print(f"dsv41: error: {' '.join(e.format_message().split())}", markup=False)
+        sys.exit(e.exit_code)
+    except Exception as e:  # noqa: BLE001 - the last line of defence
+        if os.environ.get("DSV41_DEBUG"):
+            raise
+        err.print(f"dsv41: internal error: {type(e).__name__}: {' '.join(str(e).split())}", markup=False)
+        sys.exit(EXIT_INTERNAL)
+    sys.exit(rc if isinstance(rc, int) else 0)

@@ -1,0 +1,48 @@
+"""Options and model resolution shared by the commands."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from dsv41_cli.console import fail
+
+ModelOpt = typer.Option(None, "--model", envvar="DSV41_MODEL",
+                        help="Checkpoint directory (official HF layout or runtime layout). "
+                             "Default: the bundled dsv41-tiny model.")
+DeviceOpt = typer.Option("auto", "--device", help="auto|cpu|cuda (auto: cuda when present).")
+JsonOpt = typer.Option(False, "--json", help="Print one JSON document on stdout (logs go to stderr).")
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device not in ("auto", "cpu", "cuda"):
+        fail(f"--device must be auto, cpu or cuda, not {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_model_dir(model: Optional[str]) -> Path:
+    """The checkpoint directory to use: --model / DSV41_MODEL, else the bundled model."""
+    from model.assets import bundled_model_dir
+
+    if model:
+        p = Path(model).expanduser()
+        if not p.exists():
+            fail(f"--model {model}: no such file or directory")
+        if p.is_file():
+            fail(f"--model {model}: expected a checkpoint directory, got a file")
+        if not (p / "config.json").is_file():
+            fail(f"--model {model}: no config.json in that directory")
+        return p
+    bundled = bundled_model_dir()
+    if bundled is None:
+        fail("no model given and this install has no bundled dsv41-tiny checkpoint; pass --model PATH")
+    return bundled

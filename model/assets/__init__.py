@@ -1,0 +1,13 @@
+"""Files that ship with the package: the bundled dsv41-tiny checkpoint (once trained)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent
+
+
+def bundled_model_dir() -> Path | None:
+    """The bundled checkpoint directory, or None when this install has none."""
+    d = ASSETS / "dsv41-tiny"
+    return d if (d / "config.json").is_file() else None
