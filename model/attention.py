@@ -25,7 +25,7 @@ from torch import nn
 from model import formats
 from model.config import LayerSpec, ModelArgs
 from model.indexer import Indexer
-from model.layers import Linear, RMSNorm, rope_frequencies, rope_tail, storage_dtype
+from model.layers import Linear, RMSNorm, qat, rope_frequencies, rope_tail, storage_dtype
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
@@ -96,18 +96,18 @@ class Attention(nn.Module):
         self.n_groups, self.o_lora_rank = args.o_groups, args.o_lora_rank
         self.window = args.window_size
         self.scale = args.head_dim ** -0.5
-        dense, block = storage_dtype(args.dtype), args.fp8_block_size
+        dense, block, tr = storage_dtype(args.dtype), args.fp8_block_size, args.trainable
 
         self.attn_sink = nn.Parameter(torch.zeros(args.n_heads, dtype=torch.float32))
-        self.wq_a = Linear(args.dim, args.q_lora_rank, dense, block)
+        self.wq_a = Linear(args.dim, args.q_lora_rank, dense, block, trainable=tr)
         self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
-        self.wq_b = Linear(args.q_lora_rank, args.n_heads * args.head_dim, dense, block)
-        self.wkv = Linear(args.dim, args.head_dim, dense, block)
+        self.wq_b = Linear(args.q_lora_rank, args.n_heads * args.head_dim, dense, block, trainable=tr)
+        self.wkv = Linear(args.dim, args.head_dim, dense, block, trainable=tr)
         self.kv_norm = RMSNorm(args.head_dim, args.norm_eps)
         # wo_a is FP8 in the official checkpoint and bf16 after conversion (REF dequantizes it)
         self.wo_a = Linear(args.n_heads * args.head_dim // args.o_groups, args.o_groups * args.o_lora_rank,
-                           dense, block)
-        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.dim, dense, block)
+                           storage_dtype(args.wo_a_dtype or args.dtype), block, trainable=tr)
+        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.dim, dense, block, trainable=tr)
         self.compressor = Compressor(args, spec) if spec.owns_kv else None
         self.indexer = Indexer(args, spec) if (spec.owns_kv or spec.owns_index) else None
 
@@ -134,7 +134,7 @@ class Attention(nn.Module):
 
     def window_kv(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         kv = rope_tail(self.kv_norm(self.wkv(x)), freqs, self.rope_dim)
-        return formats.fp8_fake_quant(kv, 32)  # all 512 dims, rope tail included
+        return qat(formats.fp8_fake_quant, kv, 32)  # all 512 dims, rope tail included
 
     def compress(self, x: torch.Tensor, start_pos: int, cache) -> None:
         """kv-source layers: emit completed groups into the shared main KV and index-key caches."""
@@ -147,16 +147,31 @@ class Attention(nn.Module):
         positions = torch.arange(first, first + latent.size(1), device=x.device) * m  # each group at its first token
         freqs = self.freqs(positions, x.device)
         cache.write_index_keys(self.spec.id, self.indexer.keys(latent, freqs))  # keys use the pre-RoPE latent
-        main = formats.fp4_e4m3_fake_quant(rope_tail(latent, freqs, self.rope_dim), 16)
+        main = qat(formats.fp4_e4m3_fake_quant, rope_tail(latent, freqs, self.rope_dim), 16)
         cache.write_compressed(self.spec.id, main)
 
     def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         o = rope_tail(o, freqs, self.rope_dim, inverse=True)
         B, T = o.shape[:2]
         o = o.reshape(B, T, self.n_groups, -1)
-        wo_a = self.wo_a.dequantized_weight(torch.bfloat16).view(self.n_groups, self.o_lora_rank, -1)
+        wo_a = self.wo_a.dequantized_weight(o.dtype).view(self.n_groups, self.o_lora_rank, -1)
         o = torch.einsum("btgd,grd->btgr", o, wo_a)  # block-diagonal: each group projects only its heads
         return self.wo_b(o.flatten(2))
+
+    def indexer_kl(self, q: torch.Tensor, compressed: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """Training signal for the indexer (as DeepSeek-V3.2 trains its lightning indexer): KL from the
+        main attention's distribution over the compressed entries, summed over heads and renormalized
+        (a detached target), to the softmax of the indexer scores. Only queries that see an entry count."""
+        logits = torch.einsum("bthd,bnd->bthn", q.float(), compressed.float()) * self.scale
+        visible = torch.isfinite(scores)  # invisible entries (and those outside the pool) are -inf
+        logits = logits.masked_fill(~visible.unsqueeze(2), -torch.inf)
+        rows = visible.any(-1)
+        if not rows.any():
+            return scores.new_zeros(())
+        target = torch.softmax(logits[rows], dim=-1).sum(dim=1).detach()  # [N, n]
+        target = target / target.sum(-1, keepdim=True)
+        log_p = torch.log_softmax(scores[rows], dim=-1)
+        return (target * (torch.log(target.clamp_min(1e-30)) - log_p.clamp_min(-1e4))).sum(-1).mean()
 
     def forward(self, x: torch.Tensor, start_pos: int, cache, shared) -> torch.Tensor:
         """x [B,T,dim] normalized sub-layer input at positions start_pos..start_pos+T-1."""
@@ -178,7 +193,9 @@ class Attention(nn.Module):
                 if compressed.size(1) == 0:
                     top = torch.full((B, T, 0), -1, dtype=torch.long, device=x.device)
                 else:
-                    top = self.indexer(x, qr, cache.index_keys_for(src), freqs, start_pos, shared)
+                    top, scores = self.indexer(x, qr, cache.index_keys_for(src), freqs, start_pos, shared)
+                    if shared.aux is not None:
+                        shared.aux.setdefault("indexer_kl", []).append(self.indexer_kl(q, compressed, scores))
                 shared.topk = top
             top = shared.topk
             offset = kv.size(1)

@@ -34,6 +34,9 @@ class ModelArgs:
     # storage dtypes of the checkpoint: "fp8" = FP8 E4M3 linears with UE8M0 block scales
     dtype: Literal["bf16", "fp8"] = "fp8"
     expert_dtype: Literal["fp4", "fp8", "bf16"] | None = "fp4"
+    # attn.wo_a: None = as `dtype` (FP8 in the official checkpoint); the runtime layout stores it bf16,
+    # dequantized by the converter as REF's convert does (model/checkpoint.py)
+    wo_a_dtype: Literal["bf16", "fp8"] | None = None
     fp8_block_size: int = 32  # V4.1: 32x32 weight blocks and 32-wide activation groups; V4: 128
     vocab_size: int = 129280
     dim: int = 5120
@@ -113,9 +116,10 @@ class ModelArgs:
     bos_token_id: int = 0
     eos_token_id: int = 1
     pad_token_id: int = 2
-    # numerics of the reference path: "exact" mirrors REF (bf16 activations, FP8/FP4 quantized
-    # GEMMs); "fast" uses bf16 GEMMs on dequantized weights (same weights, slightly different sums)
     name: str = "custom"
+    # training: FP8/FP4 weights (and the Engram tables) become dense fp32 masters with QAT onto their
+    # storage grids; the state dict then has the official names minus the quantization scales
+    trainable: bool = False
 
     def __post_init__(self):
         for key in ("compress_ratios", "kv_source_layers", "index_source_layers", "engram_layer_ids",

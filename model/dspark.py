@@ -42,7 +42,7 @@ class DSparkStage(Block):
         self.stage = stage
         if stage == 0:
             self.main_proj = Linear(args.dim * len(args.dspark_target_layer_ids), args.dim,
-                                    storage_dtype(args.dtype), args.fp8_block_size)
+                                    storage_dtype(args.dtype), args.fp8_block_size, trainable=args.trainable)
             self.main_norm = RMSNorm(args.dim, args.norm_eps)
         if stage == args.n_mtp_layers - 1:
             self.norm = RMSNorm(args.dim, args.norm_eps)

@@ -356,26 +356,36 @@ class EngramEmbedding(nn.Module):
     The V4.1 tables hold ~384M rows (98 GB each); build the module on the meta device and load or
     memory-map the checkpoint tensors into it. Lookups only touch the rows they read."""
 
-    def __init__(self, num_rows: int, head_dim: int, block: int = 32):
+    def __init__(self, num_rows: int, head_dim: int, block: int = 32, trainable: bool = False):
         super().__init__()
         if head_dim % block:
             raise ValueError(f"engram_head_dim {head_dim} is not a multiple of the scale block {block}")
         self.num_rows, self.head_dim, self.block = num_rows, head_dim, block
+        self.trainable = trainable
+        if trainable:  # a dense fp32 master, rounded to the stored FP8 rows in the forward (QAT)
+            self.weight = nn.Parameter(torch.zeros(num_rows, head_dim, dtype=torch.float32))
+            self.register_parameter("scale", None)
+            return
         # empty, not zeros: zero-filling would touch every page of a 98 GB table
         self.weight = nn.Parameter(torch.empty(num_rows, head_dim, dtype=torch.float8_e4m3fn), requires_grad=False)
         self.scale = nn.Parameter(torch.empty(num_rows, head_dim // block, dtype=torch.float8_e8m0fnu),
                                   requires_grad=False)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.trainable:
+            from model.formats import fp8_fake_quant
+            from model.layers import qat
+
+            return qat(fp8_fake_quant, self.weight[rows], self.block).to(torch.bfloat16)
         values = self.weight[rows].float().unflatten(-1, (-1, self.block))  # [..., head_dim/block, block]
         scales = self.scale[rows].float().unsqueeze(-1)
         return (values * scales).flatten(-2).to(torch.bfloat16)
 
 
-def _fp8_linear_module(in_features: int, out_features: int, block: int) -> nn.Module:
+def _fp8_linear_module(in_features: int, out_features: int, block: int, trainable: bool = False) -> nn.Module:
     from model.layers import Linear
 
-    return Linear(in_features, out_features, dtype=torch.float8_e4m3fn, block=block)
+    return Linear(in_features, out_features, dtype=torch.float8_e4m3fn, block=block, trainable=trainable)
 
 
 class Engram(nn.Module):
@@ -392,8 +402,11 @@ class Engram(nn.Module):
         self.dim, self.hc_mult, self.eps = args.dim, args.hc_mult, args.norm_eps
         self.n_cols = (args.engram_max_ngram_size - 1) * args.engram_n_heads
         block = getattr(args, "fp8_block_size", 32)
-        self.embed = EngramEmbedding(args.engram_num_embeddings[self.table_index], args.engram_head_dim, block)
-        self.wkv = _fp8_linear_module(self.n_cols * args.engram_head_dim, args.dim * (args.hc_mult + 1), block)
+        trainable = getattr(args, "trainable", False)
+        self.embed = EngramEmbedding(args.engram_num_embeddings[self.table_index], args.engram_head_dim, block,
+                                     trainable)
+        self.wkv = _fp8_linear_module(self.n_cols * args.engram_head_dim, args.dim * (args.hc_mult + 1), block,
+                                      trainable)
         self.q_weight = nn.Parameter(torch.ones(args.hc_mult, args.dim, dtype=torch.bfloat16))
         self.k_weight = nn.Parameter(torch.ones(args.hc_mult, args.dim, dtype=torch.bfloat16))
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from model import formats
 from model.config import LayerSpec, ModelArgs
-from model.layers import Linear, RMSNorm, rope_tail, storage_dtype
+from model.layers import Linear, RMSNorm, qat, rope_tail, storage_dtype
 
 
 def visible_counts(start_pos: int, seqlen: int, ratio: int, device) -> torch.Tensor:
@@ -60,7 +60,7 @@ class Indexer(nn.Module):
         self.topk_blocks, self.block_size = args.candidate_topk_blocks, args.candidate_block_size
         if spec.owns_index:
             self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, storage_dtype(args.dtype),
-                               args.fp8_block_size)
+                               args.fp8_block_size, trainable=args.trainable)
             self.weights_proj = Linear(args.dim, self.n_heads, torch.bfloat16)
             self.weight_scale = (self.head_dim * self.n_heads) ** -0.5
         if spec.owns_kv:
@@ -70,16 +70,17 @@ class Indexer(nn.Module):
     def keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Index keys of new compressed entries: latent [B, G, head_dim] (pre-RoPE), freqs at g*m."""
         k = self.k_norm(self.wk(latent))
-        return formats.mxfp4_fake_quant(rope_tail(k, freqs, self.rope_dim), 32)
+        return qat(formats.mxfp4_fake_quant, rope_tail(k, freqs, self.rope_dim), 32)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, freqs: torch.Tensor,
-                start_pos: int, shared) -> torch.Tensor:
-        """Top-K compressed positions per query, ascending, -1 where fewer are visible: [B, T, K].
+                start_pos: int, shared) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-K compressed positions per query, ascending, -1 where fewer are visible: [B, T, K];
+        and the scores they were chosen from, [B, T, N] (-inf where invisible or outside the pool).
 
         keys [B, N, index_head_dim] are the index keys of every compressed entry written so far."""
         B, T, _ = x.shape
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = formats.mxfp4_fake_quant(rope_tail(q, freqs, self.rope_dim), 32)
+        q = qat(formats.mxfp4_fake_quant, rope_tail(q, freqs, self.rope_dim), 32)
         w = self.weights_proj(x).float() * self.weight_scale
         scores = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).relu_()
         scores = (scores * w.unsqueeze(-1)).sum(dim=2)  # [B, T, N]
@@ -91,5 +92,5 @@ class Indexer(nn.Module):
         elif self.spec.uses_candidates:
             scores = scores.masked_fill(~shared.candidates, -torch.inf)
         k = min(self.topk, n)
-        idx = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
-        return torch.where(idx < visible.view(1, T, 1), idx, -1)
+        idx = scores.detach().topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+        return torch.where(idx < visible.view(1, T, 1), idx, -1), scores

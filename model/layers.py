@@ -41,21 +41,50 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * xf).to(x.dtype)
 
 
+def qat(fake_quant, x: torch.Tensor, *args) -> torch.Tensor:
+    """Quantization-aware rounding: the forward sees fake_quant(x); the backward passes gradients
+    straight through (the rounding has zero derivative almost everywhere)."""
+    y = fake_quant(x, *args)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return x + (y - x).detach()
+    return y
+
+
+# How FP8/FP4 GEMMs are evaluated. "fast": exact dequantization of both operands, one fp32 matmul.
+# "exact": REF's kernel order, K blocks of 32 accumulated one after another (bit parity with REF's
+# CPU port, slow). The two differ only in the order of fp32 additions.
+GEMM_MODE = {"mode": "fast"}
+
+
+def set_gemm_mode(mode: str) -> None:
+    if mode not in ("fast", "exact"):
+        raise ValueError("gemm mode must be 'fast' or 'exact'")
+    GEMM_MODE["mode"] = mode
+
+
 class Linear(nn.Module):
     """y = x W^T with W in its storage format.
 
     FP8 and FP4 weights take the quantized path of REF: the activation is quantized to FP8 in groups
     of `block` along K with power-of-two scales, both sides are dequantized exactly to fp32 (the
-    products of FP8 x FP8 and FP4 x FP8 values are exact in fp32), and the sum runs in fp32. Only the
-    summation order differs from the tensor-core kernel. bf16/fp32 weights use a plain F.linear.
+    products of FP8 x FP8 and FP4 x FP8 values are exact in fp32), and the sum runs in fp32.
+
+    trainable=True keeps an FP8/FP4 layer's weight as a dense fp32 master copy (no `scale`) and applies
+    the same formats as quantization-aware training: the forward rounds the weight to its storage grid
+    and the activation to FP8, exactly what the stored checkpoint will compute.
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | str = torch.bfloat16,
-                 block: int = 32, bias: bool = False):
+                 block: int = 32, bias: bool = False, trainable: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.block = in_features, out_features, block
         self.kind = "fp4" if dtype == FP4 else ("fp8" if dtype == torch.float8_e4m3fn else "dense")
-        if self.kind == "fp4":
+        self.trainable = trainable and self.kind != "dense"
+        self._dequantized: tuple | None = None
+        if self.trainable:
+            self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.float32))
+            self.register_parameter("scale", None)
+        elif self.kind == "fp4":
             self.weight = nn.Parameter(torch.zeros(out_features, in_features // 2, dtype=torch.int8),
                                        requires_grad=False)
             self.scale = nn.Parameter(torch.zeros(out_features, in_features // 32, dtype=torch.float8_e8m0fnu),
@@ -73,21 +102,45 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight as real numbers (exact for FP8/FP4 storage)."""
+    # ---------------------------------------------------------------- formats
+    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A real-valued weight -> (stored weight, scale) in this layer's format."""
         if self.kind == "fp8":
-            return formats.dequant_fp8_weight(self.weight, self.scale, self.block).to(dtype)
-        if self.kind == "fp4":
-            return formats.dequant_fp4_weight(self.weight, self.scale, 32).to(dtype)
-        return self.weight.to(dtype)
+            return formats.quant_fp8_weight(w.float(), self.block)
+        q, s = formats.quant_fp4_weight(w.float(), 32)
+        return q.view(torch.int8), s
+
+    def _weight_grid(self, w: torch.Tensor) -> torch.Tensor:
+        q, s = self.quantize(w)
+        if self.kind == "fp8":
+            return formats.dequant_fp8_weight(q, s, self.block)
+        return formats.dequant_fp4_weight(q, s, 32)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as real numbers (exact for FP8/FP4 storage; cached until the weight changes)."""
+        if self.kind == "dense":
+            return self.weight.to(dtype)
+        if self.trainable:
+            return qat(self._weight_grid, self.weight).to(dtype)
+        key = (self.weight._version, self.scale._version, self.weight.data_ptr(), self.weight.device)
+        if self._dequantized is None or self._dequantized[0] != key:
+            if self.kind == "fp8":
+                w = formats.dequant_fp8_weight(self.weight, self.scale, self.block)
+            else:
+                w = formats.dequant_fp4_weight(self.weight, self.scale, 32)
+            self._dequantized = (key, w)
+        return self._dequantized[1].to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "fp8":
-            y = formats.fp8_linear(x, self.weight, self.scale, self.block)
-        elif self.kind == "fp4":
-            y = formats.fp4_linear(x, self.weight, self.scale, self.block)
-        else:
+        if self.kind == "dense":
             y = F.linear(x.to(self.weight.dtype), self.weight)
+        elif GEMM_MODE["mode"] == "exact" and not self.trainable:
+            fn = formats.fp8_linear if self.kind == "fp8" else formats.fp4_linear
+            y = fn(x, self.weight, self.scale, self.block)
+        else:
+            # FP8 activation (1 x block, UE8M0) times the exact weight, accumulated in fp32
+            xq = qat(formats.fp8_fake_quant, x, self.block).float()
+            y = F.linear(xq, self.dequantized_weight(torch.float32)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -51,11 +51,11 @@ class Gate(nn.Module):
 class Expert(nn.Module):
     """SwiGLU: w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L)); the routing weight multiplies before w2."""
 
-    def __init__(self, dim: int, inter_dim: int, dtype, block: int, swiglu_limit: float):
+    def __init__(self, dim: int, inter_dim: int, dtype, block: int, swiglu_limit: float, trainable: bool = False):
         super().__init__()
-        self.w1 = Linear(dim, inter_dim, dtype, block)
-        self.w2 = Linear(inter_dim, dim, dtype, block)
-        self.w3 = Linear(dim, inter_dim, dtype, block)
+        self.w1 = Linear(dim, inter_dim, dtype, block, trainable=trainable)
+        self.w2 = Linear(inter_dim, dim, dtype, block, trainable=trainable)
+        self.w3 = Linear(dim, inter_dim, dtype, block, trainable=trainable)
         self.limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,15 +78,18 @@ class MoE(nn.Module):
         dense = storage_dtype(args.dtype)
         self.gate = Gate(args, spec)
         self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, expert_dtype, args.fp8_block_size,
-                                            args.swiglu_limit) for _ in range(self.n_routed))
+                                            args.swiglu_limit, args.trainable) for _ in range(self.n_routed))
         if args.n_shared_experts != 1:
             raise ValueError("exactly one shared expert is supported (as in every V4/V4.1 config)")
-        self.shared_experts = Expert(args.dim, args.moe_inter_dim, dense, args.fp8_block_size, args.swiglu_limit)
+        self.shared_experts = Expert(args.dim, args.moe_inter_dim, dense, args.fp8_block_size, args.swiglu_limit,
+                                     args.trainable)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
+        # tokens per expert: read by training to update the selection bias (aux-loss-free balancing)
+        self.load = torch.bincount(indices.flatten(), minlength=self.n_routed).detach()
         y = torch.zeros_like(x, dtype=torch.float32)
         # group tokens by expert: each expert runs once on the tokens routed to it
         for e in torch.unique(indices).tolist():

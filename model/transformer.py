@@ -35,6 +35,7 @@ class SharedState:
 
     topk: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
+    aux: dict | None = None  # training only: auxiliary losses collected on the way (indexer KL)
 
 
 class Block(nn.Module):
@@ -133,21 +134,22 @@ class Transformer(nn.Module):
     def new_cache(self, batch_size: int, **kw) -> KVCache:
         return KVCache(self.args, batch_size, self.embed.weight.device, **kw)
 
-    @torch.no_grad()
     def forward(self, ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
                 image_mask: torch.Tensor | None = None, all_logits: bool = False,
-                return_taps: bool = False):
+                return_taps: bool = False, aux: dict | None = None):
         """ids [B, T] at positions start_pos..start_pos+T-1 -> logits [B, V] (last position) or
         [B, T, V] with all_logits. Without a cache the call is a full-sequence forward from position 0.
         With return_taps, also the DSpark taps [B, T, len(targets) * dim] (residual entering each
-        target layer, averaged over streams)."""
+        target layer, averaged over streams). `aux` (training) collects auxiliary losses.
+
+        Inference callers should run under torch.inference_mode(); gradients flow when they are enabled."""
         if cache is None:
             if start_pos != 0:
                 raise ValueError("a forward from start_pos > 0 needs the cache of the earlier positions")
             cache = self.new_cache(ids.size(0))
         if start_pos != cache.pos:
             raise ValueError(f"cache holds {cache.pos} positions but the input starts at {start_pos}")
-        shared = SharedState()
+        shared = SharedState(aux=aux)
         rows = None
         if self.hasher is not None:
             rows, cache.engram_history = self.hasher(ids, image_mask, cache.engram_history)
@@ -186,7 +188,9 @@ def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modul
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             w = normal((module.out_features, module.in_features), std * (module.in_features / 32) ** -0.25)
-            if module.kind == "fp8":
+            if module.trainable:
+                module.weight.copy_(w)
+            elif module.kind == "fp8":
                 q, s = formats.quant_fp8_weight(w, module.block)
                 module.weight.copy_(q), module.scale.copy_(s)
             elif module.kind == "fp4":
@@ -213,7 +217,9 @@ def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modul
         elif leaf in ("bias", "bias_vl") and p.dtype == torch.float32:
             p.copy_(normal(p.shape, 0.1))
         elif "engram.embed" in name:
-            if leaf == "weight":
+            if leaf == "weight" and p.dtype == torch.float32:  # trainable master copy
+                p.copy_(normal(p.shape, 1.0))
+            elif leaf == "weight":
                 rows = normal(p.shape, 1.0)
                 q, s = _quant_rows_fp8(rows)
                 p.copy_(q)

@@ -33,4 +33,4 @@ def tiny_model(tiny_args):
 
     model = Transformer(tiny_args)
     init_random_(model, seed=0)
-    return model.eval()
+    return model.eval().requires_grad_(False)
