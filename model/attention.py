@@ -158,6 +158,21 @@ class Attention(nn.Module):
         o = torch.einsum("btgd,grd->btgr", o, wo_a)  # block-diagonal: each group projects only its heads
         return self.wo_b(o.flatten(2))
 
+    def block_attention(self, x: torch.Tensor, positions: torch.Tensor, context_kv: torch.Tensor,
+                        context_idx: torch.Tensor) -> torch.Tensor:
+        """DSpark drafting: N blocks of S tokens at positions [N, S] attend to their context (window KV
+        built from the target model's taps, context_kv [N, R, D] with context_idx [N, R], -1 = empty)
+        plus every position of their own block (non-causal inside the block)."""
+        N, S, _ = x.shape
+        freqs = self.freqs(positions.flatten(), x.device).view(N, S, -1)
+        _, q = self.query(x, freqs)
+        kv = torch.cat([context_kv.to(x.dtype), self.window_kv(x, freqs)], dim=1)
+        R = context_kv.size(1)
+        own = torch.arange(R, R + S, device=x.device).expand(N, S, S)
+        idx = torch.cat([context_idx.unsqueeze(1).expand(N, S, R), own], dim=-1)
+        o = sparse_attention(q, kv, self.attn_sink, idx, self.scale)
+        return self.output(o, freqs)
+
     def indexer_kl(self, q: torch.Tensor, compressed: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Training signal for the indexer (as DeepSeek-V3.2 trains its lightning indexer): KL from the
         main attention's distribution over the compressed entries, summed over heads and renormalized

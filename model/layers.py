@@ -172,11 +172,13 @@ def rope_frequencies(rope_dim: int, max_len: int, base: float, original_seq_len:
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate adjacent pairs (2i, 2i+1) of x's last dim by freqs (interleaved / GPT-J layout).
 
-    x: [B, T, r] or [B, T, H, r]; freqs: [T, r/2] complex. Returns a new tensor in x's dtype;
-    `inverse` applies the conjugate rotation (used to un-rotate the attention output)."""
+    x: [B, T, r] or [B, T, H, r]; freqs: [T, r/2] complex, or [B, T, r/2] when the rows of the batch sit
+    at different positions. Returns a new tensor in x's dtype; `inverse` applies the conjugate rotation
+    (used to un-rotate the attention output)."""
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
     f = freqs.conj() if inverse else freqs
-    f = f.view(1, xc.size(1), *([1] * (xc.dim() - 3)), xc.size(-1))
+    lead = f.size(0) if f.dim() == 3 else 1
+    f = f.view(lead, xc.size(1), *([1] * (xc.dim() - 3)), xc.size(-1))
     return torch.view_as_real(xc * f).flatten(-2).to(x.dtype)
 
 

@@ -69,8 +69,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, pre: torch.Tensor, start_pos: int, cache: KVCache, shared: SharedState,
                 image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mix(x, pre, lambda h: self.attn(h, start_pos, cache, shared), image_mask)
+
+    def mix(self, x: torch.Tensor, pre: torch.Tensor, attend, image_mask: torch.Tensor | None = None):
+        """The single-pass mHC wiring around an attention call `attend(normed input) -> output`."""
         pre_a, post_a, comb_a = self.coefficients(x, "attn")
-        y = self.attn(self.attn_norm(mhc.collapse(x, pre)), start_pos, cache, shared)
+        y = attend(self.attn_norm(mhc.collapse(x, pre)))
         x = mhc.expand(y, x, post_a, comb_a)
 
         pre_f, post_f, comb_f = self.coefficients(x, "ffn")
