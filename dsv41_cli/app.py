@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from dsv41_cli.commands import info
+from dsv41_cli.commands import convert, generate, info
 
 app = typer.Typer(
     name="dsv41",
@@ -27,6 +27,8 @@ def _root() -> None:
 
 
 app.command("info", help="Parameter, layer-plan and KV-cache ledgers of a model.")(info.command)
+app.command("generate", help="Chat and thinking generation (V4.1 chat encoding, effort, DSpark).")(generate.command)
+app.command("convert", help="Convert a checkpoint between the official and the runtime layout.")(convert.command)
 
 
 def _click_exceptions():

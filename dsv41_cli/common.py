@@ -46,3 +46,14 @@ def resolve_model_dir(model: Optional[str]) -> Path:
     if bundled is None:
         fail("no model given and this install has no bundled dsv41-tiny checkpoint; pass --model PATH")
     return bundled
+
+
+def tune_threads(args, device: str) -> None:
+    """Small models on the CPU are bound by per-op overhead, where extra intra-op threads only add
+    synchronization (and collapse under load): use one thread below a hidden size of 1024."""
+    import torch
+
+    if device == "cpu" and args.dim < 1024 and "DSV41_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    elif "DSV41_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["DSV41_THREADS"]))

@@ -24,9 +24,12 @@ class CompressorState:
     def __init__(self):
         self.kv: torch.Tensor | None = None
         self.score: torch.Tensor | None = None
+        self.journal: list | None = None  # new projections since a cache checkpoint (for rollback)
 
     def take(self, kv: torch.Tensor, score: torch.Tensor, ratio: int):
         """Prepend the pending tokens to the new ones; return the complete groups, keep the rest."""
+        if self.journal is not None:
+            self.journal.append((kv, score))
         if self.kv is not None:
             kv, score = torch.cat([self.kv, kv], dim=1), torch.cat([self.score, score], dim=1)
         complete = kv.size(1) - kv.size(1) % ratio
@@ -121,6 +124,60 @@ class KVCache:
         if lc.compressed_buf is None:
             return torch.zeros(self.batch_size, 0, self.args.head_dim, dtype=torch.bfloat16, device=self.device)
         return lc.compressed_buf[:, :lc.n_compressed]
+
+    # ------------------------------------------------------------------ speculative rollback
+    def checkpoint(self) -> None:
+        """Remember what the next forward may overwrite, so that `rollback` can drop a suffix of it
+        (speculative decoding: verify drafts, keep the accepted prefix). Costs one copy of each
+        window ring; compressed entries are only appended, so their counts suffice."""
+        self._checkpoint = {
+            "pos": self.pos,
+            "rings": {l: lc.window.clone() for l, lc in self.layers.items() if lc.window is not None},
+            "n_compressed": {l: lc.n_compressed for l, lc in self.layers.items()},
+            "pending": {l: (lc.compressor_state.kv, lc.compressor_state.score) for l, lc in self.layers.items()},
+            "engram_history": self.engram_history,
+            "published": self._published_keys,
+        }
+        for lc in self.layers.values():
+            lc.compressor_state.journal = []
+
+    def rollback(self, new_pos: int, engram_history: torch.Tensor | None = None) -> None:
+        """Keep positions < new_pos of those written since `checkpoint()`; forget the rest.
+        engram_history: the Engram n-gram history as of new_pos (the caller knows the token ids)."""
+        ck = getattr(self, "_checkpoint", None)
+        if ck is None:
+            raise RuntimeError("rollback without a checkpoint")
+        start = ck["pos"]
+        if not start <= new_pos <= self.pos or self.pos - start > self.window_size:
+            raise ValueError(f"cannot roll back to {new_pos}: checkpoint at {start}, cache at {self.pos}")
+        dropped = torch.arange(new_pos, self.pos) % self.window_size
+        for l, lc in self.layers.items():
+            if l in ck["rings"] and len(dropped):
+                lc.window[:, dropped.to(lc.window.device)] = ck["rings"][l][:, dropped.to(lc.window.device)]
+            elif l not in ck["rings"] and lc.window is not None and new_pos == start:
+                lc.window = None
+            state = lc.compressor_state
+            if state.journal is not None and (state.journal or l in ck["pending"]):
+                # rebuild the pending partial group of the kept positions from the raw projections
+                old_kv, old_score = ck["pending"].get(l, (None, None))
+                kvs = ([old_kv] if old_kv is not None else []) + [kv for kv, _ in state.journal]
+                scores = ([old_score] if old_score is not None else []) + [s for _, s in state.journal]
+                ratio = self.args.compress_ratios[l]
+                if kvs and ratio > 1:
+                    first = start - (old_kv.size(1) if old_kv is not None else 0)  # position of kvs[0][:, 0]
+                    kv_all, score_all = torch.cat(kvs, dim=1), torch.cat(scores, dim=1)
+                    group_start = (new_pos // ratio) * ratio
+                    keep = slice(group_start - first, new_pos - first)
+                    pending = new_pos - group_start
+                    state.kv = kv_all[:, keep] if pending else None
+                    state.score = score_all[:, keep] if pending else None
+            state.journal = None
+            if l in ck["n_compressed"] and self.args.compress_ratios[l]:
+                lc.n_compressed = min(lc.n_compressed, new_pos // self.args.compress_ratios[l])
+        self.engram_history = engram_history if engram_history is not None else ck["engram_history"]
+        self._published_keys = ck["published"]
+        self.pos = new_pos
+        self._checkpoint = None
 
     def index_keys_for(self, source: int) -> torch.Tensor:
         n = self.layer(source).n_compressed

@@ -1,0 +1,256 @@
+"""`dsv41 generate`: chat and thinking generation with the V4.1 chat encoding."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from dsv41_cli.common import DeviceOpt, JsonOpt, ModelOpt, resolve_device, resolve_model_dir, tune_threads
+from dsv41_cli.console import err, fail, out, print_json
+
+
+def command(
+    prompt: Optional[str] = typer.Argument(None, help="The user message (one turn)."),
+    messages: Optional[Path] = typer.Option(None, "--messages", help="JSON file: a message list in the official encoder's schema."),
+    tools: Optional[Path] = typer.Option(None, "--tools", help="JSON file: an OpenAI tool list, attached to the system message."),
+    system: Optional[str] = typer.Option(None, "--system", help="A system message placed first."),
+    input_file: Optional[Path] = typer.Option(None, "--input-file", help="A batch: prompts separated by blank lines, one turn each."),
+    interactive: bool = typer.Option(False, "--interactive", help="Chat with history; /exit quits, /clear forgets."),
+    mode: str = typer.Option("thinking", "--mode", help="thinking|chat"),
+    effort: str = typer.Option("high", "--effort", help="Reasoning effort 1..100, or low|high|max (50|75|100)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
+    temperature: float = typer.Option(0.6, "--temperature", min=0.0, help="0 = greedy."),
+    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Makes sampling reproducible."),
+    use_dspark: bool = typer.Option(False, "--dspark/--no-dspark", help="DSpark speculative decoding."),
+    thinking_budget: Optional[int] = typer.Option(None, "--thinking-budget", min=0,
+                                                  help="Close </think> after this many reasoning tokens."),
+    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", min=1, help="Prefill the prompt in chunks of N tokens."),
+    print_prompt: bool = typer.Option(False, "--print-prompt", help="Print the exact prompt text and exit (no weights loaded)."),
+    model: Optional[str] = ModelOpt,
+    device: str = DeviceOpt,
+    as_json: bool = JsonOpt,
+):
+    from model import encoding
+
+    if mode not in ("thinking", "chat"):
+        fail(f"--mode must be thinking or chat, not {mode!r}")
+    try:
+        effort_value = encoding.parse_effort(effort)
+    except ValueError as e:
+        fail(str(e))
+    sources = [s for s in (prompt is not None, messages is not None, input_file is not None, interactive) if s]
+    if len(sources) > 1:
+        fail("give one of PROMPT, --messages, --input-file or --interactive")
+    if not sources:
+        fail("nothing to generate from: give a PROMPT, --messages FILE, --input-file FILE or --interactive")
+
+    tool_list = _read_json_file(tools, "--tools", list) if tools else None
+    if input_file is not None:
+        try:
+            text = input_file.read_text(encoding="utf-8")
+        except OSError as e:
+            fail(f"--input-file {input_file}: {e.strerror or e}")
+        batch = [_turn(p.strip(), system, tool_list) for p in text.split("\n\n") if p.strip()]
+        if not batch:
+            fail(f"--input-file {input_file}: no prompts in it")
+    elif messages is not None:
+        msgs = _read_json_file(messages, "--messages", list)
+        if system:
+            msgs = [{"role": "system", "content": system}] + msgs
+        if tool_list:
+            msgs = encoding.attach_tools(msgs, tool_list)
+        batch = [msgs]
+    elif prompt is not None:
+        batch = [_turn(prompt, system, tool_list)]
+    else:
+        batch = []
+
+    def encode(msgs):
+        try:
+            return encoding.encode_messages(msgs, mode=mode, effort=effort_value)
+        except (ValueError, TypeError, KeyError) as e:
+            fail(f"cannot encode the messages: {e}")
+
+    if print_prompt:
+        if interactive:
+            fail("--print-prompt needs a PROMPT, --messages or --input-file")
+        for msgs in batch:
+            sys.stdout.write(encode(msgs) + ("\n" if len(batch) > 1 else ""))
+        sys.stdout.flush()
+        return
+
+    from model.checkpoint import load_model
+    from model.engine import GenerationConfig, Generator, SamplingConfig
+
+    dev = resolve_device(device)
+    model_dir = resolve_model_dir(model)
+    try:
+        net, args, tokenizer = load_model(model_dir, device=dev)
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    if use_dspark and not args.dspark_enabled:
+        fail(f"--dspark: the checkpoint at {model_dir} has no DSpark drafter")
+    tune_threads(args, dev)
+    engine = Generator(net, tokenizer)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature, top_p, seed),
+        stop_ids=(tokenizer.eos_id,), prefill_chunk=prefill_chunk, dspark=use_dspark,
+        thinking_budget=thinking_budget if mode == "thinking" else None,
+        think_end_id=tokenizer.token_to_id(encoding.THINK_END))
+
+    if interactive:
+        _interactive(engine, tokenizer, config, mode, effort_value, system, tool_list)
+        return
+    for msgs in batch:
+        doc = run_one(engine, tokenizer, config, encode(msgs), mode, stream=not as_json)
+        if as_json:
+            if len(batch) > 1:
+                sys.stdout.write(json.dumps(doc) + "\n")
+            else:
+                print_json(doc)
+        elif len(batch) > 1:
+            out.print()
+
+
+def _turn(text: str, system: str | None, tools: list | None) -> list[dict]:
+    from model import encoding
+
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return encoding.attach_tools(msgs, tools) if tools else msgs
+
+
+def _read_json_file(path: Path, flag: str, kind: type):
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        fail(f"{flag} {path}: {e.strerror or e}")
+    except json.JSONDecodeError as e:
+        fail(f"{flag} {path}: not valid JSON ({e.msg} at line {e.lineno})")
+    if not isinstance(value, kind):
+        fail(f"{flag} {path}: expected a JSON {kind.__name__}")
+    return value
+
+
+class _Stream:
+    """Incremental detokenization for the terminal: reasoning dimmed, then the answer."""
+
+    def __init__(self, tokenizer, mode: str, enabled: bool):
+        self.tok, self.enabled = tokenizer, enabled
+        self.ids: list[int] = []
+        self.shown = 0
+        self.in_reasoning = mode == "thinking"
+        if enabled and self.in_reasoning:
+            out.print("[dim]Thinking…[/dim]")
+
+    def __call__(self, token: int) -> None:
+        if not self.enabled:
+            return
+        self.ids.append(token)
+        text = self.tok.decode(self.ids, skip_special=False)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        new, self.shown = text[self.shown:], len(text)
+        if self.in_reasoning and "</think>" in text:
+            before, _, after = new.partition("</think>")
+            self._emit(before, dim=True)
+            out.print("\n[dim]—[/dim]")
+            self.in_reasoning = False
+            new = after
+        self._emit(new.replace("<｜end▁of▁sentence｜>", ""), dim=self.in_reasoning)
+
+    def _emit(self, text: str, dim: bool) -> None:
+        if text:
+            out.print(text, end="", style="dim" if dim else None, markup=False, highlight=False)
+
+    def close(self) -> None:
+        if self.enabled:
+            out.print()
+
+
+def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool) -> dict:
+    """Generate for one encoded prompt; stream to the terminal or stay quiet; return the JSON document."""
+    from model.encoding import parse_completion
+
+    ids = tokenizer.encode(prompt_text, allow_special=True)
+    streamer = _Stream(tokenizer, mode, stream)
+    result = engine.generate(ids, config, on_token=streamer)
+    streamer.close()
+    completion = tokenizer.decode(result.output_ids, skip_special=False)
+    parsed = parse_completion(completion, mode, finished=result.finish_reason == "stop")
+    n_reason = _reasoning_tokens(result.output_ids, tokenizer, mode)
+    doc = {
+        "prompt_tokens": result.prompt_tokens,
+        "output_ids": result.output_ids,
+        "reasoning": parsed.reasoning,
+        "content": parsed.content,
+        "tool_calls": parsed.tool_calls,
+        "finish_reason": result.finish_reason,
+        "tokens": {"reasoning": n_reason, "content": len(result.output_ids) - n_reason,
+                   "total": len(result.output_ids)},
+        "stats": {
+            "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 2),
+            "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
+            "peak_memory_bytes": result.peak_memory_bytes,
+            "kv_bytes_per_token": round(result.kv_bytes_per_token, 2),
+            "dspark": result.dspark and {k: result.dspark[k] for k in ("acceptance_per_position", "mean_accepted_per_step")},
+        },
+    }
+    if parsed.errors:
+        doc["parse_errors"] = parsed.errors
+    if result.budget_forced:
+        doc["thinking_budget_reached"] = True
+    if stream:
+        for call in parsed.tool_calls:
+            out.print(f"[bold]tool call[/] {call['function']['name']}({call['function']['arguments']})")
+        for e in parsed.errors:
+            err.print(f"[yellow]warning:[/] {e}", markup=True)
+        s = doc["stats"]
+        line = (f"[dim]{result.prompt_tokens} prompt tokens · {len(result.output_ids)} generated "
+                f"({n_reason} reasoning) · prefill {s['prefill_tokens_per_s']:.1f} tok/s · decode "
+                f"{s['decode_tokens_per_s']:.1f} tok/s · peak {s['peak_memory_bytes'] / 2**20:.0f} MiB · "
+                f"KV {s['kv_bytes_per_token']:.0f} B/token")
+        if result.dspark:
+            line += f" · DSpark {result.dspark['mean_accepted_per_step']:.2f} tokens/step"
+        err.print(line + f" · {result.finish_reason}[/dim]", markup=True)
+    return doc
+
+
+def _reasoning_tokens(ids: list[int], tokenizer, mode: str) -> int:
+    if mode != "thinking":
+        return 0
+    end = tokenizer.token_to_id("</think>")
+    return ids.index(end) if end in ids else len(ids)
+
+
+def _interactive(engine, tokenizer, config, mode, effort, system, tools) -> None:
+    from model import encoding
+
+    history: list[dict] = []
+    base = _turn("", system, tools)[:-1]  # the system message (and tools), if any
+    err.print("[dim]dsv41 chat — /exit to quit, /clear to forget the conversation[/dim]", markup=True)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            break
+        if line.strip() == "/exit":
+            break
+        if line.strip() == "/clear":
+            history = []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = encoding.encode_messages(base + history, mode=mode, effort=effort)
+        doc = run_one(engine, tokenizer, config, prompt, mode, stream=True)
+        reply = {"role": "assistant", "content": doc["content"]}
+        if doc["reasoning"]:
+            reply["reasoning_content"] = doc["reasoning"]
+        if doc["tool_calls"]:
+            reply["tool_calls"] = doc["tool_calls"]
+        history.append(reply)

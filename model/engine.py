@@ -1,0 +1,360 @@
+"""The inference engine: prefill, one-token decode steps over the KV cache, sampling, the effort
+thinking budget, and DSpark speculative decoding.
+
+    prompt ids --prefill (chunked)--> cache --decode step / speculative step--> tokens --> text
+
+Everything runs under torch.inference_mode(). A `Generator` serves one sequence at a time (batch of
+one); batched scoring for evaluation uses `score_continuations`, which shares the same model forward.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from model import dspark
+from model.cache import KVCache
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_ids: tuple[int, ...] = (1,)  # <｜end▁of▁sentence｜>
+    prefill_chunk: int | None = None  # None = the whole prompt in one forward
+    dspark: bool = False
+    dspark_draft_len: int | None = None  # None: verify every drafted position
+    dspark_min_survival: float | None = None  # choose the length from the confidence head's prefix survival
+    thinking_budget: int | None = None  # max reasoning tokens before `</think>` is forced
+    think_end_id: int | None = None  # id of `</think>` (needed for the budget)
+
+
+@dataclass
+class GenerationResult:
+    prompt_tokens: int
+    output_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+    prefill_seconds: float
+    decode_seconds: float
+    peak_memory_bytes: int
+    kv_bytes_per_token: float
+    dspark: dict | None = None  # acceptance_per_position, mean_accepted_per_step, steps
+    budget_forced: bool = False
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.output_ids)
+        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+# ------------------------------------------------------------------------------------------- sampling
+def filter_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability reaches top_p (nucleus), renormalized."""
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    keep = sorted_p.cumsum(-1) - sorted_p < top_p  # a token stays if the mass before it is below top_p
+    sorted_p = sorted_p * keep
+    out = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return out / out.sum(-1, keepdim=True)
+
+
+def token_distribution(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """The distribution the sampler draws from (temperature then top-p), fp32."""
+    probs = torch.softmax(logits.float() / max(sampling.temperature, 1e-5), dim=-1)
+    return filter_top_p(probs, sampling.top_p)
+
+
+class Sampler:
+    """Greedy at temperature 0, else multinomial from the tempered, top-p filtered distribution,
+    drawn from a seeded generator so a run is reproducible."""
+
+    def __init__(self, sampling: SamplingConfig, device):
+        self.sampling = sampling
+        self.gen = torch.Generator(device="cpu")
+        self.gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed() % 2**63)
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling.temperature <= 0
+
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial(probs.float().cpu(), 1, generator=self.gen).squeeze(-1).to(probs.device)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        return self.draw(token_distribution(logits, self.sampling))
+
+    def uniform(self) -> float:
+        return float(torch.rand((), generator=self.gen))
+
+
+# ------------------------------------------------------------------------------------------- engine
+class Generator:
+    def __init__(self, model, tokenizer=None):
+        self.model = model
+        self.args = model.args
+        self.tokenizer = tokenizer
+        self.device = model.embed.weight.device
+
+    # ---------------------------------------------------------------- building blocks
+    def prefill(self, cache: KVCache, ids: list[int] | torch.Tensor, chunk: int | None = None,
+                return_taps: bool = False):
+        """Run the prompt through the model, optionally in chunks; returns the last logits [1, V]
+        (and the taps of every prompt position when asked)."""
+        ids = torch.as_tensor(ids, device=self.device).view(1, -1)
+        T = ids.size(1)
+        chunk = chunk or T
+        logits, taps = None, []
+        for s in range(0, T, chunk):
+            out = self.model(ids[:, s:s + chunk], start_pos=cache.pos, cache=cache, return_taps=return_taps)
+            if return_taps:
+                logits, t = out
+                taps.append(t)
+            else:
+                logits = out
+        if return_taps:
+            return logits, torch.cat(taps, dim=1)
+        return logits
+
+    def step(self, cache: KVCache, token: int, return_taps: bool = False):
+        ids = torch.tensor([[token]], device=self.device)
+        return self.model(ids, start_pos=cache.pos, cache=cache, return_taps=return_taps)
+
+    # ---------------------------------------------------------------- generation
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], config: GenerationConfig,
+                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
+        if config.dspark and not self.args.dspark_enabled:
+            raise ValueError("this checkpoint has no DSpark drafter (n_mtp_layers = 0)")
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        sampler = Sampler(config.sampling, self.device)
+        cache = self.model.new_cache(1)
+        _reset_peak_memory(self.device)
+        t0 = time.perf_counter()
+        logits, taps = self.prefill(cache, prompt_ids, config.prefill_chunk, return_taps=True) \
+            if config.dspark else (self.prefill(cache, prompt_ids, config.prefill_chunk), None)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        budget = _Budget(config, prompt_ids)
+        if config.dspark:
+            out, finish, stats = self._speculative(cache, logits, taps, prompt_ids, config, sampler, budget, on_token)
+        else:
+            out, finish, stats = self._autoregressive(cache, logits, config, sampler, budget, on_token)
+        _sync(self.device)
+        t2 = time.perf_counter()
+        return GenerationResult(len(prompt_ids), out, finish, t1 - t0, t2 - t1, _peak_memory(self.device),
+                                cache_bytes_per_token(cache), stats, budget.forced)
+
+    def _autoregressive(self, cache, logits, config, sampler, budget, on_token):
+        out: list[int] = []
+        while True:
+            token = budget.override(int(sampler(logits[0])))
+            out.append(token)
+            if on_token:
+                on_token(token)
+            if token in config.stop_ids:
+                return out, "stop", None
+            if len(out) >= config.max_new_tokens:
+                return out, "length", None
+            logits = self.step(cache, token)
+
+    # ---------------------------------------------------------------- DSpark
+    def _speculative(self, cache, logits, taps, prompt_ids, config, sampler, budget, on_token):
+        """Draft S tokens with the drafter, verify them in one target forward, keep the accepted
+        prefix plus one token from the target (chain verification). Greedy: accept while the draft
+        equals the target's argmax, so the output is identical to plain greedy decoding. Sampling:
+        standard speculative rejection sampling, so the output distribution is the target's."""
+        args, model = self.args, self.model
+        S = args.dspark_block_size
+        win = args.window_size
+        history = list(prompt_ids)
+        main_x = dspark.main_x(model, taps)
+        ring_ids = [args.n_layers + k for k in range(len(model.mtp))]  # the drafter's rings live in the cache
+        self._feed_drafter(cache, ring_ids, main_x, torch.arange(len(prompt_ids), device=self.device))
+        out: list[int] = []
+        accepted_at = [0] * S  # how often draft position i was accepted
+        proposed_at = [0] * S
+        steps = accepted_total = 0
+        anchor = budget.override(int(sampler(logits[0])))
+        while True:
+            out.append(anchor)
+            history.append(anchor)
+            if on_token:
+                on_token(anchor)
+            if anchor in config.stop_ids:
+                finish = "stop"
+                break
+            if len(out) >= config.max_new_tokens:
+                finish = "length"
+                break
+            P1 = cache.pos  # the anchor's position (not yet in the target cache)
+            contexts = []
+            for lid in ring_ids:
+                kv = cache.window_before(lid, P1)
+                contexts.append((kv, torch.arange(kv.size(1), device=self.device).unsqueeze(0)))
+            hidden = dspark.block_hidden(model, torch.tensor([anchor], device=self.device),
+                                         torch.tensor([P1], device=self.device), contexts)
+            U = dspark.base_logits(model, hidden)
+            drafts, draft_logits, conf = dspark.markov_draft(model, U, hidden, torch.tensor([anchor], device=self.device),
+                                                             sampler)
+            k = self._verify_length(conf[0], config, S)
+            k = min(k, config.max_new_tokens - len(out))  # never draft past the length limit
+            drafts = drafts[0, :k].tolist()
+            # verify: the target scores [anchor, d_1..d_k] at positions P1..P1+k in one forward
+            cache.checkpoint()
+            verify_ids = torch.tensor([[anchor] + drafts], device=self.device)
+            tlogits, vtaps = model(verify_ids, start_pos=P1, cache=cache, all_logits=True, return_taps=True)
+            n, next_token = self._accept(tlogits[0], draft_logits[0, :k], drafts, sampler)
+            for i in range(n):  # the thinking budget may cut the accepted run short
+                forced = budget.override(drafts[i])
+                if forced != drafts[i]:
+                    n, next_token = i, forced
+                    break
+            else:
+                next_token = budget.override(next_token)
+            steps += 1
+            accepted_total += n
+            for i in range(k):
+                proposed_at[i] += 1
+                accepted_at[i] += int(i < n)
+            kept = P1 + 1 + n  # anchor + accepted drafts are now committed
+            new_tail = history + drafts[:n]
+            cache.rollback(kept, _engram_history(model, new_tail))
+            self._feed_drafter(cache, ring_ids, dspark.main_x(model, vtaps[:, :n + 1]),
+                               torch.arange(P1, kept, device=self.device))
+            stop = None
+            for d in drafts[:n]:
+                out.append(d)
+                history.append(d)
+                if on_token:
+                    on_token(d)
+                if d in config.stop_ids:
+                    stop = "stop"
+                    break
+                if len(out) >= config.max_new_tokens:
+                    stop = "length"
+                    break
+            if stop:
+                finish = stop
+                break
+            anchor = next_token
+        stats = {
+            "acceptance_per_position": [a / p if p else 0.0 for a, p in zip(accepted_at, proposed_at)],
+            # tokens committed per verification step: the accepted drafts plus the target's own token
+            "mean_accepted_per_step": (accepted_total + steps) / steps if steps else 0.0,
+            "steps": steps,
+        }
+        return out, finish, stats
+
+    def _feed_drafter(self, cache, ring_ids, main_x, positions):
+        for lid, stage in zip(ring_ids, self.model.mtp):
+            cache.write_window(lid, stage.context_kv(main_x, positions), int(positions[0]))
+
+    def _verify_length(self, conf: torch.Tensor, config: GenerationConfig, S: int) -> int:
+        k = config.dspark_draft_len or S
+        if config.dspark_min_survival is not None:
+            # prefix survival: P(first i drafts all accepted) = prod_{j<i} sigmoid(c_j)
+            survival = torch.cumprod(torch.sigmoid(conf.float()), dim=0)
+            k = min(k, max(1, int((survival >= config.dspark_min_survival).sum())))
+        return k
+
+    def _accept(self, target_logits, draft_logits, drafts, sampler):
+        """Chain verification. target_logits [k+1, V]: the target's predictions after the anchor and
+        after each draft. Returns (number accepted, the target's next token)."""
+        n = 0
+        for i, d in enumerate(drafts):
+            if sampler.greedy:
+                want = int(target_logits[i].argmax())
+                if d != want:
+                    return n, want
+            else:
+                p = token_distribution(target_logits[i], sampler.sampling)
+                q = token_distribution(draft_logits[i], sampler.sampling)
+                if sampler.uniform() >= min(1.0, float(p[d] / q[d].clamp_min(1e-20))):
+                    residual = (p - q).clamp_min(0)
+                    residual = residual / residual.sum() if residual.sum() > 0 else p
+                    return n, int(sampler.draw(residual))
+            n += 1
+        return n, int(sampler(target_logits[len(drafts)]))
+
+
+class _Budget:
+    """Effort as a decode-time thinking budget: once `thinking_budget` reasoning tokens were emitted
+    without `</think>`, the next token is forced to `</think>` and the model goes on to answer."""
+
+    def __init__(self, config: GenerationConfig, prompt_ids: list[int]):
+        self.limit, self.end_id = config.thinking_budget, config.think_end_id
+        self.count, self.closed, self.forced = 0, self.limit is None or self.end_id is None, False
+
+    def override(self, token: int) -> int:
+        if self.closed:
+            return token
+        if token == self.end_id:
+            self.closed = True
+            return token
+        if self.count >= self.limit:
+            self.closed, self.forced = True, True
+            return self.end_id
+        self.count += 1
+        return token
+
+
+def _engram_history(model, ids: list[int]) -> torch.Tensor | None:
+    hasher = model.hasher
+    if hasher is None:
+        return None
+    tail = torch.tensor([ids[-(hasher.max_ngram_size - 1):]], device=model.embed.weight.device)
+    return hasher(tail)[1]
+
+
+def cache_bytes_per_token(cache: KVCache) -> float:
+    """Bytes the cache holds per token for the global KV (compressed main KV + indexer keys) as
+    stored now, measured from the tensors (nbytes of the used rows), not from a formula."""
+    if cache.pos == 0:
+        return 0.0
+    total = 0
+    for lc in cache.layers.values():
+        if lc.n_compressed:
+            for buf in (lc.compressed_buf, lc.index_keys_buf):
+                if buf is not None:
+                    total += buf[:, :lc.n_compressed].nbytes if hasattr(buf, "nbytes") else 0
+    return total / (cache.pos * cache.batch_size)
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak_memory(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_memory(device) -> int:
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+    except Exception:  # pragma: no cover - non-POSIX
+        return 0
