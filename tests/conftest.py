@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import os
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-# keep tests deterministic and light on 2 cores
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/checkpoints.py
+
+# the test models are tiny: per-op overhead dominates, extra intra-op threads only add contention
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,3 +39,11 @@ def tiny_model(tiny_args):
     model = Transformer(tiny_args)
     init_random_(model, seed=0)
     return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(tmp_path_factory):
+    """A complete official-layout checkpoint of the tiny model with its own small tokenizer."""
+    from checkpoints import make_small_checkpoint
+
+    return make_small_checkpoint(tmp_path_factory.mktemp("small") / "ckpt")
