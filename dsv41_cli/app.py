@@ -10,7 +10,8 @@ import sys
 
 import typer
 
-from dsv41_cli.commands import convert, generate, info
+from dsv41_cli.commands import convert, generate, info, quantize_kv, scaffold_bench
+from dsv41_cli.commands import bpb, effort_sweep, eval_cmd
 
 app = typer.Typer(
     name="dsv41",
@@ -29,6 +30,11 @@ def _root() -> None:
 app.command("info", help="Parameter, layer-plan and KV-cache ledgers of a model.")(info.command)
 app.command("generate", help="Chat and thinking generation (V4.1 chat encoding, effort, DSpark).")(generate.command)
 app.command("convert", help="Convert a checkpoint between the official and the runtime layout.")(convert.command)
+app.command("eval", help="lm-evaluation-harness tasks and the report's tables (suites) on the model.")(eval_cmd.command)
+app.command("bpb", help="Bits per byte on text corpora, several models side by side, compressor baselines.")(bpb.command)
+app.command("effort-sweep", help="Accuracy and output tokens across reasoning efforts (report Figure 9).")(effort_sweep.command)
+app.command("scaffold-bench", help="The same model and tasks under several agent scaffolds, commands in a jail.")(scaffold_bench.command)
+app.command("quantize-kv", help="Bytes per token and quality cost of each main-KV storage format (fp4/fp8/bf16).")(quantize_kv.command)
 
 
 def _click_exceptions():

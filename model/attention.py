@@ -132,9 +132,12 @@ class Attention(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         return qr, rope_tail(q, freqs, self.rope_dim)
 
+    def window_latent(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Window KV before FP8 rounding, RoPE(RMSNorm_kv(W_kv x)): what the cache's FP8 ring packs."""
+        return rope_tail(self.kv_norm(self.wkv(x)), freqs, self.rope_dim)
+
     def window_kv(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        kv = rope_tail(self.kv_norm(self.wkv(x)), freqs, self.rope_dim)
-        return qat(formats.fp8_fake_quant, kv, 32)  # all 512 dims, rope tail included
+        return qat(formats.fp8_fake_quant, self.window_latent(x, freqs), 32)  # all 512 dims, rope tail included
 
     def compress(self, x: torch.Tensor, start_pos: int, cache) -> None:
         """kv-source layers: emit completed groups into the shared main KV and index-key caches."""
@@ -146,9 +149,11 @@ class Attention(nn.Module):
         first = layer.n_compressed
         positions = torch.arange(first, first + latent.size(1), device=x.device) * m  # each group at its first token
         freqs = self.freqs(positions, x.device)
-        cache.write_index_keys(self.spec.id, self.indexer.keys(latent, freqs))  # keys use the pre-RoPE latent
-        main = qat(formats.fp4_e4m3_fake_quant, rope_tail(latent, freqs, self.rope_dim), 16)
-        cache.write_compressed(self.spec.id, main)
+        # The cache rounds both to their storage grids and attention reads them back from it: the keys
+        # to MXFP4, the main entries to C_g = FP4(RoPE(c_g)) (cache.quantize_main: FP8 or bf16 in a
+        # comparison cache). Handing over unrounded values keeps packed == fake-quantized, bit for bit.
+        cache.write_index_keys(self.spec.id, self.indexer.key_latent(latent, freqs))  # keys use the pre-RoPE latent
+        cache.write_compressed(self.spec.id, rope_tail(latent, freqs, self.rope_dim))
 
     def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         o = rope_tail(o, freqs, self.rope_dim, inverse=True)
@@ -193,14 +198,17 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         freqs = self.freqs(slice(start_pos, start_pos + T), x.device)
         qr, q = self.query(x, freqs)
-        new_kv = self.window_kv(x, freqs)
+        window_latent = self.window_latent(x, freqs)
+        new_kv = qat(formats.fp8_fake_quant, window_latent, 32)  # = what the FP8 ring returns for it
         prev = cache.window_before(self.spec.id, start_pos)  # [B, n_prev, D] in position order
         kv = torch.cat([prev, new_kv], dim=1)
         idx = window_indices(start_pos, T, prev.size(1), self.window, x.device).expand(B, -1, -1)
-        cache.write_window(self.spec.id, new_kv, start_pos)
+        if shared.image_window is not None:  # image spans also see their later positions (vision.py)
+            idx = torch.cat([idx, shared.image_window], dim=-1)
+        cache.write_window(self.spec.id, window_latent, start_pos)
 
         if self.spec.compress_ratio:
-            if self.spec.owns_kv:
+            if self.spec.owns_kv and self.spec.id not in shared.precompressed:
                 self.compress(x, start_pos, cache)
             src = self.spec.kv_source
             compressed = cache.compressed(src)

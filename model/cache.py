@@ -1,23 +1,168 @@
-"""The KV cache (spec §4.4): what a sequence leaves behind for the tokens after it.
+"""The KV cache (spec §4.4): what a sequence leaves behind for the tokens after it, stored packed.
 
 Per layer: a ring of `window_size` window-KV slots (slot = position mod window). Per kv-source
 layer: the shared compressed main KV, its indexer keys, and the compressor's pending partial group.
 Model-wide: Engram's n-gram history. Every layer with m > 0 reads the compressed KV of its kv source;
 nothing is duplicated across layers (that is CSA2's storage saving).
 
-This module keeps the values as the forward pass produces them (already fake-quantized to their
-storage grids, held in bf16/fp32 tensors). Packed storage lives behind the same methods.
+Storage formats (model/formats.py), bytes per entry for the V4.1-Flash shapes (D = 512, index 128):
+
+    main KV      main_format="fp4" (official): E2M1 codes two per byte + one E4M3 scale per 16    288 B
+                 main_format="fp8" (comparison): E4M3 + one UE8M0 scale per 32                   528 B
+                 main_format="bf16" (comparison): the post-RoPE latent in bf16                   1024 B
+    index keys   MXFP4: E2M1 codes two per byte + one UE8M0 scale per 32                          68 B
+    window ring  FP8 E4M3 + one UE8M0 scale per 32                                               528 B
+
+The write methods take the values *before* storage rounding (the post-RoPE latent, the index key,
+the window KV) and pack them; the read methods (`compressed`, `index_keys_for`, `window_before`)
+unpack to the dtype that was written. Because formats guarantees unpack(pack(x)) == fake_quant(x) bit
+for bit, attention reading a packed entry sees exactly the fake-quantized value the QAT forward
+computes. Packing already fake-quantized values instead would not be exact: re-rounding is not
+idempotent (an MXFP4 block whose largest code is 6 gets twice the scale the second time, an FP8 block
+reaching 448 likewise, and FP4 blocks with subnormal E4M3 scales can change), so callers hand over the
+unrounded values.
+
+Training: packed bytes carry no gradient. A write whose values require grad (grad mode on) goes to a
+differentiable store of the fake-quantized values instead (straight-through, as `layers.qat`); reads
+return the same numbers either way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
+from model import formats
 from model.config import ModelArgs
+from model.layers import qat
 
 
+# ------------------------------------------------------------------------------------------- codecs
+@dataclass(frozen=True)
+class Codec:
+    """One storage format: `pack` x [..., D] -> byte tensors [..., *]; `unpack` them back to a dtype;
+    `fake_quant` is what unpack(pack(x)) equals (bit for bit), in x's dtype."""
+
+    name: str
+    fake_quant: Callable[[torch.Tensor], torch.Tensor]
+    pack: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    unpack: Callable[[tuple[torch.Tensor, ...], torch.dtype], torch.Tensor]
+
+
+def _bf16_round(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+FP4_E4M3 = Codec("fp4", lambda x: formats.fp4_e4m3_fake_quant(x, formats.FP4_E4M3_BLOCK),
+                 lambda x: formats.pack_fp4_e4m3(x, formats.FP4_E4M3_BLOCK),
+                 lambda p, dtype: formats.unpack_fp4_e4m3(p[0], p[1], formats.FP4_E4M3_BLOCK, dtype))
+FP8_UE8M0 = Codec("fp8", lambda x: formats.fp8_fake_quant(x, formats.FP8_BLOCK),
+                  lambda x: formats.pack_fp8_ue8m0(x, formats.FP8_BLOCK),
+                  lambda p, dtype: formats.unpack_fp8_ue8m0(p[0], p[1], formats.FP8_BLOCK, dtype))
+BF16 = Codec("bf16", _bf16_round, lambda x: (x.to(torch.bfloat16),), lambda p, dtype: p[0].to(dtype))
+MXFP4 = Codec("mxfp4", lambda x: formats.mxfp4_fake_quant(x, formats.MXFP4_BLOCK),
+              lambda x: formats.pack_mxfp4(x, formats.MXFP4_BLOCK),
+              lambda p, dtype: formats.unpack_mxfp4(p[0], p[1], formats.MXFP4_BLOCK, dtype))
+
+MAIN_FORMATS: dict[str, Codec] = {"fp4": FP4_E4M3, "fp8": FP8_UE8M0, "bf16": BF16}
+INDEX_KEY_CODEC = MXFP4
+WINDOW_CODEC = FP8_UE8M0
+
+
+def _differentiable(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+# ------------------------------------------------------------------------------------------- stores
+class Rows:
+    """Growable rows [B, capacity, ...] of one codec, appended at the end (capacity doubles when full).
+
+    Packed: `parts` are the codec's byte tensors. Differentiable (the first write required grad): one
+    tensor of fake-quantized values that keeps the autograd graph."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.parts: tuple[torch.Tensor, ...] | None = None
+        self.dtype: torch.dtype | None = None  # what reads return: the dtype that was written
+        self.differentiable = False
+
+    def append(self, used: int, x: torch.Tensor) -> None:
+        """Write x [B, n, D] (values before rounding) after the first `used` rows."""
+        if self.parts is None:
+            self.dtype, self.differentiable = x.dtype, _differentiable(x)
+        elif _differentiable(x) and not self.differentiable:
+            raise RuntimeError("this cache was filled without gradients; start a new cache for a training forward")
+        new = (qat(self.codec.fake_quant, x),) if self.differentiable else self.codec.pack(x.detach())
+        need = used + x.size(1)
+        if self.parts is None or self.parts[0].size(1) < need:
+            cap = max(need, 2 * (self.parts[0].size(1) if self.parts is not None else 0), 16)
+            grown = []
+            for i, n in enumerate(new):
+                g = n.new_zeros(n.size(0), cap, *n.shape[2:])
+                if self.parts is not None:
+                    g[:, :used] = self.parts[i][:, :used]
+                grown.append(g)
+            self.parts = tuple(grown)
+        for part, n in zip(self.parts, new):
+            part[:, used:need] = n
+
+    def stored(self, start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        """The stored tensors of rows start..stop-1 (views)."""
+        return tuple(p[:, start:stop] for p in self.parts)
+
+    def read(self, n: int) -> torch.Tensor:
+        """Rows 0..n-1 as values [B, n, D] in the written dtype."""
+        if self.differentiable:
+            return self.parts[0][:, :n]
+        return self.codec.unpack(self.stored(0, n), self.dtype)
+
+    def nbytes(self, n: int) -> int:
+        """Bytes of the first n rows, from the stored tensors."""
+        return 0 if self.parts is None else sum(p[:, :n].nbytes for p in self.parts)
+
+    def allocated_nbytes(self) -> int:
+        return 0 if self.parts is None else sum(p.nbytes for p in self.parts)
+
+
+class Ring:
+    """The window ring [B, window, ...] of one codec; slot = position mod window."""
+
+    def __init__(self, codec: Codec, window: int):
+        self.codec, self.window = codec, window
+        self.parts: tuple[torch.Tensor, ...] | None = None
+        self.dtype: torch.dtype | None = None
+        self.differentiable = False
+
+    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        if self.parts is None:
+            self.dtype, self.differentiable = x.dtype, _differentiable(x)
+        elif _differentiable(x) and not self.differentiable:
+            raise RuntimeError("this cache was filled without gradients; start a new cache for a training forward")
+        new = (qat(self.codec.fake_quant, x),) if self.differentiable else self.codec.pack(x.detach())
+        if self.parts is None:
+            self.parts = tuple(n.new_zeros(n.size(0), self.window, *n.shape[2:]) for n in new)
+        for part, n in zip(self.parts, new):
+            part[:, slots] = n
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        if self.differentiable:
+            return self.parts[0][:, slots]
+        return self.codec.unpack(tuple(p[:, slots] for p in self.parts), self.dtype)
+
+    def snapshot(self) -> tuple[torch.Tensor, ...]:
+        return tuple(p.clone() for p in self.parts)
+
+    def restore(self, snapshot: tuple[torch.Tensor, ...], slots: torch.Tensor) -> None:
+        for part, old in zip(self.parts, snapshot):
+            part[:, slots] = old[:, slots]
+
+    def nbytes(self) -> int:
+        return 0 if self.parts is None else sum(p.nbytes for p in self.parts)
+
+
+# ------------------------------------------------------------------------------------------- cache
 class CompressorState:
     """The projections of a trailing incomplete group, kept until the group's last token arrives."""
 
@@ -44,24 +189,11 @@ class CompressorState:
         return 0 if self.kv is None else self.kv.size(1)
 
 
-def _append(buf: torch.Tensor | None, used: int, new: torch.Tensor) -> torch.Tensor:
-    """Write `new` after the first `used` rows of a growable buffer (capacity doubles when full)."""
-    need = used + new.size(1)
-    if buf is None or buf.size(1) < need:
-        cap = max(need, 2 * (buf.size(1) if buf is not None else 0), 16)
-        grown = new.new_zeros(new.size(0), cap, *new.shape[2:])
-        if buf is not None:
-            grown[:, :used] = buf[:, :used]
-        buf = grown
-    buf[:, used:need] = new
-    return buf
-
-
 @dataclass
 class LayerCache:
-    window: torch.Tensor | None = None  # [B, window, D] ring
-    compressed_buf: torch.Tensor | None = None  # [B, capacity, D]
-    index_keys_buf: torch.Tensor | None = None  # [B, capacity, index_head_dim]
+    window: Ring | None = None
+    main: Rows | None = None  # compressed main KV (kv-source layers)
+    index_keys: Rows | None = None
     n_compressed: int = 0
     compressor_state: CompressorState = field(default_factory=CompressorState)
 
@@ -69,70 +201,194 @@ class LayerCache:
 class KVCache:
     """Cache for a batch of sequences that advance together (same positions).
 
+    main_format picks how compressed main KV entries are stored and hence what attention reads:
+    "fp4" (official: E2M1 + E4M3 per 16), or for comparison "fp8" (E4M3 + UE8M0 per 32) and "bf16".
+    Indexer keys are always MXFP4 and the window rings FP8, as in the official model.
+
     ref_index_quirk reproduces REF's decode behaviour where an indexer reads the most recently
     *published* index keys (layer 20's on steps where a ratio-2 group is still open) instead of its
     own kv source's keys; off by default (it is a bug), kept for parity studies."""
 
     def __init__(self, args: ModelArgs, batch_size: int, device: torch.device | str = "cpu",
-                 ref_index_quirk: bool = False):
+                 ref_index_quirk: bool = False, main_format: str = "fp4"):
+        if main_format not in MAIN_FORMATS:
+            raise ValueError(f"main_format must be one of {', '.join(MAIN_FORMATS)}, not {main_format!r}")
         self.args, self.batch_size, self.device = args, batch_size, torch.device(device)
+        self.main_format = main_format
+        self.main_codec = MAIN_FORMATS[main_format]
         self.window_size = args.window_size
         self.layers: dict[int, LayerCache] = {}
         self.pos = 0  # tokens consumed so far
         self.ref_index_quirk = ref_index_quirk
         self._published_keys: int | None = None
+        self._checkpoint: dict | None = None
         self.engram_history: torch.Tensor | None = None  # last (max_ngram-1) token ids per sequence
+        self.window_floor: dict[int, int] = {}  # layer -> first position its window may see
 
     def layer(self, layer_id: int) -> LayerCache:
         if layer_id not in self.layers:
             self.layers[layer_id] = LayerCache()
         return self.layers[layer_id]
 
+    def quantize_main(self, x: torch.Tensor) -> torch.Tensor:
+        """The main-KV storage rounding as fake quantization: what `compressed` returns for an entry
+        written as x (FP4 with E4M3 scales by default; FP8 or bf16 for the comparison formats)."""
+        return qat(self.main_codec.fake_quant, x)
+
     # ------------------------------------------------------------------ window ring
     def window_before(self, layer_id: int, start_pos: int) -> torch.Tensor:
         """Window KV of the positions max(0, start_pos-window)..start_pos-1, oldest first."""
         ring = self.layer(layer_id).window
-        n_prev = min(start_pos, self.window_size)
-        if ring is None or n_prev == 0:
+        # a window floor (SWA Bounded Replay) hides positions before a replay segment's start
+        n_prev = min(start_pos - self.window_floor.get(layer_id, 0), self.window_size)
+        if ring is None or n_prev <= 0:
             shape = (self.batch_size, 0, self.args.head_dim)
             return torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
-        slots = torch.arange(start_pos - n_prev, start_pos, device=ring.device) % self.window_size
-        return ring[:, slots]
+        slots = torch.arange(start_pos - n_prev, start_pos, device=ring.parts[0].device) % self.window_size
+        return ring.read(slots)
+
+    def set_window_floor(self, layer_id: int, position: int) -> None:
+        """Truncated SWA (spec §4.5, Bounded Replay): from now on this layer's window never reaches
+        before `position`, the start of a replay segment; older ring contents are ignored."""
+        self.window_floor[layer_id] = position
 
     def write_window(self, layer_id: int, kv: torch.Tensor, start_pos: int) -> None:
+        """kv [B, T, D]: window KV of positions start_pos.. *before* FP8 rounding (the post-RoPE
+        latent); the ring stores it as FP8 + UE8M0 and reads give fp8_fake_quant(kv)."""
         lc = self.layer(layer_id)
         if lc.window is None:
-            lc.window = kv.new_zeros(kv.size(0), self.window_size, kv.size(-1))
+            lc.window = Ring(WINDOW_CODEC, self.window_size)
         keep = min(kv.size(1), self.window_size)
         positions = torch.arange(start_pos + kv.size(1) - keep, start_pos + kv.size(1), device=kv.device)
-        lc.window[:, positions % self.window_size] = kv[:, -keep:]
+        lc.window.write(positions % self.window_size, kv[:, -keep:])
 
     # ------------------------------------------------------------------ compressed KV
     def write_compressed(self, layer_id: int, entries: torch.Tensor) -> None:
+        """entries [B, G, D]: new main-KV entries *before* storage rounding (RoPE(latent))."""
         lc = self.layer(layer_id)
-        lc.compressed_buf = _append(lc.compressed_buf, lc.n_compressed, entries)
+        if lc.main is None:
+            lc.main = Rows(self.main_codec)
+        lc.main.append(lc.n_compressed, entries)
         lc.n_compressed += entries.size(1)
 
     def write_index_keys(self, layer_id: int, keys: torch.Tensor) -> None:
-        """Called before write_compressed for the same entries (they share n_compressed)."""
+        """keys [B, G, index_head_dim] before MXFP4 rounding. Called before write_compressed for the
+        same entries (they share n_compressed)."""
         lc = self.layer(layer_id)
-        lc.index_keys_buf = _append(lc.index_keys_buf, lc.n_compressed, keys)
+        if lc.index_keys is None:
+            lc.index_keys = Rows(INDEX_KEY_CODEC)
+        lc.index_keys.append(lc.n_compressed, keys)
         self._published_keys = layer_id
 
     def compressed(self, source: int) -> torch.Tensor:
+        """The main KV entries of kv source `source`, [B, n, D], as attention reads them."""
         lc = self.layer(source)
-        if lc.compressed_buf is None:
+        if lc.main is None:
             return torch.zeros(self.batch_size, 0, self.args.head_dim, dtype=torch.bfloat16, device=self.device)
-        return lc.compressed_buf[:, :lc.n_compressed]
+        return lc.main.read(lc.n_compressed)
+
+    def index_keys_for(self, source: int) -> torch.Tensor:
+        n = self.layer(source).n_compressed
+        owner = self._published_keys if (self.ref_index_quirk and self._published_keys is not None) else source
+        return self.layer(owner).index_keys.read(n)
+
+    # ------------------------------------------------------------------ measured sizes
+    def storage_bytes(self) -> dict[str, int]:
+        """Bytes held, from the stored tensors (`nbytes` of the rows in use; rings whole): main KV,
+        index keys, window rings of the backbone layers, DSpark's rings, and `allocated` (everything
+        including the growable buffers' spare capacity)."""
+        n_layers = self.args.n_layers
+        out = {"main": 0, "index_keys": 0, "window": 0, "dspark_window": 0, "allocated": 0}
+        for l, lc in self.layers.items():
+            if lc.main is not None:
+                out["main"] += lc.main.nbytes(lc.n_compressed)
+                out["allocated"] += lc.main.allocated_nbytes()
+            if lc.index_keys is not None:
+                out["index_keys"] += lc.index_keys.nbytes(lc.n_compressed)
+                out["allocated"] += lc.index_keys.allocated_nbytes()
+            if lc.window is not None:
+                out["window" if l < n_layers else "dspark_window"] += lc.window.nbytes()
+                out["allocated"] += lc.window.nbytes()
+        return out
+
+    def global_bytes_per_token(self) -> float:
+        """Global KV (main entries + index keys) per token and sequence, measured from the stored
+        tensors. Equals the ledger's `global_bytes_per_token` once pos is a multiple of every ratio."""
+        if self.pos == 0:
+            return 0.0
+        b = self.storage_bytes()
+        return (b["main"] + b["index_keys"]) / (self.pos * self.batch_size)
+
+    # ------------------------------------------------------------------ persistent global KV
+    def export_global(self, upto: int | None = None) -> dict:
+        """The packed global KV for a persistent prefix cache: per kv source, the stored main-KV and
+        index-key tensors of the entries complete within the first `upto` tokens (default: all
+        consumed), and their positions (entry g covers tokens g*m..g*m+m-1 and is rotated at g*m).
+
+        Returns {"main_format", "dtype" (what reads return), "tokens": upto, "sources": {layer: {"ratio", "positions" [n],
+        "main": (tensors [B, n, ...]), "index_keys": (codes, scales)}}}, tensors cloned. Window rings
+        and the compressor's pending partial group are not part of it (bounded replay rebuilds them)."""
+        upto = self.pos if upto is None else upto
+        if not 0 <= upto <= self.pos:
+            raise ValueError(f"upto={upto} is outside the {self.pos} consumed tokens")
+        sources = {}
+        for l in self.args.kv_source_layers:
+            lc = self.layers.get(l)
+            m = self.args.compress_ratios[l]
+            n = min(upto // m, lc.n_compressed if lc is not None else 0)
+            if lc is not None and (lc.main is not None and lc.main.differentiable):
+                raise RuntimeError("a differentiable (training) cache holds no packed entries to export")
+            empty = lc is None or lc.main is None
+            sources[l] = {
+                "ratio": m,
+                "positions": torch.arange(n, device=self.device) * m,
+                "main": () if empty else tuple(t.clone() for t in lc.main.stored(0, n)),
+                "index_keys": () if empty else tuple(t.clone() for t in lc.index_keys.stored(0, n)),
+            }
+        dtype = next((lc.main.dtype for lc in self.layers.values() if lc.main is not None), torch.bfloat16)
+        return {"main_format": self.main_format, "dtype": dtype, "tokens": upto, "sources": sources}
+
+    def import_global(self, data: dict) -> None:
+        """Load what `export_global` returned into this (empty) cache's compressed stores. Sets the
+        entries and n_compressed only: `pos`, the window rings, the compressor's pending group and
+        Engram's history are the caller's (who replays or recomputes the tokens after the entries)."""
+        if data["main_format"] != self.main_format:
+            raise ValueError(f"global KV stored as {data['main_format']}, this cache stores {self.main_format}")
+        for l, src in data["sources"].items():
+            l = int(l)
+            if l not in self.args.kv_source_layers or src["ratio"] != self.args.compress_ratios[l]:
+                raise ValueError(f"layer {l} with ratio {src['ratio']} is not a kv source of this model")
+            lc = self.layer(l)
+            if lc.n_compressed:
+                raise ValueError(f"layer {l} already holds {lc.n_compressed} entries")
+            if not src["main"]:
+                continue
+            n = src["main"][0].size(1)
+            for rows_attr, codec, parts, dim in (("main", self.main_codec, src["main"], self.args.head_dim),
+                                                 ("index_keys", INDEX_KEY_CODEC, src["index_keys"],
+                                                  self.args.index_head_dim)):
+                expect = self._packed_shapes(codec, dim, n)
+                got = [tuple(p.shape) for p in parts]
+                if got != expect:
+                    raise ValueError(f"layer {l} {rows_attr}: tensors {got}, expected {expect}")
+                rows = Rows(codec)
+                rows.dtype = data.get("dtype", torch.bfloat16)
+                rows.parts = tuple(p.to(self.device).clone() for p in parts)
+                setattr(lc, rows_attr, rows)
+            lc.n_compressed = n
+
+    def _packed_shapes(self, codec: Codec, dim: int, n: int) -> list[tuple[int, ...]]:
+        probe = codec.pack(torch.zeros(self.batch_size, n, dim))
+        return [tuple(p.shape) for p in probe]
 
     # ------------------------------------------------------------------ speculative rollback
     def checkpoint(self) -> None:
         """Remember what the next forward may overwrite, so that `rollback` can drop a suffix of it
         (speculative decoding: verify drafts, keep the accepted prefix). Costs one copy of each
-        window ring; compressed entries are only appended, so their counts suffice."""
+        (packed) window ring; compressed entries are only appended, so their counts suffice."""
         self._checkpoint = {
             "pos": self.pos,
-            "rings": {l: lc.window.clone() for l, lc in self.layers.items() if lc.window is not None},
+            "rings": {l: lc.window.snapshot() for l, lc in self.layers.items() if lc.window is not None},
             "n_compressed": {l: lc.n_compressed for l, lc in self.layers.items()},
             "pending": {l: (lc.compressor_state.kv, lc.compressor_state.score) for l, lc in self.layers.items()},
             "engram_history": self.engram_history,
@@ -144,7 +400,7 @@ class KVCache:
     def rollback(self, new_pos: int, engram_history: torch.Tensor | None = None) -> None:
         """Keep positions < new_pos of those written since `checkpoint()`; forget the rest.
         engram_history: the Engram n-gram history as of new_pos (the caller knows the token ids)."""
-        ck = getattr(self, "_checkpoint", None)
+        ck = self._checkpoint
         if ck is None:
             raise RuntimeError("rollback without a checkpoint")
         start = ck["pos"]
@@ -153,7 +409,7 @@ class KVCache:
         dropped = torch.arange(new_pos, self.pos) % self.window_size
         for l, lc in self.layers.items():
             if l in ck["rings"] and len(dropped):
-                lc.window[:, dropped.to(lc.window.device)] = ck["rings"][l][:, dropped.to(lc.window.device)]
+                lc.window.restore(ck["rings"][l], dropped.to(lc.window.parts[0].device))
             elif l not in ck["rings"] and lc.window is not None and new_pos == start:
                 lc.window = None
             state = lc.compressor_state
@@ -178,8 +434,3 @@ class KVCache:
         self._published_keys = ck["published"]
         self.pos = new_pos
         self._checkpoint = None
-
-    def index_keys_for(self, source: int) -> torch.Tensor:
-        n = self.layer(source).n_compressed
-        owner = self._published_keys if (self.ref_index_quirk and self._published_keys is not None) else source
-        return self.layer(owner).index_keys_buf[:, :n]

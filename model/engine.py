@@ -38,6 +38,8 @@ class GenerationConfig:
     dspark_min_survival: float | None = None  # choose the length from the confidence head's prefix survival
     thinking_budget: int | None = None  # max reasoning tokens before `</think>` is forced
     think_end_id: int | None = None  # id of `</think>` (needed for the budget)
+    ced: str = "full"  # "replay": CED prefill, the decoder runs on the last window_size prompt tokens only
+    prefix_cache: object | None = None  # a model.prefix_cache.PrefixCache
 
 
 @dataclass
@@ -51,6 +53,7 @@ class GenerationResult:
     kv_bytes_per_token: float
     dspark: dict | None = None  # acceptance_per_position, mean_accepted_per_step, steps
     budget_forced: bool = False
+    prefill: dict | None = None  # what the prompt cost: tokens through encoder and decoder, prefix-cache hit
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -115,15 +118,20 @@ class Generator:
 
     # ---------------------------------------------------------------- building blocks
     def prefill(self, cache: KVCache, ids: list[int] | torch.Tensor, chunk: int | None = None,
-                return_taps: bool = False):
+                return_taps: bool = False, images: list | None = None, ced: str = "full"):
         """Run the prompt through the model, optionally in chunks; returns the last logits [1, V]
-        (and the taps of every prompt position when asked)."""
+        (and the taps of the prompt positions the decoder ran on, when asked). `images`: the prompt's
+        `vision.ImageInput`s (positions relative to `ids`); a chunk never ends inside an image span.
+        ced="replay": CED prefill of each chunk (the decoder runs on its last window_size tokens)."""
         ids = torch.as_tensor(ids, device=self.device).view(1, -1)
         T = ids.size(1)
         chunk = chunk or T
+        images = [img.shifted(cache.pos) for img in images or ()]
         logits, taps = None, []
-        for s in range(0, T, chunk):
-            out = self.model(ids[:, s:s + chunk], start_pos=cache.pos, cache=cache, return_taps=return_taps)
+        for s, e in _chunk_bounds(T, chunk, [(img.start - cache.pos, img.end - cache.pos) for img in images]):
+            here = [img for img in images if img.start >= cache.pos and img.end <= cache.pos + e - s]
+            out = self.model(ids[:, s:e], start_pos=cache.pos, cache=cache, return_taps=return_taps,
+                             images=[here] if here else None, ced=ced)
             if return_taps:
                 logits, t = out
                 taps.append(t)
@@ -140,17 +148,19 @@ class Generator:
     # ---------------------------------------------------------------- generation
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], config: GenerationConfig,
-                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
+                 on_token: Callable[[int], None] | None = None, images: list | None = None) -> GenerationResult:
+        """`images`: the `vision.ImageInput`s of an expanded prompt (`vision.expand_image_placeholders`)."""
         if config.dspark and not self.args.dspark_enabled:
             raise ValueError("this checkpoint has no DSpark drafter (n_mtp_layers = 0)")
         if not prompt_ids:
             raise ValueError("empty prompt")
+        if max(prompt_ids) >= self.args.vocab_size or min(prompt_ids) < 0:
+            raise ValueError(f"the prompt has token ids outside the model's vocabulary of {self.args.vocab_size}: "
+                             "the tokenizer does not belong to this checkpoint")
         sampler = Sampler(config.sampling, self.device)
-        cache = self.model.new_cache(1)
         _reset_peak_memory(self.device)
         t0 = time.perf_counter()
-        logits, taps = self.prefill(cache, prompt_ids, config.prefill_chunk, return_taps=True) \
-            if config.dspark else (self.prefill(cache, prompt_ids, config.prefill_chunk), None)
+        cache, logits, taps, prefill_stats = self._prompt(prompt_ids, config, images)
         _sync(self.device)
         t1 = time.perf_counter()
         budget = _Budget(config, prompt_ids)
@@ -161,7 +171,56 @@ class Generator:
         _sync(self.device)
         t2 = time.perf_counter()
         return GenerationResult(len(prompt_ids), out, finish, t1 - t0, t2 - t1, _peak_memory(self.device),
-                                cache_bytes_per_token(cache), stats, budget.forced)
+                                cache_bytes_per_token(cache), stats, budget.forced, prefill_stats)
+
+    def _prompt(self, ids: list[int], config: GenerationConfig, images=None):
+        """Fill a cache with the prompt: a prefix-cache lookup (exact restore, or global KV plus SWA
+        Bounded Replay of the last window_size cached tokens), then a full or CED-replay prefill of
+        the rest. Returns (cache, last logits, [(taps, positions)] for the drafter, stats)."""
+        want_taps = config.dspark
+        pc = config.prefix_cache if not images else None  # image prompts always prefill in full
+        hit = pc.lookup(ids, self.device) if pc is not None else None
+        taps: list = []
+        start, replayed = 0, 0
+        if hit is not None and hit.cache is not None:
+            cache, start = hit.cache, hit.tokens
+        else:
+            cache = self.model.new_cache(1)
+            if hit is not None:
+                cache.import_global(hit.global_kv)
+                start = hit.tokens
+                seg = max(0, start - self.args.window_size)
+                cache.pos = seg
+                cache.engram_history = _engram_history(self.model, ids[:seg]) if seg else None
+                out = self.model(torch.tensor([ids[seg:start]], device=self.device), start_pos=seg, cache=cache,
+                                 return_taps=want_taps, bounded_replay=True)
+                if want_taps:
+                    taps.append((out[1], torch.arange(seg, start, device=self.device)))
+                replayed = start - seg
+        rest = ids[start:]
+        # with a prefix cache, stop at the longest storable prefix first, so that its entry can keep the
+        # exact SWA state of that position in memory (a later hit on it is then exact)
+        cut = pc.aligned(len(ids), self.args) if pc is not None else len(ids)
+        bounds = [b for b in (start, cut, len(ids)) if b >= start]
+        for a, b in zip(bounds, bounds[1:]):
+            if b <= a:
+                continue
+            out = self.prefill(cache, ids[a:b], config.prefill_chunk, return_taps=want_taps, images=images,
+                               ced=config.ced)
+            logits = out[0] if want_taps else out
+            if want_taps:
+                n = out[1].size(1)
+                taps.append((out[1], torch.arange(b - n, b, device=self.device)))
+            if pc is not None and b == cut:
+                pc.store(ids[:b], cache)
+        decoder = len(rest)
+        if config.ced == "replay":  # each chunk longer than the window sends only its tail to the decoder
+            chunk = config.prefill_chunk or len(rest)
+            decoder = sum(min(len(rest[s:s + chunk]), self.args.window_size) for s in range(0, len(rest), chunk))
+        stats = {"cached_tokens": start, "replayed_tokens": replayed, "prefilled_tokens": len(rest),
+                 "decoder_tokens": decoder + replayed,
+                 "prefix_hit": None if hit is None else ("exact" if hit.cache is not None else "bounded_replay")}
+        return cache, logits, taps, stats
 
     def _autoregressive(self, cache, logits, config, sampler, budget, on_token):
         out: list[int] = []
@@ -177,7 +236,7 @@ class Generator:
             logits = self.step(cache, token)
 
     # ---------------------------------------------------------------- DSpark
-    def _speculative(self, cache, logits, taps, prompt_ids, config, sampler, budget, on_token):
+    def _speculative(self, cache, logits, tap_segments, prompt_ids, config, sampler, budget, on_token):
         """Draft S tokens with the drafter, verify them in one target forward, keep the accepted
         prefix plus one token from the target (chain verification). Greedy: accept while the draft
         equals the target's argmax, so the output is identical to plain greedy decoding. Sampling:
@@ -186,9 +245,9 @@ class Generator:
         S = args.dspark_block_size
         win = args.window_size
         history = list(prompt_ids)
-        main_x = dspark.main_x(model, taps)
         ring_ids = [args.n_layers + k for k in range(len(model.mtp))]  # the drafter's rings live in the cache
-        self._feed_drafter(cache, ring_ids, main_x, torch.arange(len(prompt_ids), device=self.device))
+        for taps, positions in tap_segments:
+            self._feed_drafter(cache, ring_ids, dspark.main_x(model, taps), positions)
         out: list[int] = []
         accepted_at = [0] * S  # how often draft position i was accepted
         proposed_at = [0] * S
@@ -266,7 +325,9 @@ class Generator:
 
     def _feed_drafter(self, cache, ring_ids, main_x, positions):
         for lid, stage in zip(ring_ids, self.model.mtp):
-            cache.write_window(lid, stage.context_kv(main_x, positions), int(positions[0]))
+            # the cache rounds to FP8 itself: hand it the unrounded window KV (re-rounding is not exact)
+            latent = stage.attn.window_latent(main_x, stage.attn.freqs(positions, main_x.device))
+            cache.write_window(lid, latent, int(positions[0]))
 
     def _verify_length(self, conf: torch.Tensor, config: GenerationConfig, S: int) -> int:
         k = config.dspark_draft_len or S
@@ -317,6 +378,20 @@ class _Budget:
         return token
 
 
+def _chunk_bounds(total: int, chunk: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[s, e) prefill chunks of about `chunk` tokens; a chunk that would end inside an image span
+    [a, b) runs on to b (an image is encoded and attends to itself within one forward)."""
+    bounds, s = [], 0
+    while s < total:
+        e = min(s + chunk, total)
+        for a, b in spans:
+            if a < e < b:
+                e = b
+        bounds.append((s, e))
+        s = e
+    return bounds
+
+
 def _engram_history(model, ids: list[int]) -> torch.Tensor | None:
     hasher = model.hasher
     if hasher is None:
@@ -327,16 +402,8 @@ def _engram_history(model, ids: list[int]) -> torch.Tensor | None:
 
 def cache_bytes_per_token(cache: KVCache) -> float:
     """Bytes the cache holds per token for the global KV (compressed main KV + indexer keys) as
-    stored now, measured from the tensors (nbytes of the used rows), not from a formula."""
-    if cache.pos == 0:
-        return 0.0
-    total = 0
-    for lc in cache.layers.values():
-        if lc.n_compressed:
-            for buf in (lc.compressed_buf, lc.index_keys_buf):
-                if buf is not None:
-                    total += buf[:, :lc.n_compressed].nbytes if hasattr(buf, "nbytes") else 0
-    return total / (cache.pos * cache.batch_size)
+    stored now (packed), measured from the tensors (nbytes of the used rows), not from a formula."""
+    return cache.global_bytes_per_token()
 
 
 def _sync(device):

@@ -36,6 +36,8 @@ class SharedState:
     topk: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
     aux: dict | None = None  # training only: auxiliary losses collected on the way (indexer KL)
+    image_window: torch.Tensor | None = None  # extra window columns of image spans [B, T, S] (vision.py)
+    precompressed: frozenset = frozenset()  # kv sources whose entries for these tokens already exist
 
 
 class Block(nn.Module):
@@ -119,6 +121,10 @@ class Transformer(nn.Module):
             self.image_start = nn.Parameter(torch.zeros(args.dim, dtype=torch.bfloat16))
             self.image_end = nn.Parameter(torch.zeros(args.dim, dtype=torch.bfloat16))
             self.image_newline = nn.Parameter(torch.zeros(args.dim, dtype=torch.bfloat16))
+        # "bidirectional": inside an image span the sliding window sees the whole span (spec §4.4, as
+        # vLLM serves V4.1); "causal": S0's reference forward, whose window stays causal over images
+        self.image_attention = "bidirectional"
+        self.batch_images = False  # training: one ViT call per image size (vision.encode_images)
         self._tokenizer = tokenizer
         self._hasher = None
 
@@ -134,17 +140,59 @@ class Transformer(nn.Module):
             self._hasher = NgramHasher.from_tokenizer(self.args, tok).to(self.embed.weight.device)
         return self._hasher
 
+    # ------------------------------------------------------------------ images
+    def merge_image_embeddings(self, h: torch.Tensor, images, start_pos: int = 0) -> torch.Tensor:
+        """h [B, T, dim] with each image span replaced by its embeddings: START/NEWLINE/END learned,
+        IMAGE slots the aligner rows of the ViT features (vision.py). Out of place, differentiable."""
+        from model import vision
+
+        flat = [(b, img) for b, row in enumerate(images) for img in (row or ())]
+        rows = vision.encode_images(self.vision, self.aligner, [img for _, img in flat], self.batch_images)
+        batch_idx, pos_idx, values = [], [], []
+        for (b, img), r in zip(flat, rows):
+            n = img.types.numel()
+            values.append(vision.span_embeddings(img.types, r, self.image_start, self.image_newline, self.image_end))
+            batch_idx.append(torch.full((n,), b, dtype=torch.long))
+            pos_idx.append(torch.arange(img.start - start_pos, img.end - start_pos))
+        index = (torch.cat(batch_idx).to(h.device), torch.cat(pos_idx).to(h.device))
+        return h.index_put(index, torch.cat(values).to(h.dtype))
+
     # ------------------------------------------------------------------ forward
+    def _replay_split(self, ced: str, seqlen: int, images) -> int | None:
+        """Where the decoder starts in a CED `replay` prefill (None: every layer sees every token)."""
+        if ced not in ("full", "replay"):
+            raise ValueError(f"ced must be 'full' or 'replay', not {ced!r}")
+        if ced == "full" or seqlen <= self.args.window_size or self.args.family != "v4.1":
+            return None
+        if images is not None:
+            raise ValueError("CED replay prefill does not take images (image spans need the full forward)")
+        return seqlen - self.args.window_size
+
     def new_cache(self, batch_size: int, **kw) -> KVCache:
         return KVCache(self.args, batch_size, self.embed.weight.device, **kw)
 
     def forward(self, ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
                 image_mask: torch.Tensor | None = None, all_logits: bool = False,
-                return_taps: bool = False, aux: dict | None = None):
+                return_taps: bool = False, aux: dict | None = None, images=None, ced: str = "full",
+                bounded_replay: bool = False):
         """ids [B, T] at positions start_pos..start_pos+T-1 -> logits [B, V] (last position) or
         [B, T, V] with all_logits. Without a cache the call is a full-sequence forward from position 0.
         With return_taps, also the DSpark taps [B, T, len(targets) * dim] (residual entering each
         target layer, averaged over streams). `aux` (training) collects auxiliary losses.
+
+        images: per sequence of the batch, the `vision.ImageInput`s whose spans lie in this chunk
+        (absolute positions; `vision.expand_image_placeholders` builds them). Their positions take the
+        vision embeddings, route with `bias_vl`, are dead to Engram and see their whole span in the
+        sliding window. image_mask [B, T] (True inside image spans) defaults to the spans of `images`.
+
+        ced: "full" runs every layer on every token (exact). "replay" (spec §4.5, CED prefill) runs the
+        encoder on every token, builds the decoder's global KV from layer L/2's projection of the encoder
+        output for every token, and runs the decoder only on the last `window_size` tokens with
+        truncated SWA (Decoder SWA Bounded Replay); logits and taps then cover those tokens only.
+
+        bounded_replay: these tokens are already in the cache's global KV (a persistent prefix-cache
+        hit without its SWA state): rebuild the window rings by running every layer on them with
+        truncated SWA (windows start at start_pos), without writing compressed entries again.
 
         Inference callers should run under torch.inference_mode(); gradients flow when they are enabled."""
         if cache is None:
@@ -154,21 +202,56 @@ class Transformer(nn.Module):
         if start_pos != cache.pos:
             raise ValueError(f"cache holds {cache.pos} positions but the input starts at {start_pos}")
         shared = SharedState(aux=aux)
+        if bounded_replay:
+            shared.precompressed = frozenset(self.args.kv_source_layers)
+            for spec in self.plan.layers:
+                cache.set_window_floor(spec.id, start_pos)
+        if images is not None and not any(images):
+            images = None
+        if images is not None:
+            from model import vision  # text-only forwards never load the vision code
+
+            if isinstance(images[0], vision.ImageInput):  # a flat list: the images of a one-sequence batch
+                images = [images]
+            if not self.args.vision_enabled:
+                raise ValueError("this model has no vision tower (vision_n_layers = 0) but images were given")
+            vision.check_spans_in_chunk(images, start_pos, ids.size(1))
+            if image_mask is None:
+                image_mask = vision.image_mask_from_inputs(images, ids.size(0), start_pos, ids.size(1), ids.device)
+            if self.image_attention == "bidirectional":
+                n_prev = min(start_pos, self.args.window_size)  # what cache.window_before hands attention
+                shared.image_window = vision.image_window_indices(images, start_pos, ids.size(1), n_prev,
+                                                                  self.args.window_size, ids.device)
         rows = None
         if self.hasher is not None:
             rows, cache.engram_history = self.hasher(ids, image_mask, cache.engram_history)
         engram_mask = None if image_mask is None else ~image_mask
-        x = self.embed(ids)
+        x = self.embed(ids if images is None else ids.masked_fill(image_mask, 0))  # span ids are overwritten
+        if images is not None:
+            x = self.merge_image_embeddings(x, images, start_pos)
         x = x.unsqueeze(2).repeat(1, 1, self.args.hc_mult, 1)
         pre = mhc.identity_pre(x)
         taps = []
+        replay_at = self._replay_split(ced, ids.size(1), images)
+        block_start = start_pos
         for block in self.layers:
             spec = block.spec
+            if replay_at is not None and spec.id == self.args.n_layers // 2:
+                # CED: layer L/2 projects the encoder output of every token to the decoder's global KV;
+                # the decoder itself then runs on the tail only, its windows starting at the tail
+                block.attn.compress(block.attn_norm(mhc.collapse(x, pre)), start_pos, cache)
+                shared.precompressed = frozenset({spec.id})
+                x, pre = x[:, replay_at:], pre[:, replay_at:]
+                rows = None if rows is None else rows[:, replay_at:]
+                engram_mask = None if engram_mask is None else engram_mask[:, replay_at:]
+                block_start = start_pos + replay_at
+                for later in self.plan.layers[spec.id:]:
+                    cache.set_window_floor(later.id, block_start)
             if block.engram is not None:
                 x = block.engram(x, rows[:, :, spec.engram], engram_mask)
             if spec.dspark_tap:
                 taps.append(x.float().mean(dim=2).to(x.dtype))
-            x, pre = block(x, pre, start_pos, cache, shared, image_mask)
+            x, pre = block(x, pre, block_start, cache, shared, image_mask)
         cache.pos = start_pos + ids.size(1)
         u = mhc.collapse(x, pre)
         if not all_logits:

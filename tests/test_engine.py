@@ -219,3 +219,46 @@ def test_generate_bad_inputs_exit_2(tmp_path):
         r = run_cli("generate", *argv)
         assert r.returncode == 2, (argv, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------- CED and prefix cache
+def test_ced_replay_runs_the_decoder_on_the_tail_only(tiny_model, tiny_args):
+    ids = torch.tensor([prompt(40, seed=11)])
+    win = tiny_args.window_size
+    with torch.inference_mode():
+        full_cache, replay_cache = tiny_model.new_cache(1), tiny_model.new_cache(1)
+        full = tiny_model(ids, cache=full_cache, all_logits=True)
+        rep = tiny_model(ids, cache=replay_cache, all_logits=True, ced="replay")
+    assert rep.shape[1] == win  # logits of the decoder's tail only
+    # the decoder's global KV (layer 4 = L/2, m=1) comes from the encoder output over every token
+    assert replay_cache.layer(4).n_compressed == full_cache.layer(4).n_compressed == 40
+    assert torch.equal(replay_cache.compressed(4), full_cache.compressed(4))
+    assert torch.equal(replay_cache.compressed(2), full_cache.compressed(2))  # the encoder is untouched
+    # truncated SWA changes the tail a little, not a lot
+    assert (rep - full[:, -win:]).abs().max() < 0.05
+    with pytest.raises(ValueError):
+        tiny_model(ids, ced="sometimes")
+
+
+def test_prefix_cache_exact_hit_and_bounded_replay(gen, tmp_path):
+    from model.prefix_cache import PrefixCache
+
+    ids = prompt(40, seed=12)
+    cfg = lambda pc, **kw: GenerationConfig(max_new_tokens=8, stop_ids=(), prefix_cache=pc, **kw)
+    base = gen.generate(ids, GenerationConfig(max_new_tokens=8, stop_ids=()))
+    pc = PrefixCache(tmp_path)
+    first = gen.generate(ids[:31], cfg(pc))
+    assert first.prefill["prefix_hit"] is None
+    exact = gen.generate(ids, cfg(pc))
+    assert exact.prefill == {"cached_tokens": 30, "replayed_tokens": 0, "prefilled_tokens": 10, "decoder_tokens": 10,
+                             "prefix_hit": "exact"}  # stored at 30 = a multiple of every ratio
+    assert exact.output_ids == base.output_ids  # a live hit is exact
+    fresh = PrefixCache(tmp_path)  # another process: global KV from disk, no SWA state
+    replay = gen.generate(ids, cfg(fresh))
+    assert replay.prefill["prefix_hit"] == "bounded_replay" and replay.prefill["replayed_tokens"] == 8
+    assert replay.output_ids[:2] == base.output_ids[:2]  # an approximation, but a close one
+    # a damaged entry is a miss, never an error
+    for f in tmp_path.glob("*.pt"):
+        f.write_bytes(b"garbage")
+    miss = gen.generate(ids, cfg(PrefixCache(tmp_path)))
+    assert miss.prefill["prefix_hit"] is None and miss.output_ids == base.output_ids

@@ -30,6 +30,12 @@ def command(
     thinking_budget: Optional[int] = typer.Option(None, "--thinking-budget", min=0,
                                                   help="Close </think> after this many reasoning tokens."),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", min=1, help="Prefill the prompt in chunks of N tokens."),
+    ced: str = typer.Option("full", "--ced", help="Prefill: full (exact) or replay (CED: the decoder runs on the last "
+                                                  "window of the prompt only; docs/generation.md measures the cost)."),
+    prefix_cache: Optional[Path] = typer.Option(None, "--prefix-cache", help="Directory of a persistent prefix cache "
+                                                "(global KV on disk, SWA state in memory)."),
+    image: Optional[List[Path]] = typer.Option(None, "--image", help="An image file placed before the prompt's text "
+                                               "(repeatable; with --messages: in the last user message)."),
     print_prompt: bool = typer.Option(False, "--print-prompt", help="Print the exact prompt text and exit (no weights loaded)."),
     model: Optional[str] = ModelOpt,
     device: str = DeviceOpt,
@@ -39,6 +45,8 @@ def command(
 
     if mode not in ("thinking", "chat"):
         fail(f"--mode must be thinking or chat, not {mode!r}")
+    if ced not in ("full", "replay"):
+        fail(f"--ced must be full or replay, not {ced!r}")
     try:
         effort_value = encoding.parse_effort(effort)
     except ValueError as e:
@@ -49,7 +57,17 @@ def command(
     if not sources:
         fail("nothing to generate from: give a PROMPT, --messages FILE, --input-file FILE or --interactive")
 
+    from model.parallel import init_from_env
+
+    # one process, or one rank of `torchrun --nproc-per-node N -m dsv41_cli generate`: rank 0 owns the console
+    ctx = init_from_env(resolve_device(device))
     tool_list = _read_json_file(tools, "--tools", list) if tools else None
+    image_blocks = [{"type": "image_url", "image_url": {"url": str(p)}} for p in image or ()]
+    if image_blocks and input_file is not None:
+        fail("--image works with PROMPT, --messages or --interactive, not --input-file (use <image>path</image> tags)")
+    for p in image or ():
+        if not p.is_file():
+            fail(f"--image {p}: no such file")
     if input_file is not None:
         try:
             text = input_file.read_text(encoding="utf-8")
@@ -64,15 +82,19 @@ def command(
             msgs = [{"role": "system", "content": system}] + msgs
         if tool_list:
             msgs = encoding.attach_tools(msgs, tool_list)
+        if image_blocks:
+            msgs = _with_images(msgs, image_blocks)
         batch = [msgs]
     elif prompt is not None:
-        batch = [_turn(prompt, system, tool_list)]
+        batch = [_turn(prompt, system, tool_list, image_blocks)]
     else:
         batch = []
+    tool_list, batch = ctx.broadcast_object((tool_list, batch))  # every rank runs rank 0's prompts
 
-    def encode(msgs):
+    def encode(msgs, image_tags: bool = messages is None):
+        """(prompt text, image records); `<image>path</image>` tags count in typed text, not in --messages."""
         try:
-            return encoding.encode_messages(msgs, mode=mode, effort=effort_value)
+            return encoding.encode_messages_with_images(msgs, mode=mode, effort=effort_value, image_tags=image_tags)
         except (ValueError, TypeError, KeyError) as e:
             fail(f"cannot encode the messages: {e}")
 
@@ -80,17 +102,17 @@ def command(
         if interactive:
             fail("--print-prompt needs a PROMPT, --messages or --input-file")
         for msgs in batch:
-            sys.stdout.write(encode(msgs) + ("\n" if len(batch) > 1 else ""))
+            sys.stdout.write(encode(msgs)[0] + ("\n" if len(batch) > 1 else ""))
         sys.stdout.flush()
         return
 
-    from model.checkpoint import load_model
     from model.engine import GenerationConfig, Generator, SamplingConfig
+    from model.parallel import load_model_parallel
 
-    dev = resolve_device(device)
+    dev = ctx.device
     model_dir = resolve_model_dir(model)
     try:
-        net, args, tokenizer = load_model(model_dir, device=dev)
+        net, args, tokenizer = load_model_parallel(model_dir, dev, ctx)  # this rank's part of the model
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
     if use_dspark and not args.dspark_enabled:
@@ -98,16 +120,24 @@ def command(
     tune_threads(args, dev)
     engine = Generator(net, tokenizer)
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature, top_p, seed),
+        max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature, top_p, ctx.same_seed(seed)),
         stop_ids=(tokenizer.eos_id,), prefill_chunk=prefill_chunk, dspark=use_dspark,
         thinking_budget=thinking_budget if mode == "thinking" else None,
-        think_end_id=tokenizer.token_to_id(encoding.THINK_END))
+        think_end_id=tokenizer.token_to_id(encoding.THINK_END), ced=ced)
+    if prefix_cache is not None:
+        from model.prefix_cache import PrefixCache
+
+        try:
+            config.prefix_cache = PrefixCache(prefix_cache)
+        except OSError as e:
+            fail(f"--prefix-cache {prefix_cache}: {e.strerror or e}")
 
     if interactive:
-        _interactive(engine, tokenizer, config, mode, effort_value, system, tool_list)
+        _interactive(engine, tokenizer, config, mode, effort_value, system, tool_list, image_blocks, ctx)
         return
     for msgs in batch:
-        doc = run_one(engine, tokenizer, config, encode(msgs), mode, stream=not as_json)
+        prompt_text, records = encode(msgs)
+        doc = run_one(engine, tokenizer, config, prompt_text, mode, stream=not as_json and ctx.is_main, images=records)
         if as_json:
             if len(batch) > 1:
                 sys.stdout.write(json.dumps(doc) + "\n")
@@ -117,11 +147,32 @@ def command(
             out.print()
 
 
-def _turn(text: str, system: str | None, tools: list | None) -> list[dict]:
+def _turn(text: str, system: str | None, tools: list | None, images: list[dict] | None = None) -> list[dict]:
     from model import encoding
 
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    content = text
+    if images:  # the images first, then the text (whose <image>path</image> tags stay where they are)
+        try:
+            parsed = encoding.parse_image_tags(text)
+        except ValueError as e:
+            fail(f"cannot encode the messages: {e}")
+        content = images + ([{"type": "text", "text": parsed}] if isinstance(parsed, str) else parsed)
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
     return encoding.attach_tools(msgs, tools) if tools else msgs
+
+
+def _with_images(msgs: list, images: list[dict]) -> list:
+    """--messages with --image: the images go first into the last user message."""
+    users = [i for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
+        fail("--image: the --messages list has no user message to put the images in")
+    msgs = list(msgs)
+    last = dict(msgs[users[-1]])
+    content = last.get("content")
+    blocks = content if isinstance(content, list) else ([{"type": "text", "text": content}] if content else [])
+    last["content"] = images + blocks
+    msgs[users[-1]] = last
+    return msgs
 
 
 def _read_json_file(path: Path, flag: str, kind: type):
@@ -172,13 +223,27 @@ class _Stream:
             out.print()
 
 
-def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool) -> dict:
-    """Generate for one encoded prompt; stream to the terminal or stay quiet; return the JSON document."""
+def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool, images: list | None = None) -> dict:
+    """Generate for one encoded prompt; stream to the terminal or stay quiet; return the JSON document.
+    `images`: the image records of the prompt's placeholders (each expands to its image's span)."""
     from model.encoding import parse_completion
 
     ids = tokenizer.encode(prompt_text, allow_special=True)
+    inputs = None
+    if images or engine.args.image_token_id in ids:
+        from model.encoding import IMAGE_PLACEHOLDER
+        from model.vision import expand_image_placeholders
+
+        placeholder = tokenizer.token_to_id(IMAGE_PLACEHOLDER)
+        if engine.args.vision_enabled and placeholder is not None and placeholder != engine.args.image_token_id:
+            fail(f"the tokenizer's {IMAGE_PLACEHOLDER} is id {placeholder} but the config's image_token_id is "
+                 f"{engine.args.image_token_id}")
+        try:
+            ids, _, inputs = expand_image_placeholders(ids, images or [], engine.args)
+        except ValueError as e:
+            fail(str(e))
     streamer = _Stream(tokenizer, mode, stream)
-    result = engine.generate(ids, config, on_token=streamer)
+    result = engine.generate(ids, config, on_token=streamer, images=inputs)
     streamer.close()
     completion = tokenizer.decode(result.output_ids, skip_special=False)
     parsed = parse_completion(completion, mode, finished=result.finish_reason == "stop")
@@ -200,6 +265,8 @@ def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool
             "dspark": result.dspark and {k: result.dspark[k] for k in ("acceptance_per_position", "mean_accepted_per_step")},
         },
     }
+    if result.prefill is not None:
+        doc["prefill"] = result.prefill
     if parsed.errors:
         doc["parse_errors"] = parsed.errors
     if result.budget_forced:
@@ -227,15 +294,19 @@ def _reasoning_tokens(ids: list[int], tokenizer, mode: str) -> int:
     return ids.index(end) if end in ids else len(ids)
 
 
-def _interactive(engine, tokenizer, config, mode, effort, system, tools) -> None:
+def _interactive(engine, tokenizer, config, mode, effort, system, tools, images=None, ctx=None) -> None:
     from model import encoding
+    from model.parallel import current
 
+    ctx = ctx or current()
     history: list[dict] = []
+    pending_images = list(images or [])  # --image goes with the first message
     base = _turn("", system, tools)[:-1]  # the system message (and tools), if any
-    err.print("[dim]dsv41 chat — /exit to quit, /clear to forget the conversation[/dim]", markup=True)
+    if ctx.is_main:
+        err.print("[dim]dsv41 chat — /exit to quit, /clear to forget the conversation[/dim]", markup=True)
     while True:
         try:
-            line = input(">>> ")
+            line = ctx.on_main(input, ">>> ")  # rank 0 reads the console; every rank gets the line
         except EOFError:
             break
         if line.strip() == "/exit":
@@ -245,9 +316,22 @@ def _interactive(engine, tokenizer, config, mode, effort, system, tools) -> None
             continue
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line})
-        prompt = encoding.encode_messages(base + history, mode=mode, effort=effort)
-        doc = run_one(engine, tokenizer, config, prompt, mode, stream=True)
+        try:
+            parsed = encoding.parse_image_tags(line)
+        except ValueError as e:
+            err.print(f"[red]error:[/] {e}", markup=True)
+            continue
+        if pending_images:
+            parsed = pending_images + ([{"type": "text", "text": parsed}] if isinstance(parsed, str) else parsed)
+            pending_images = []
+        history.append({"role": "user", "content": parsed})
+        try:
+            prompt, records = encoding.encode_messages_with_images(base + history, mode=mode, effort=effort)
+        except ValueError as e:
+            history.pop()
+            err.print(f"[red]error:[/] {e}", markup=True)
+            continue
+        doc = run_one(engine, tokenizer, config, prompt, mode, stream=ctx.is_main, images=records)
         reply = {"role": "assistant", "content": doc["content"]}
         if doc["reasoning"]:
             reply["reasoning_content"] = doc["reasoning"]

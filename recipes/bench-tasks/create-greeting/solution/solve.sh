@@ -1,0 +1,2 @@
+#!/bin/bash
+printf 'Hello, sandbox!\n' > greeting.txt

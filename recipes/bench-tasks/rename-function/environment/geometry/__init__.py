@@ -1,0 +1,3 @@
+from geometry.shapes import area, perimeter
+
+__all__ = ["area", "perimeter"]
