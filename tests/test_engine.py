@@ -262,3 +262,11 @@ def test_prefix_cache_exact_hit_and_bounded_replay(gen, tmp_path):
         f.write_bytes(b"garbage")
     miss = gen.generate(ids, cfg(PrefixCache(tmp_path)))
     assert miss.prefill["prefix_hit"] is None and miss.output_ids == base.output_ids
+
+
+def test_interactive_chat_keeps_history_and_obeys_commands(small_checkpoint):
+    r = subprocess.run([sys.executable, "-m", "dsv41_cli", "generate", "--interactive", "--model", str(small_checkpoint),
+                        "--max-new-tokens", "3", "--temperature", "0", "--mode", "chat"],
+                       input="Hello\n/clear\nHi again\n/exit\nnever read\n", capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("prompt tokens") == 2  # one stats line per turn; /clear and /exit are commands
