@@ -82,13 +82,15 @@ def _copy_cache(cache):
 
 @torch.inference_mode()
 def measure(model, tokenizer, texts: list[str], prompt_tokens: int, cont_tokens: int = 16, suffix_tokens: int = 64,
-            greedy_tokens: int = 16) -> dict:
+            greedy_tokens: int = 16, max_docs: int = 16) -> dict:
     gen = Generator(model, tokenizer)
     args = model.args
     results = {"ced-replay": [], "bounded-replay": []}
     saved = {"ced-replay": [], "bounded-replay": []}
     n_docs = 0
     for text in texts:
+        if n_docs >= max_docs:
+            break
         ids = tokenizer.encode(text, allow_special=False)
         if len(ids) < prompt_tokens + cont_tokens:
             continue
@@ -151,7 +153,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     model, _, tok = load_model(a.model or bundled_model_dir())
     texts = _texts(a.paths, min_chars=a.prompt_tokens * 5)[: a.docs * 3]
-    res = measure(model, tok, texts[: a.docs * 3], a.prompt_tokens)
+    res = measure(model, tok, texts, a.prompt_tokens, max_docs=a.docs)
     if a.json:
         print(json.dumps(res, indent=2))
         return

@@ -34,7 +34,17 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
     joins the denominator only), idx [B,T,K] with -1 = empty. A row with no valid index gives 0.
 
         o = sum_j e^{l_j - M} kv_j / (sum_j e^{l_j - M} + e^{sink - M}),   l_j = scale q.kv_{idx_j}
+
+    On CUDA with bf16 q and kv, no gradient wanted and Triton installed, this runs the Triton kernel
+    (model/kernels/sparse_attention.py; same result within bf16 rounding of the probabilities);
+    DSV41_DISABLE_TRITON=1 keeps this reference. CPU always takes the reference below.
     """
+    if q.is_cuda and q.dtype == kv.dtype == torch.bfloat16 and not (
+            torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or sink.requires_grad)):
+        from model.kernels import sparse_attention as kernels, use_triton
+
+        if use_triton(q, kv) and kernels.supported(q, kv.size(-1)):
+            return kernels.sparse_attention(q, kv, sink, idx, scale)
     valid = idx >= 0
     batch = torch.arange(kv.size(0), device=kv.device).view(-1, 1, 1)
     gathered = kv.float()[batch, idx.clamp_min(0).long()]  # [B,T,K,D]
@@ -124,7 +134,10 @@ class Attention(nn.Module):
         # a table as long as the positions in use, grown in powers of two (1M rows would be 256 MB)
         stop = positions.stop if isinstance(positions, slice) else int(positions.max()) + 1
         length = 1 << max(stop - 1, 1).bit_length()
-        return rope_frequencies(rd, max(length, 64), base, orig, factor, bf, bs)[positions].to(device)
+        table = rope_frequencies(rd, max(length, 64), base, orig, factor, bf, bs)
+        if isinstance(positions, torch.Tensor) and positions.device != table.device:
+            table = table.to(positions.device)  # the cached table lives on the CPU; CUDA indices need it on the GPU
+        return table[positions].to(device)
 
     # ---------------------------------------------------------------- pieces of the forward
     def query(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,10 +67,14 @@ class Indexer(nn.Module):
             self.wk = Linear(args.head_dim, self.head_dim, torch.bfloat16)
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
 
+    def key_latent(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Index keys of new compressed entries before MXFP4 rounding, RoPE(RMSNorm_k(W_k c_g)): what
+        the KV cache packs as MXFP4. latent [B, G, head_dim] (pre-RoPE), freqs at g*m."""
+        return rope_tail(self.k_norm(self.wk(latent)), freqs, self.rope_dim)
+
     def keys(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        """Index keys of new compressed entries: latent [B, G, head_dim] (pre-RoPE), freqs at g*m."""
-        k = self.k_norm(self.wk(latent))
-        return qat(formats.mxfp4_fake_quant, rope_tail(k, freqs, self.rope_dim), 32)
+        """Index keys of new compressed entries as the scores use them: MXFP4(key_latent)."""
+        return qat(formats.mxfp4_fake_quant, self.key_latent(latent, freqs), 32)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, freqs: torch.Tensor,
                 start_pos: int, shared) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,11 +83,7 @@ class Indexer(nn.Module):
 
         keys [B, N, index_head_dim] are the index keys of every compressed entry written so far."""
         B, T, _ = x.shape
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = qat(formats.mxfp4_fake_quant, rope_tail(q, freqs, self.rope_dim), 32)
-        w = self.weights_proj(x).float() * self.weight_scale
-        scores = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).relu_()
-        scores = (scores * w.unsqueeze(-1)).sum(dim=2)  # [B, T, N]
+        scores = self.head_scores(x, qr, keys, freqs)  # [B, T, N]
         visible = visible_counts(start_pos, T, self.ratio, x.device)
         n = keys.size(1)
         scores = scores.masked_fill(torch.arange(n, device=x.device) >= visible.unsqueeze(-1), -torch.inf)
@@ -94,3 +94,13 @@ class Indexer(nn.Module):
         k = min(self.topk, n)
         idx = scores.detach().topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
         return torch.where(idx < visible.view(1, T, 1), idx, -1), scores
+
+    def head_scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """sum_h w_h ReLU(q_h . k_g) over the index heads held here, [B, T, N] fp32, before any masking.
+        Under tensor parallelism (model/parallel.py) each rank holds some heads and the partial sums
+        are all-reduced before Top-K, so every rank selects the same entries."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = qat(formats.mxfp4_fake_quant, rope_tail(q, freqs, self.rope_dim), 32)
+        w = self.weights_proj(x).float() * self.weight_scale
+        scores = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).relu_()
+        return (scores * w.unsqueeze(-1)).sum(dim=2)

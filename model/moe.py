@@ -90,10 +90,18 @@ class MoE(nn.Module):
         weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
         # tokens per expert: read by training to update the selection bias (aux-loss-free balancing)
         self.load = torch.bincount(indices.flatten(), minlength=self.n_routed).detach()
+        y = self.routed(x, weights, indices)
+        y += self.shared_experts(x).float()
+        return y.to(x.dtype).reshape(shape)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """sum_k w_k E_k(x) over the selected experts held here, fp32 [N, dim]. Under expert
+        parallelism (model/parallel.py) the experts another rank holds are None and this is a partial sum."""
         y = torch.zeros_like(x, dtype=torch.float32)
         # group tokens by expert: each expert runs once on the tokens routed to it
         for e in torch.unique(indices).tolist():
+            if self.experts[e] is None:
+                continue
             rows, slot = torch.where(indices == e)
             y[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()
-        y += self.shared_experts(x).float()
-        return y.to(x.dtype).reshape(shape)
+        return y

@@ -15,8 +15,8 @@ def command(
     src: str = typer.Argument(..., help="Checkpoint directory to convert (official or runtime layout)."),
     dst: str = typer.Argument(..., help="Output directory; must not exist. Written atomically."),
     mp: Optional[int] = typer.Option(None, "--mp", help="Model-parallel ranks of the runtime layout (default 1)."),
-    expert_dtype: Optional[str] = typer.Option(None, "--expert-dtype",
-                                               help="Routed experts in the runtime layout: fp4|fp8|bf16 (default fp4)."),
+    expert_dtype: Optional[str] = typer.Option(
+        None, "--expert-dtype", help="Routed experts in the runtime layout: fp4|fp8|bf16 (default fp4)."),
     to: str = typer.Option("runtime", "--to", help="runtime|official"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Verify SRC and print the plan; write nothing."),
     resume: bool = typer.Option(False, "--resume", help="Reuse the verified files of an interrupted conversion."),

@@ -1,0 +1,53 @@
+"""GPU kernels (Triton) for the hot paths of V4.1-Flash, each beside a plain-PyTorch reference.
+
+One module per kernel:
+
+    sparse_attention   MQA over [window ring ; Top-K compressed entries] with the per-head sink, reading
+                       packed FP8 window KV and packed FP4 main KV and dequantizing in the kernel
+    mhc                single-pass mHC: residual update, next collapse and next coefficients in one pass
+    indexer            ReLU-weighted MXFP4 query-key scores over packed keys (dense or over a candidate pool)
+    quant              fused quantize-and-pack of KV entries (FP4 with E4M3 scales; FP8 with UE8M0 scales)
+
+`reference.py` holds the reference of every kernel with the same signature, written with the model's own
+functions (model/attention.py, model/mhc.py, model/indexer.py, model/formats.py), so "the kernel agrees with
+the reference" means "the kernel agrees with the model".
+
+Each public function dispatches: Triton when the inputs are on a CUDA device and Triton imports, the
+reference otherwise. CPU numerics are therefore never changed by this package. Under TRITON_INTERPRET=1
+the Triton path can also be forced on CPU tensors (`force_triton=True`), which is how the CPU tests run the
+kernels. Triton is the `kernels` extra (pyproject.toml); nothing here imports it unless a kernel runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when Triton imports (the `kernels` extra is installed)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(*tensors: torch.Tensor, force: bool = False) -> bool:
+    """Whether a kernel call with these tensors should take the Triton path: all on CUDA with Triton
+    installed, or `force` (tests on CPU under the interpreter)."""
+    if not triton_available():
+        return False
+    if force:
+        return True
+    if os.environ.get("DSV41_DISABLE_TRITON", "0") == "1":
+        return False
+    return all(t.is_cuda for t in tensors if t is not None)

@@ -1,0 +1,55 @@
+"""Indexer scores + Top-K over packed MXFP4 keys (68 B per 128-dim key) at V4.1-Flash width (32 heads).
+
+Dense (the candidate-source layer, m = 1): N = context entries per sequence.
+    bytes = N*68 (keys) + N*4 (scores written) + N*4 (scores read by Top-K) + q; FLOPs = 2*32*128*N per query.
+Deep (a Reindex layer inside the hierarchical pool): C = 2048 blocks x 8 = 16384 candidates per query,
+whatever the context: bytes = C*(68 + 4 + 4 + 4 (candidate id)); the time per query should be flat in context.
+Decode: one query per sequence, B sequences. Usage: python benchmarks/bench_indexer.py [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kernels_common import bench, print_table, record, write_json
+
+H, DK, TOPK, POOL = 32, 128, 512, 2048 * 8
+
+
+def run(json_path=None):
+    from model import formats
+    from model.kernels.indexer import indexer_scores, indexer_topk
+
+    rows = []
+    for ctx in (65536, 262144, 1 << 20):
+        B = 4
+        N = ctx  # m = 1 at the candidate source (layer 20)
+        q = formats.mxfp4_fake_quant(torch.randn(B, 1, H, DK, device="cuda"))
+        w = torch.randn(B, 1, H, device="cuda") * (H * DK) ** -0.5
+        kc = torch.randint(0, 256, (B, N, DK // 2), dtype=torch.uint8, device="cuda")
+        ks = torch.randint(120, 130, (B, N, DK // 32), dtype=torch.uint8, device="cuda")
+        vis = torch.tensor([N], device="cuda")
+        t_s = bench(lambda: indexer_scores(q, w, kc, ks, vis))
+        t_k = bench(lambda: indexer_topk(q, w, kc, ks, vis, TOPK))
+        flops = 2 * H * DK * N * B
+        rows.append(record("indexer_scores", f"dense scores B={B} ctx={ctx >> 10}K", t_s, B * N * (68 + 4), flops,
+                           us_per_query=t_s * 1e6 / B))
+        rows.append(record("indexer_topk", f"dense scores+topk B={B} ctx={ctx >> 10}K", t_k, B * N * (68 + 8),
+                           flops, us_per_query=t_k * 1e6 / B))
+        cand = torch.randint(0, N, (B, 1, POOL), device="cuda", dtype=torch.int32)
+        t_d = bench(lambda: indexer_topk(q, w, kc, ks, vis, TOPK, candidates=cand))
+        rows.append(record("indexer_topk", f"deep pool={POOL} B={B} ctx={ctx >> 10}K", t_d, B * POOL * (68 + 12),
+                           2 * H * DK * POOL * B, us_per_query=t_d * 1e6 / B))
+        del kc, ks
+        torch.cuda.empty_cache()
+    print_table(rows, "indexer (MXFP4 keys, 32 heads x 128, Top-512)")
+    write_json(json_path, "indexer", rows)
+    return rows
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    run(ap.parse_args().json)

@@ -1,0 +1,48 @@
+"""Single-pass mHC step at V4.1-Flash width (n = 4 streams, d = 5120), bf16 residual.
+
+bytes (floor) per step = M * (X read 2nd + y read 2d + X' written 2nd + collapse written 2d + coefficients
+(n + n + n n) * 4 * 2) + W_fn once (24 * n d * 4); FLOPs = 2 * 24 * n d * M (the projection).
+Compared with the torch path (model/mhc.py functions, as Block.mix runs them).
+Usage: python benchmarks/bench_mhc.py [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kernels_common import bench, print_table, record, write_json
+
+N_S, DIM = 4, 5120
+
+
+def run(json_path=None):
+    from model.kernels import reference
+    from model.kernels.mhc import mhc_step
+
+    rows = []
+    n_mix = (N_S + 2) * N_S
+    fn = torch.randn(n_mix, N_S * DIM, device="cuda") * (N_S * DIM) ** -0.5
+    scale, base = torch.rand(3, device="cuda"), torch.randn(n_mix, device="cuda") * 0.1
+    for M in (1, 64, 4096, 16384):
+        x = torch.randn(M, 1, N_S, DIM, device="cuda", dtype=torch.bfloat16)
+        y = torch.randn(M, 1, DIM, device="cuda", dtype=torch.bfloat16)
+        pre = torch.rand(M, 1, N_S, device="cuda")
+        post = torch.rand(M, 1, N_S, device="cuda")
+        comb = torch.rand(M, 1, N_S, N_S, device="cuda")
+        args = (x, pre, fn, scale, base, 20, 1e-6, 1e-6, y, post, comb)
+        t = bench(lambda: mhc_step(*args))
+        t_ref = bench(lambda: reference.mhc_step(*args), rep_ms=50)
+        bytes_ = M * (2 * N_S * DIM * 2 + 2 * DIM * 2 + (2 * N_S + N_S * N_S) * 4 * 2) + n_mix * N_S * DIM * 4
+        rows.append(record("mhc_step", f"M={M} tokens", t, bytes_, 2 * n_mix * N_S * DIM * M,
+                           torch_ref_us=t_ref * 1e6))
+    print_table(rows, "single-pass mHC (n=4, d=5120, bf16 residual)")
+    write_json(json_path, "mhc", rows)
+    return rows
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    run(ap.parse_args().json)

@@ -1,0 +1,68 @@
+"""Sparse attention over packed KV (FP8 window + FP4 main): decode and prefill at V4.1-Flash width.
+
+Per query token: H = 64 heads of D = 512, Kw = 128 window rows (528 B each), Km = 512 Top-K rows (288 B each).
+Bytes (floor): q and o (2 * H D * 2), indices (4 (Kw + Km)), and the rows: decode reads Kw*528 + Km*288 per
+sequence (every sequence has its own cache); prefill reads at least the whole stores once (W*528 + N*288).
+FLOPs: 4 H D (Kw + Km) per token (two products). Usage: python benchmarks/bench_sparse_attention.py [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kernels_common import bench, print_table, record, write_json
+
+H, D, KW, KM = 64, 512, 128, 512
+WROW, MROW = 528, 288
+
+
+def make(B, T, N, device="cuda"):
+    from model import formats
+
+    q = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
+    wc, ws = formats.pack_fp8_ue8m0(torch.randn(B, KW, D, device=device))
+    mc = torch.randint(0, 256, (B, N, D // 2), dtype=torch.uint8, device=device)
+    ms = formats.to_e4m3(torch.rand(B, N, D // 16, device=device) + 0.1).view(torch.uint8)
+    sink = torch.randn(H, device=device)
+    widx = torch.arange(KW, device=device).expand(B, T, KW).contiguous()
+    midx = torch.randint(0, N, (B, T, KM), device=device)
+    return q, wc, ws, mc, ms, sink, widx, midx
+
+
+def run(json_path=None):
+    from model.kernels import reference
+    from model.kernels.sparse_attention import sparse_attention_packed
+
+    rows = []
+    for label, B, T, N in [("decode B=64 ctx=8K (N=4K)", 64, 1, 4096),
+                           ("decode B=64 ctx=128K (N=64K)", 64, 1, 65536),
+                           ("decode B=8 ctx=1M (N=1M, m=1)", 8, 1, 1 << 20),
+                           ("decode B=1 ctx=128K", 1, 1, 65536),
+                           ("prefill T=4096 N=4096", 1, 4096, 4096)]:
+        q, wc, ws, mc, ms, sink, widx, midx = make(B, T, N)
+        fn = lambda: sparse_attention_packed(q, wc, ws, mc, ms, sink, widx, midx, D ** -0.5)  # noqa: E731
+        t = bench(fn)
+        flops = 4 * H * D * (KW + KM) * B * T
+        io = B * T * (2 * H * D * 2 + 4 * (KW + KM))
+        if T == 1:
+            kv_bytes = B * (KW * WROW + KM * MROW)
+        else:
+            kv_bytes = B * (KW * WROW + N * MROW)
+        extra = {}
+        if B * T * N <= 64 * 65536:  # the torch reference (unpack everything, gather) on the same inputs
+            extra["torch_ref_us"] = bench(lambda: reference.sparse_attention_packed(
+                q, wc, ws, mc, ms, sink, widx, midx, D ** -0.5), rep_ms=50) * 1e6
+        rows.append(record("sparse_attention_packed", label, t, io + kv_bytes, flops, **extra))
+        del q, wc, ws, mc, ms
+        torch.cuda.empty_cache()
+    print_table(rows, "sparse attention (packed FP8 window + FP4 main, H=64, D=512, Kw=128, Km=512)")
+    write_json(json_path, "sparse_attention", rows)
+    return rows
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    run(ap.parse_args().json)

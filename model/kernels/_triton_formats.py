@@ -1,0 +1,96 @@
+"""Triton device functions that decode and encode the packed formats of model/formats.py.
+
+Decoding builds powers of two from exponent bits (no exp2, whose fast path flushes or approximates), so every
+decoded value is exact, as formats.unpack_* gives it. Imported only when a Triton kernel runs.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pow2(e):
+    """2^e for integer e in the normal fp32 range [-126, 127], exact (built from the exponent bits)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_to_f32(b):
+    """E4M3 bytes (int32 holding 0..255) -> fp32: (1 + m/8) 2^(e-7), subnormals m 2^-9. (0x7F/0xFF, the
+    NaN codes, never occur in the cache: the quantizers saturate at 448.)"""
+    sign = (b >> 7) & 1
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    normal = (8.0 + m) * pow2(tl.maximum(e, 1) - 10)
+    mag = tl.where(e == 0, m * 0.001953125, normal)  # 2^-9
+    return tl.where(sign == 1, -mag, mag)
+
+
+@triton.jit
+def e8m0_to_f32(b):
+    """UE8M0 bytes (int32 1..254) -> 2^(b-127). Byte 0 (2^-127, an fp32 subnormal) reads as 0; the KV
+    quantizers' amax floors keep every cache scale far above it."""
+    return (b << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_to_f32(c):
+    """4-bit E2M1 codes (int32 0..15, bit 3 = sign) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives."""
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (2.0 + m) * pow2(tl.maximum(e, 1) - 2))
+    return tl.where(((c >> 3) & 1) == 1, -mag, mag)
+
+
+@triton.jit
+def round_half_even(x):
+    """Round fp32 to the nearest integer, ties to even, for |x| < 2^22: adding and removing 1.5 * 2^23
+    leaves the integer part in the mantissa's last place, where fp32 addition rounds to nearest even."""
+    magic = 12582912.0  # 1.5 * 2^23
+    return (x + magic) - magic
+
+
+@triton.jit
+def f32_to_e4m3_value(v):
+    """Round positive fp32 v to the E4M3 grid, nearest-even, saturating at 448 (what formats.to_e4m3 does
+    for v > 0). Returns the rounded value as fp32."""
+    v = tl.minimum(v, 448.0)
+    exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+    binade = tl.maximum(exponent, -6)  # E4M3 values are spaced 2^(binade-3) apart; 2^-9 when subnormal
+    # scaling by powers of two is exact, so multiply (a division could take an approximate path)
+    return tl.minimum(round_half_even(v * pow2(3 - binade)) * pow2(binade - 3), 448.0)
+
+
+@triton.jit
+def e4m3_value_to_byte(v):
+    """A positive fp32 value on the E4M3 grid -> its byte (int32)."""
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 255) - 127
+    normal = ((exponent + 7) << 3) | ((bits >> 20) & 7)
+    subnormal = round_half_even(v * 512.0).to(tl.int32)  # m 2^-9, m = 0..7 (8 is the first normal, byte 8)
+    return tl.where(exponent < -6, subnormal, normal)
+
+
+@triton.jit
+def f32_to_e2m1_code(y):
+    """fp32 -> 4-bit E2M1 code, nearest-even, saturating at 6; the sign bit is copied (-0 -> code 8).
+    The code of |y| counts the grid midpoints below it, a midpoint it sits on counting only where
+    rounding to even goes up (0.75, 1.75, 3.5), as formats.e2m1_encode does."""
+    a = tl.abs(y)
+    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) \
+        + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+    return code | (sign << 3)
+
+
+@triton.jit
+def as_mma(x, INTERPRET: tl.constexpr):
+    """An operand of tl.dot: bf16 on the GPU. The CPU interpreter's bf16 dot is wrong (Triton 3.6: it
+    multiplies the raw bit patterns), so there the bf16-rounded value is kept in fp32, which computes the
+    same products."""
+    if INTERPRET:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        return x.to(tl.bfloat16)

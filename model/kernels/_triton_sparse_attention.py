@@ -1,0 +1,116 @@
+"""Triton kernel of model/kernels/sparse_attention.py (imported only when it runs)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from model.kernels._triton_formats import as_mma, e2m1_to_f32, e4m3_to_f32, e8m0_to_f32
+
+
+@triton.jit
+def load_rows(codes_ptr, scales_ptr, b, stride_cb, stride_cr, stride_sb, stride_sr, rows, valid,
+              D2: tl.constexpr, FMT: tl.constexpr):
+    """Rows `rows` [BK] of one store -> (even half, odd half), each [BK, D2] fp32 (exact values)."""
+    cols = tl.arange(0, D2)
+    mask = valid[:, None]
+    row_c = codes_ptr + b * stride_cb + rows[:, None].to(tl.int64) * stride_cr
+    row_s = scales_ptr + b * stride_sb + rows[:, None].to(tl.int64) * stride_sr
+    if FMT == 0:  # bf16 rows
+        even = tl.load(row_c + 2 * cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        odd = tl.load(row_c + 2 * cols[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+    elif FMT == 1:  # E4M3 bytes, one UE8M0 per 32 values: elements 2i and 2i+1 share scale (2i) // 32
+        s = e8m0_to_f32(tl.load(row_s + cols[None, :] // 16, mask=mask, other=127).to(tl.int32))
+        even = (e4m3_to_f32(tl.load(row_c + 2 * cols[None, :], mask=mask, other=0).to(tl.int32)) * s)
+        odd = (e4m3_to_f32(tl.load(row_c + 2 * cols[None, :] + 1, mask=mask, other=0).to(tl.int32)) * s)
+    else:  # E2M1 pairs, one E4M3 per 16 values: byte i holds elements 2i, 2i+1, scale i // 8
+        s = e4m3_to_f32(tl.load(row_s + cols[None, :] // 8, mask=mask, other=0).to(tl.int32))
+        byte = tl.load(row_c + cols[None, :], mask=mask, other=0).to(tl.int32)
+        even = e2m1_to_f32(byte & 15) * s
+        odd = e2m1_to_f32(byte >> 4) * s
+    return even, odd
+
+@triton.jit
+def attend_tile(acc_e, acc_o, m_i, l_i, q_e, q_o, scale, b, t, k0,
+                codes_ptr, scales_ptr, stride_cb, stride_cr, stride_sb, stride_sr,
+                idx_ptr, stride_ib, stride_it, K,
+                D2: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Fold the rows of indices k0..k0+BK-1 of one segment into the online-softmax state."""
+    offs = k0 + tl.arange(0, BK)
+    idx = tl.load(idx_ptr + b * stride_ib + t * stride_it + offs, mask=offs < K, other=-1)
+    valid = idx >= 0
+    rows = tl.where(valid, idx, 0)
+    kv_e, kv_o = load_rows(codes_ptr, scales_ptr, b, stride_cb, stride_cr, stride_sb, stride_sr,
+                           rows, valid, D2, FMT)
+    kv_e = as_mma(kv_e, INTERPRET)
+    kv_o = as_mma(kv_o, INTERPRET)
+    logits = tl.dot(q_e, tl.trans(kv_e)) + tl.dot(q_o, tl.trans(kv_o))
+    logits = tl.where(valid[None, :], logits * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(logits - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pb = as_mma(p, INTERPRET)
+    acc_e = acc_e * alpha[:, None] + tl.dot(pb, kv_e)
+    acc_o = acc_o * alpha[:, None] + tl.dot(pb, kv_o)
+    return acc_e, acc_o, m_new, l_i
+
+
+@triton.jit
+def attend(acc_e, acc_o, m_i, l_i, q_e, q_o, scale, b, t,
+           codes_ptr, scales_ptr, stride_cb, stride_cr, stride_sb, stride_sr,
+           idx_ptr, stride_ib, stride_it, K,
+           D2: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Fold one segment's rows into the online-softmax state. The CPU interpreter cannot take a
+    runtime bound in range() with NumPy 2 (it converts a 1-element array to an index), so there the
+    same tiles are walked with a while loop; compiled code keeps the for loop (software-pipelined)."""
+    if INTERPRET:
+        k0 = 0
+        while k0 < K:
+            acc_e, acc_o, m_i, l_i = attend_tile(acc_e, acc_o, m_i, l_i, q_e, q_o, scale, b, t, k0,
+                                                 codes_ptr, scales_ptr, stride_cb, stride_cr, stride_sb,
+                                                 stride_sr, idx_ptr, stride_ib, stride_it, K, D2, BK, FMT, INTERPRET)
+            k0 += BK
+    else:
+        for k0 in range(0, K, BK):
+            acc_e, acc_o, m_i, l_i = attend_tile(acc_e, acc_o, m_i, l_i, q_e, q_o, scale, b, t, k0,
+                                                 codes_ptr, scales_ptr, stride_cb, stride_cr, stride_sb,
+                                                 stride_sr, idx_ptr, stride_ib, stride_it, K, D2, BK, FMT, INTERPRET)
+    return acc_e, acc_o, m_i, l_i
+
+
+@triton.jit
+def kernel(q_ptr, o_ptr, sink_ptr, stride_qb, stride_qt, stride_qh, T, H, scale,
+           a_codes, a_scales, a_cb, a_cr, a_sb, a_sr, a_idx, a_ib, a_it, a_K,
+           b_codes, b_scales, b_cb, b_cr, b_sb, b_sr, b_idx, b_ib, b_it, b_K,
+           D2: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, FMT_A: tl.constexpr, FMT_B: tl.constexpr,
+           INTERPRET: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // T
+    t = pid % T
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    hmask = heads < H
+    cols = tl.arange(0, D2)
+    q_row = q_ptr + b * stride_qb + t * stride_qt + heads[:, None] * stride_qh
+    q_e = tl.load(q_row + 2 * cols[None, :], mask=hmask[:, None], other=0.0)
+    q_o = tl.load(q_row + 2 * cols[None, :] + 1, mask=hmask[:, None], other=0.0)
+    q_e = as_mma(q_e, INTERPRET)
+    q_o = as_mma(q_o, INTERPRET)
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+    m_i = sink  # the sink joins the max, so an empty row ends with l = 1 and o = 0
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    acc_e = tl.zeros([BH, D2], dtype=tl.float32)
+    acc_o = tl.zeros([BH, D2], dtype=tl.float32)
+    acc_e, acc_o, m_i, l_i = attend(acc_e, acc_o, m_i, l_i, q_e, q_o, scale, b, t,
+                                    a_codes, a_scales, a_cb, a_cr, a_sb, a_sr, a_idx, a_ib, a_it, a_K,
+                                    D2, BK, FMT_A, INTERPRET)
+    if FMT_B != 3:
+        acc_e, acc_o, m_i, l_i = attend(acc_e, acc_o, m_i, l_i, q_e, q_o, scale, b, t,
+                                        b_codes, b_scales, b_cb, b_cr, b_sb, b_sr, b_idx, b_ib, b_it, b_K,
+                                        D2, BK, FMT_B, INTERPRET)
+    l_i = l_i + tl.exp(sink - m_i)
+    o_row = o_ptr + b * stride_qb + t * stride_qt + heads[:, None] * stride_qh
+    tl.store(o_row + 2 * cols[None, :], (acc_e / l_i[:, None]).to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+    tl.store(o_row + 2 * cols[None, :] + 1, (acc_o / l_i[:, None]).to(o_ptr.dtype.element_ty),
+             mask=hmask[:, None])
+

@@ -1,0 +1,84 @@
+"""Single-pass mHC at a sub-layer boundary (model/mhc.py, wired as model/transformer.py's Block.mix does).
+
+From the residual streams X [.., n, d] and the finished sub-layer's output y:
+
+    X'        = post (x) y + comb^T X                       residual update (skipped without y)
+    collapsed = sum_j pre_prev_j X'_j                       the next sub-layer's input
+    mu        = (W_fn flatten X') * rsqrt(mean X'^2 + eps)  the next coefficients, RMS folded in after
+    pre, post, comb = sinkhorn_split(mu, ...)
+
+The residual is read once and written once: one kernel walks X in tiles of (tokens x channels) over all
+n streams, writes X' and the collapse, and adds each tile's share of W_fn X' and of sum X'^2 into a small
+per-token accumulator (split over the channels, so a decode step of one token still spreads over the
+machine); a second, tiny kernel turns the accumulator into pre / post / comb (20 Sinkhorn iterations in
+registers). Three launches per step (zeroing the accumulator, the two kernels).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from model.kernels import interpreting, reference, use_triton
+
+_FN_SPLIT: dict = {}
+
+
+def _split_fn(fn: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_fn (fp32) = hi + lo with both parts bf16, padded to `rows` rows; cached per live tensor and version.
+
+    The cache holds a weak reference and checks it is the same tensor object: a key made of the data
+    pointer alone would return a freed tensor's split for a new tensor the allocator put at its address."""
+    hit = _FN_SPLIT.get(id(fn))
+    if hit is not None and hit[0]() is fn and hit[1] == (fn._version, rows):
+        return hit[2]
+    w = torch.zeros(rows, fn.size(1), dtype=torch.float32, device=fn.device)
+    w[: fn.size(0)] = fn.detach().float()
+    hi = w.to(torch.bfloat16)
+    lo = (w - hi.float()).to(torch.bfloat16)
+    if len(_FN_SPLIT) > 256:
+        _FN_SPLIT.clear()
+    _FN_SPLIT[id(fn)] = (weakref.ref(fn), (fn._version, rows), (hi.contiguous(), lo.contiguous()))
+    return hi, lo
+
+
+def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+             iters: int, hc_eps: float, norm_eps: float, y: torch.Tensor | None = None,
+             post: torch.Tensor | None = None, comb: torch.Tensor | None = None, force_triton: bool = False):
+    """See reference.mhc_step: returns (X', collapsed, pre, post, comb)."""
+    if not use_triton(x, y, force=force_triton) or torch.is_grad_enabled() and (x.requires_grad or
+                                                                             (y is not None and y.requires_grad)):
+        return reference.mhc_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb)
+    import triton
+
+    from model.kernels._triton_mhc import coefficient_kernel, residual_kernel
+
+    *lead, n, d = x.shape
+    if n & (n - 1) or d % 16:
+        raise ValueError(f"mHC kernel needs a power-of-two stream count and d % 16 == 0, got n={n}, d={d}")
+    M = x[..., 0, 0].numel()
+    n_mix = (n + 2) * n
+    NMP = max(16, triton.next_power_of_2(n_mix))
+    fn_hi, fn_lo = _split_fn(fn, NMP)
+    xc = x.contiguous()
+    has_y = y is not None
+    x_new = torch.empty_like(xc) if has_y else xc
+    collapsed = torch.empty(*lead, d, dtype=x.dtype, device=x.device)
+    acc = torch.zeros(M, NMP + 1, dtype=torch.float32, device=x.device)
+    f32 = lambda t: t.float().contiguous()  # noqa: E731
+    yc = y.contiguous() if has_y else xc
+    postc = f32(post) if has_y else acc
+    combc = f32(comb) if has_y else acc
+    BM = 16
+    BD = 64 if d % 64 == 0 else 16
+    grid = (triton.cdiv(M, BM), d // BD)
+    residual_kernel[grid](xc, yc, postc, combc, f32(pre_prev), fn_hi, fn_lo, x_new, collapsed, acc, M, d,
+                          N=n, NMP=NMP, BM=BM, BD=BD, HAS_Y=has_y, INTERPRET=interpreting(), num_warps=4)
+    pre_n = torch.empty(*lead, n, dtype=torch.float32, device=x.device)
+    post_n = torch.empty_like(pre_n)
+    comb_n = torch.empty(*lead, n, n, dtype=torch.float32, device=x.device)
+    coefficient_kernel[(triton.cdiv(M, 64),)](acc, f32(scale), f32(base), pre_n, post_n, comb_n, M, float(n * d),
+                                              float(norm_eps), float(hc_eps), N=n, NMP=NMP, BM=64, ITERS=iters,
+                                              num_warps=4)
+    return x_new, collapsed, pre_n, post_n, comb_n

@@ -1,0 +1,238 @@
+"""Kernels (model/kernels/) against their references (model/kernels/reference.py).
+
+CPU: small shapes through Triton's interpreter (TRITON_INTERPRET=1), skipped when Triton is not installed
+(it is the `kernels` extra; CI's dev extras do not include it). GPU (@pytest.mark.gpu): the compiled
+kernels on several shapes, ragged ones included, and the model's forward with and without them.
+Inputs are fresh random draws; outputs are poisoned before the kernels write them where they allocate.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a Triton kernel is defined
+
+triton = pytest.importorskip("triton")
+
+from model import formats  # noqa: E402
+from model.kernels import indexer, mhc, quant, reference, sparse_attention  # noqa: E402
+
+CPU = not torch.cuda.is_available()
+interp = pytest.mark.skipif(not CPU or os.environ.get("TRITON_INTERPRET") != "1",
+                            reason="CPU interpreter tests (a GPU runs the gpu-marked ones)")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert not torch.isnan(a).any()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------------------------- builders
+def attention_case(B, T, H, D, W, N, Kw, Km, seed, device=DEV, empty_row=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g).bfloat16()
+    wc, ws = formats.pack_fp8_ue8m0(torch.randn(B, W, D, generator=g) * 2)
+    mc, ms = formats.pack_fp4_e4m3(torch.randn(B, N, D, generator=g))
+    sink = torch.randn(H, generator=g)
+    widx = torch.randint(-1, W, (B, T, Kw), generator=g)
+    midx = torch.randint(-1, N, (B, T, Km), generator=g)
+    if empty_row:
+        widx[0, 0], midx[0, 0] = -1, -1  # a query that sees nothing gives 0
+    to = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
+    return to(q, wc, ws, mc, ms, sink, widx, midx)
+
+
+def indexer_case(B, T, H, DK, N, C, seed, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    q = formats.mxfp4_fake_quant(torch.randn(B, T, H, DK, generator=g))
+    w = torch.randn(B, T, H, generator=g) * (DK * H) ** -0.5
+    kc, ks = formats.pack_mxfp4(torch.randn(B, N, DK, generator=g))
+    visible = torch.randint(0, N + 1, (T,), generator=g)
+    cand = torch.randint(-1, N, (B, T, C), generator=g)
+    return [t.to(device) for t in (q, w, kc, ks, visible, cand)]
+
+
+def mhc_case(B, T, n, d, seed, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, n, d, generator=g).bfloat16()
+    y = torch.randn(B, T, d, generator=g).bfloat16()
+    pre_prev = torch.rand(B, T, n, generator=g)
+    post = 2 * torch.rand(B, T, n, generator=g)
+    comb = torch.rand(B, T, n, n, generator=g)
+    fn = torch.randn((n + 2) * n, n * d, generator=g) * (n * d) ** -0.5
+    scale = torch.rand(3, generator=g) + 0.5
+    base = torch.randn((n + 2) * n, generator=g) * 0.1
+    return [t.to(device) for t in (x, y, pre_prev, post, comb, fn, scale, base)]
+
+
+def check_attention(case, force, tol):
+    q, wc, ws, mc, ms, sink, widx, midx = case
+    scale = q.size(-1) ** -0.5
+    out = sparse_attention.sparse_attention_packed(q, wc, ws, mc, ms, sink, widx, midx, scale, force_triton=force)
+    ref = reference.sparse_attention_packed(q, wc, ws, mc, ms, sink, widx, midx, scale)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) < tol
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))  # the empty query
+    # window-only (SWA layers)
+    out = sparse_attention.sparse_attention_packed(q, wc, ws, None, None, sink, widx, None, scale, force_triton=force)
+    ref = reference.sparse_attention_packed(q, wc, ws, None, None, sink, widx, None, scale)
+    assert rel_err(out, ref) < tol
+
+
+def check_indexer(case, force):
+    q, w, kc, ks, visible, cand = case
+    for v, c in ((visible, None), (None, None), (visible, cand)):
+        out = indexer.indexer_scores(q, w, kc, ks, v, c, force_triton=force)
+        ref = reference.indexer_scores(q, w, kc, ks, v, c)
+        finite = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(out), finite)
+        assert rel_err(out[finite], ref[finite]) < 1e-5
+    k = 8
+    top = indexer.indexer_topk(q, w, kc, ks, visible, k, force_triton=force)
+    scores = reference.indexer_scores(q, w, kc, ks, visible)
+    kth = scores.topk(min(k, scores.size(-1)), dim=-1).values[..., -1:]
+    chosen = torch.where(top >= 0, scores.gather(-1, top.clamp_min(0)), torch.inf)
+    assert bool((chosen >= kth - 1e-4 * kth.abs().clamp_min(1)).all())  # each pick is a true top-k score
+    assert torch.equal((top >= 0).sum(-1), torch.minimum(visible, torch.tensor(k)).expand_as(top[..., 0]))
+
+
+def check_mhc(case, force, tol_x, tol_c):
+    x, y, pre_prev, post, comb, fn, scale, base = case
+    for yy in (y, None):
+        out = mhc.mhc_step(x, pre_prev, fn, scale, base, 20, 1e-6, 1e-6, yy, post, comb, force_triton=force)
+        ref = reference.mhc_step(x, pre_prev, fn, scale, base, 20, 1e-6, 1e-6, yy, post, comb)
+        for i, (a, b) in enumerate(zip(out, ref)):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert rel_err(a, b) < (tol_x if i < 2 else tol_c), i
+
+
+def check_pack(x, force):
+    for name in ("pack_fp4_e4m3", "pack_fp8_ue8m0"):
+        out = getattr(quant, name)(x, force_triton=force)
+        ref = getattr(reference, name)(x)
+        for a, b in zip(out, ref):
+            assert a.shape == b.shape and torch.equal(a, b), name
+
+
+def pack_input(shape, dtype, seed, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(4 * torch.randn(*shape[:-1], 1, generator=g))
+    flat = x.view(-1)
+    flat[:40] = 0  # an all-zero block: the amax floors
+    flat[40:48] *= 1e-7  # scales in the subnormal range
+    flat[50] = -0.0
+    flat[60] = 1e5
+    return x.to(dtype).to(device)
+
+
+# ---------------------------------------------------------------------------------- CPU (interpreter)
+@interp
+@pytest.mark.parametrize("shape", [(2, 3, 4, 64, 8, 20, 5, 7), (1, 2, 3, 32, 5, 40, 3, 70)])
+def test_sparse_attention_interpreted(shape):
+    check_attention(attention_case(*shape, seed=sum(shape)), force=True, tol=2e-2)
+
+
+@interp
+def test_sparse_attention_dense_rows_interpreted():
+    q, *_ = attention_case(1, 2, 4, 64, 4, 4, 2, 2, seed=3)
+    kv = torch.randn(1, 30, 64).bfloat16()
+    idx = torch.randint(-1, 30, (1, 2, 37))
+    from model.attention import sparse_attention as model_ref
+
+    sink = torch.randn(4)
+    out = sparse_attention.sparse_attention(q, kv, sink, idx, 0.125, force_triton=True)
+    assert rel_err(out, model_ref(q, kv, sink, idx, 0.125)) < 2e-2
+
+
+@interp
+@pytest.mark.parametrize("shape", [(2, 3, 4, 64, 70, 40), (1, 1, 16, 32, 33, 9)])
+def test_indexer_interpreted(shape):
+    check_indexer(indexer_case(*shape, seed=sum(shape)), force=True)
+
+
+@interp
+@pytest.mark.parametrize("shape", [(1, 3, 4, 64), (2, 1, 4, 32)])
+def test_mhc_interpreted(shape):
+    # the interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest), hence the looser bound
+    check_mhc(mhc_case(*shape, seed=sum(shape)), force=True, tol_x=1e-2, tol_c=2e-3)
+
+
+@interp
+def test_mhc_new_weight_at_a_reused_address_interpreted():
+    """The W_fn split cache must not serve a freed tensor's split to a new tensor (same address)."""
+    for seed in range(3):
+        check_mhc(mhc_case(1, 2, 4, 32, seed=seed), force=True, tol_x=1e-2, tol_c=2e-3)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_interpreted_bit_exact(dtype):
+    check_pack(pack_input((3, 5, 64), dtype, seed=1), force=True)
+
+
+def test_dispatch_keeps_cpu_on_reference():
+    """Without force, CPU tensors take the reference path: identical results, CPU numerics unchanged."""
+    case = attention_case(1, 2, 4, 64, 8, 20, 5, 7, seed=5, device="cpu")
+    q, wc, ws, mc, ms, sink, widx, midx = case
+    out = sparse_attention.sparse_attention_packed(q, wc, ws, mc, ms, sink, widx, midx, 0.125)
+    assert torch.equal(out, reference.sparse_attention_packed(q, wc, ws, mc, ms, sink, widx, midx, 0.125))
+
+
+# ---------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 1, 64, 512, 128, 3000, 128, 512), (1, 37, 64, 512, 128, 777, 100, 333),
+                                   (3, 5, 16, 128, 16, 50, 9, 61), (1, 2, 5, 64, 8, 20, 5, 7)])
+def test_sparse_attention_gpu(shape):
+    for seed in range(2):
+        check_attention(attention_case(*shape, seed=seed), force=False, tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1, 32, 128, 70001, 16384), (2, 7, 32, 128, 1000, 513), (1, 3, 3, 64, 65, 17)])
+def test_indexer_gpu(shape):
+    check_indexer(indexer_case(*shape, seed=1), force=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1, 4, 5120), (2, 333, 4, 5120), (1, 17, 4, 64)])
+def test_mhc_gpu(shape):
+    check_mhc(mhc_case(*shape, seed=2), force=False, tol_x=2e-3, tol_c=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1, 512), (3, 1001, 512), (7, 128), (2, 9, 64)])
+def test_pack_gpu_bit_exact(shape):
+    for dtype in (torch.float32, torch.bfloat16):
+        check_pack(pack_input(shape, dtype, seed=len(shape)), force=False)
+
+
+@pytest.mark.gpu
+def test_model_forward_with_kernels_gpu(monkeypatch):
+    """The tiny model on CUDA: forward with the Triton sparse attention vs DSV41_DISABLE_TRITON=1."""
+    from model.config import preset
+    from model.transformer import Transformer, init_random_
+
+    model = Transformer(preset("tiny"))
+    init_random_(model, 0)
+    model = model.cuda().eval()
+    ids = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        os.environ["DSV41_DISABLE_TRITON"] = "1"
+        try:
+            ref = model(ids)
+        finally:
+            del os.environ["DSV41_DISABLE_TRITON"]
+        calls = []
+        launch = sparse_attention._launch
+        monkeypatch.setattr(sparse_attention, "_launch", lambda *a: calls.append(1) or launch(*a))
+        out = model(ids)
+    assert len(calls) == 8  # every layer's attention took the kernel
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    out = out[0] if isinstance(out, tuple) else out
+    assert rel_err(out.float(), ref.float()) < 2e-2
