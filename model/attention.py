@@ -35,6 +35,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
 
         o = sum_j e^{l_j - M} kv_j / (sum_j e^{l_j - M} + e^{sink - M}),   l_j = scale q.kv_{idx_j}
 
+    (An empty row: the denominator is e^{sink + 1e30}, i.e. 0/0 avoided as in REF: acc stays 0.)
+
     On CUDA with bf16 q and kv, no gradient wanted and Triton installed, this runs the Triton kernel
     (model/kernels/sparse_attention.py; same result within bf16 rounding of the probabilities);
     DSV41_DISABLE_TRITON=1 keeps this reference. CPU always takes the reference below.
@@ -45,17 +47,33 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
 
         if use_triton(q, kv) and kernels.supported(q, kv.size(-1)):
             return kernels.sparse_attention(q, kv, sink, idx, scale)
-    valid = idx >= 0
-    batch = torch.arange(kv.size(0), device=kv.device).view(-1, 1, 1)
-    gathered = kv.float()[batch, idx.clamp_min(0).long()]  # [B,T,K,D]
-    logits = torch.einsum("bthd,btkd->bthk", q.float(), gathered) * scale
-    logits = logits.masked_fill(~valid.unsqueeze(2), -torch.inf)
-    sink = sink.float().view(1, 1, -1, 1)
-    m = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)
-    p = torch.exp(logits - m)
-    denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink - m)
-    o = torch.einsum("bthk,btkd->bthd", p / denom, gathered)
-    return o.to(q.dtype)
+    # REF's kernel, step for step: an online softmax over blocks of 64 indices whose running max starts
+    # at -1e30 and covers the logits only; probabilities are rounded to bf16 before P.V (relative to the
+    # running max), the sink joins the denominator at the end. Reproducing the rounding matters: one
+    # bf16 ulp here moves the FP8 activation grid of wo_b and grows from layer to layer.
+    B, T, H, D = q.shape
+    qf, kvf = q.float(), kv.float()
+    batch = torch.arange(B, device=kv.device).view(-1, 1, 1)
+    acc = q.new_zeros(B, T, H, D, dtype=torch.float32)
+    denom = q.new_zeros(B, T, H, dtype=torch.float32)
+    run_max = torch.full((B, T, H), -1e30, dtype=torch.float32, device=q.device)
+    for start in range(0, idx.size(-1), SPARSE_BLOCK):
+        block = idx[..., start:start + SPARSE_BLOCK].long()
+        valid = block >= 0
+        keys = kvf[batch, block.clamp_min(0)] * valid.unsqueeze(-1)  # [B,T,k,D]
+        logits = torch.einsum("bthd,btkd->bthk", qf, keys)
+        logits = torch.where(valid.unsqueeze(2), logits, -torch.inf) * scale
+        new_max = torch.maximum(run_max, logits.amax(dim=-1))
+        rescale = torch.exp(run_max - new_max)
+        p = torch.exp(logits - new_max.unsqueeze(-1))
+        denom = denom * rescale + p.sum(dim=-1)
+        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bthk,btkd->bthd", p.to(torch.bfloat16).float(), keys)
+        run_max = new_max
+    denom = denom + torch.exp(sink.float() - run_max)
+    return (acc / denom.unsqueeze(-1)).to(q.dtype)
+
+
+SPARSE_BLOCK = 64  # indices per block of REF's sparse-attention kernel
 
 
 def window_indices(start_pos: int, seqlen: int, n_prev: int, window: int, device) -> torch.Tensor:

@@ -80,6 +80,9 @@ class ModelArgs:
     candidate_source_layer: int = 20
     candidate_topk_blocks: int = 2048
     candidate_block_size: int = 8
+    # "bf16": index scores rounded as REF computes them (q.k, weights and sums in bf16), so Top-K picks
+    # and breaks ties as the official model does; "fp32": exact scores (training always uses fp32)
+    index_score_dtype: Literal["bf16", "fp32"] = "bf16"
     # hyper-connections
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20

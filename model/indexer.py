@@ -57,6 +57,7 @@ class Indexer(nn.Module):
         self.ratio = spec.compress_ratio
         self.n_heads, self.head_dim, self.rope_dim = args.index_n_heads, args.index_head_dim, args.rope_head_dim
         self.topk = args.index_topk
+        self.score_dtype = args.index_score_dtype
         self.topk_blocks, self.block_size = args.candidate_topk_blocks, args.candidate_block_size
         if spec.owns_index:
             self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, storage_dtype(args.dtype),
@@ -101,6 +102,11 @@ class Indexer(nn.Module):
         are all-reduced before Top-K, so every rank selects the same entries."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = qat(formats.mxfp4_fake_quant, rope_tail(q, freqs, self.rope_dim), 32)
+        if self.score_dtype == "bf16" and not torch.is_grad_enabled():
+            # REF keeps q, k, the weights and the scores in bf16 (and breaks Top-K ties on those values)
+            w = self.weights_proj(x).to(torch.bfloat16) * self.weight_scale
+            scores = torch.einsum("bthd,bnd->bthn", q.to(torch.bfloat16), keys.to(torch.bfloat16)).relu_()
+            return (scores * w.unsqueeze(-1)).sum(dim=2).float()
         w = self.weights_proj(x).float() * self.weight_scale
         scores = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).relu_()
         return (scores * w.unsqueeze(-1)).sum(dim=2)

@@ -29,7 +29,8 @@ def sinkhorn_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
     pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + eps
     post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = (m[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
-    comb = torch.softmax(comb, dim=-1) + eps
+    comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))  # the softmax written out, as REF's kernel
+    comb = comb / comb.sum(dim=-1, keepdim=True) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
