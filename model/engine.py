@@ -325,7 +325,7 @@ class Generator:
 
     def _feed_drafter(self, cache, ring_ids, main_x, positions):
         for lid, stage in zip(ring_ids, self.model.mtp):
-            # the cache rounds to FP8 itself: hand it the unrounded window KV (re-rounding is not exact)
+            # the cache packs the window KV as FP8 itself: it takes the unrounded values
             latent = stage.attn.window_latent(main_x, stage.attn.freqs(positions, main_x.device))
             cache.write_window(lid, latent, int(positions[0]))
 
@@ -425,3 +425,25 @@ def _peak_memory(device) -> int:
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
     except Exception:  # pragma: no cover - non-POSIX
         return 0
+
+
+def generate_chat(generator: Generator, messages: list[dict], tools: list[dict] | None = None,
+                  effort: int | None = None, max_new_tokens: int = 512,
+                  sampling: SamplingConfig | None = None) -> tuple[str, int]:
+    """One assistant turn for a message list (OpenAI schema, as agent scaffolds keep it): encoded with
+    the V4.1 chat encoding (thinking mode with `effort`, chat mode when effort is None), generated,
+    and returned as the completion text the model wrote, special tokens included (reasoning,
+    `</think>`, content, any DSML block, end-of-sentence unless cut), with its token count."""
+    from model import encoding
+
+    tok = generator.tokenizer
+    if tok is None:
+        raise ValueError("generate_chat needs a Generator built with its tokenizer")
+    mode = "chat" if effort is None else "thinking"
+    if tools:
+        messages = encoding.attach_tools(messages, tools)
+    prompt = encoding.encode_messages(messages, mode=mode, effort=effort if effort is not None else "high")
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling or SamplingConfig(),
+                              stop_ids=(tok.eos_id,), think_end_id=tok.token_to_id(encoding.THINK_END))
+    result = generator.generate(tok.encode(prompt, allow_special=True), config)
+    return tok.decode(result.output_ids, skip_special=False), len(result.output_ids)

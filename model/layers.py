@@ -124,12 +124,14 @@ class Linear(nn.Module):
             return qat(self._weight_grid, self.weight).to(dtype)
         key = (self.weight._version, self.scale._version, self.weight.data_ptr(), self.weight.device)
         if self._dequantized is None or self._dequantized[0] != key:
-            if self.kind == "fp8":
-                w = formats.dequant_fp8_weight(self.weight, self.scale, self.block)
-            else:
-                w = formats.dequant_fp4_weight(self.weight, self.scale, 32)
-            self._dequantized = (key, w)
+            with torch.inference_mode(False), torch.no_grad():  # cached: an ordinary tensor, usable anywhere
+                self._dequantized = (key, self._dequantize())
         return self._dequantized[1].to(dtype)
+
+    def _dequantize(self) -> torch.Tensor:
+        if self.kind == "fp8":
+            return formats.dequant_fp8_weight(self.weight, self.scale, self.block)
+        return formats.dequant_fp4_weight(self.weight, self.scale, 32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "dense":
@@ -155,6 +157,13 @@ def rope_frequencies(rope_dim: int, max_len: int, base: float, original_seq_len:
     theta_j = base^(-2j/r). With original_seq_len > 0 YaRN rescales: dimensions whose wavelength
     fits the training context keep theta, those far beyond it use theta/factor, and a linear ramp
     between beta_fast and beta_slow fades from one to the other (no mscale)."""
+    # cached across calls: build it as an ordinary tensor even when the first caller runs under
+    # inference_mode (an inference tensor could not be used later in a forward that records gradients)
+    with torch.inference_mode(False), torch.no_grad():
+        return _rope_table(rope_dim, max_len, base, original_seq_len, factor, beta_fast, beta_slow)
+
+
+def _rope_table(rope_dim, max_len, base, original_seq_len, factor, beta_fast, beta_slow) -> torch.Tensor:
     theta = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
     if original_seq_len > 0:
         def corrected_dim(rotations: float) -> float:

@@ -88,7 +88,8 @@ def test_sparse_attention_matches_naive_softmax_with_sink():
     idx = torch.randint(-1, 9, (2, 5, 6))
     idx[0, 0] = -1  # an all-empty row gives zeros
     got = sparse_attention(q, kv, sink, idx, 0.25)
-    assert torch.allclose(got.double(), naive_attention(q, kv, sink, idx, 0.25), atol=1e-5)
+    # REF rounds the probabilities to bf16 before P.V (8 significant bits), and so do we
+    assert torch.allclose(got.double(), naive_attention(q, kv, sink, idx, 0.25), atol=2e-2, rtol=1e-2)
     assert torch.equal(got[0, 0], torch.zeros(3, 16))
 
 

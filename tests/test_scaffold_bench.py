@@ -326,3 +326,19 @@ def test_cli_refuses_to_run_without_the_jail(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap to be found
     code, out, err = _run_cli(["--backend", "oracle", "--scaffolds", "xml", "--limit", "1"], capsys)
     assert code == 2 and "no command was run" in err and out == ""
+
+
+def test_local_backend_runs_the_engine_under_a_scaffold(jail, bundled, small_checkpoint):
+    """The local backend: the dsv41 engine answers inside the agent loop. A random model will not
+    solve anything; what matters is that its completions go through the same parser and accounting."""
+    from evals.scaffolds.backends import LocalBackend, local_backend_available
+
+    assert local_backend_available()
+    backend = LocalBackend(small_checkpoint, "cpu", max_new_tokens=6)
+    tasks, items = bundled
+    report = run_bench(backend, [load_scaffold("dsml")], tasks[:1], items[:1], [75], jail, max_steps=2)
+    assert len(report["episodes"]) == 2
+    row = report["rows"][0]
+    assert row["tasks"] == 2 and row["mean_output_tokens"] > 0
+    text, n = backend.chat([{"role": "user", "content": "hi"}], None, None)
+    assert isinstance(text, str) and 0 < n <= 6

@@ -48,8 +48,8 @@ def command(
     model: Optional[str] = ModelOpt,
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="An OpenAI-compatible server (base URL such as "
                                            "http://host:8000/v1, or the full .../chat/completions URL)."),
-    backend: Optional[str] = typer.Option(None, "--backend", help="What answers: endpoint or oracle (local when the "
-                                          "inference engine is installed). Default: endpoint when --endpoint is given."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="What answers: local (the dsv41 engine on --model), "
+                                          "endpoint or oracle. Default: endpoint when --endpoint is given."),
     scaffolds: str = typer.Option(DEFAULT_SCAFFOLDS, "--scaffolds", help="Comma list of built-in scaffolds or scaffold files."),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="A task directory in the Harbor-like layout (default: the bundled tasks)."),
     efforts: str = typer.Option("high", "--efforts", help="Comma list of efforts: 1..100, low|high|max (50|75|100), or chat."),

@@ -25,9 +25,8 @@ Backends here:
   the parsers and the loop, not a model.
 * :class:`EndpointBackend` talks to any OpenAI-compatible ``/chat/completions`` URL (key from an
   environment variable, retries with exponential backoff, a per-request timeout).
-* ``local`` (the dsv41 engine in-process) is not here yet: it needs ``model.engine.generate_chat``,
-  which does not exist at the time of writing. It plugs in as a ``LocalBackend(model_dir, device)``
-  class with the same ``chat``; :func:`local_backend_available` and the CLI pick it up.
+* :class:`LocalBackend` runs the dsv41 engine in-process (``model.engine.generate_chat``) on a
+  checkpoint directory, with effort through the chat encoding.
 """
 
 from __future__ import annotations
@@ -308,10 +307,32 @@ def completion_text(message: dict, finish_reason: str | None, mode: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+class LocalBackend:
+    """The dsv41 engine in this process: the checkpoint at `model_dir` (official or runtime layout),
+    greedy decoding, effort through the V4.1 chat encoding's effort line."""
+
+    name = "local"
+
+    def __init__(self, model_dir, device: str = "cpu", max_new_tokens: int = 512):
+        from model.checkpoint import load_model
+        from model.engine import Generator
+
+        model, self.args, self.tokenizer = load_model(model_dir, device=device)
+        self.generator = Generator(model, self.tokenizer)
+        self.max_new_tokens = max_new_tokens
+        self._lock = threading.Lock()  # one model, one forward at a time (run_bench may use threads)
+
+    def chat(self, messages, tools, effort):
+        from model.engine import generate_chat
+
+        with self._lock:
+            return generate_chat(self.generator, messages, tools, effort, self.max_new_tokens)
+
+
 def local_backend_available() -> bool:
     """Whether the ``local`` backend can run: it needs the inference engine's ``generate_chat``
     (model/engine.py) and its adapter here, a ``LocalBackend(model_dir, device)`` class implementing
-    :class:`Backend` on top of it. Neither exists yet, so the CLI offers endpoint and oracle only."""
+    :class:`Backend` on top of it."""
     if "LocalBackend" not in globals():
         return False
     try:
@@ -329,6 +350,6 @@ def effort_label(effort: int | None) -> str:
 
 
 __all__ = [
-    "Backend", "BackendError", "BackendFatal", "EndpointBackend", "OracleBackend", "TokenCounter",
+    "Backend", "BackendError", "BackendFatal", "EndpointBackend", "LocalBackend", "OracleBackend", "TokenCounter",
     "completion_text", "effort_label", "local_backend_available", "mode_of",
 ]
