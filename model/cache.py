@@ -17,10 +17,10 @@ The write methods take the values *before* storage rounding (the post-RoPE laten
 the window KV) and pack them; the read methods (`compressed`, `index_keys_for`, `window_before`)
 unpack to the dtype that was written. Because formats guarantees unpack(pack(x)) == fake_quant(x) bit
 for bit, attention reading a packed entry sees exactly the fake-quantized value the QAT forward
-computes. Packing already fake-quantized values instead would not be exact: re-rounding is not
-idempotent (an MXFP4 block whose largest code is 6 gets twice the scale the second time, an FP8 block
-reaching 448 likewise, and FP4 blocks with subnormal E4M3 scales can change), so callers hand over the
-unrounded values.
+computes. Packing the already fake-quantized values instead would not always be exact, because
+rounding twice is not rounding once: an FP4 block whose subnormal E4M3 scale rounded up (block amax
+below 6 * 2^-6) gets a smaller scale the second time and its largest values saturate. So callers hand
+over the unrounded values.
 
 Training: packed bytes carry no gradient. A write whose values require grad (grad mode on) goes to a
 differentiable store of the fake-quantized values instead (straight-through, as `layers.qat`); reads

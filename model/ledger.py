@@ -162,13 +162,67 @@ def kv_ledger(args: ModelArgs) -> dict[str, float]:
         "main_entry_bytes": entry,
         "indexer_entry_bytes": key,
         "window_entry_bytes": window_entry,
+        # persistent (SSD) prefix cache: global KV of every cached token; SWA KV, where it is kept at
+        # all, is a snapshot of every layer's ring at a cached position (see persistent_ledger)
+        "persistent_bytes_per_token_without_swa": main + indexer,
+        "swa_snapshot_bytes": n_window_layers * args.window_size * window_entry,
+    }
+
+
+# The V4.1 report: global KV "about 1/4 of V4-Flash", persistent KV cache "1/8 of V4" (SWA KV leaves
+# the persistent cache, which "almost halves its size", times the global KV's 1/4).
+REPORT_GLOBAL_RATIO = 1 / 4
+REPORT_PERSISTENT_RATIO = 1 / 8
+TURN_TOKENS_EXAMPLES = (512, 2048, 8192, 32768)
+
+
+def persistent_ledger(args: ModelArgs, turn_tokens: float, with_swa: bool) -> float:
+    """Persistent prefix-cache bytes per cached token.
+
+    without SWA (V4.1: SWA KV lives in a short-lived DRAM pool, a miss is rebuilt by bounded replay):
+    the global KV only. With SWA (V4): plus two snapshots of every layer's window ring (at the end of
+    the prompt and at the end of the output) per turn of `turn_tokens` tokens, so the SWA share depends
+    on the workload's turn length."""
+    kv = kv_ledger(args)
+    swa = 2 * kv["swa_snapshot_bytes"] / turn_tokens if with_swa else 0.0
+    return kv["global_bytes_per_token"] + swa
+
+
+def kv_comparison(args: ModelArgs, baseline: ModelArgs) -> dict:
+    """This model's KV ledger against a baseline's (V4.1-Flash against V4-Flash in the report).
+
+    global: bytes per token of global KV, and their ratio (report: 1/4).
+    persistent: this model's persistent cache without SWA against the baseline's with SWA. The baseline's
+    SWA share depends on the turn length; the report says SWA KV was "nearly half" of V4's persistent
+    cache, which holds at `turn_tokens_swa_half` (where the two SWA snapshots per turn equal the
+    turn's global KV); the ratio there is set beside the report's 1/8, and at a few other turn lengths."""
+    mine, base = kv_ledger(args), kv_ledger(baseline)
+    half = 2 * base["swa_snapshot_bytes"] / base["global_bytes_per_token"]
+    ratios = {str(t): persistent_ledger(args, t, False) / persistent_ledger(baseline, t, True)
+              for t in TURN_TOKENS_EXAMPLES}
+    return {
+        "baseline": baseline.name,
+        "global_bytes_per_token": {"this": mine["global_bytes_per_token"], "baseline": base["global_bytes_per_token"],
+                                   "ratio": mine["global_bytes_per_token"] / base["global_bytes_per_token"],
+                                   "report_ratio": REPORT_GLOBAL_RATIO},
+        "persistent": {
+            "swa_snapshot_bytes": {"this": mine["swa_snapshot_bytes"], "baseline": base["swa_snapshot_bytes"]},
+            "turn_tokens_swa_half": half,
+            "this_without_swa_bytes_per_token": persistent_ledger(args, half, False),
+            "this_with_swa_bytes_per_token": persistent_ledger(args, half, True),
+            "baseline_with_swa_bytes_per_token": persistent_ledger(baseline, half, True),
+            "baseline_without_swa_bytes_per_token": persistent_ledger(baseline, half, False),
+            "ratio": persistent_ledger(args, half, False) / persistent_ledger(baseline, half, True),
+            "ratio_by_turn_tokens": ratios,
+            "report_ratio": REPORT_PERSISTENT_RATIO,
+        },
     }
 
 
 def info(args: ModelArgs, path: str | None = None) -> dict:
     """The document `dsv41 info --json` prints (spec/cli.md)."""
     inventory = parameter_inventory(args)
-    return {
+    doc = {
         "model": args.name,
         "path": path,
         "family": args.family,
@@ -177,6 +231,11 @@ def info(args: ModelArgs, path: str | None = None) -> dict:
         "layers": [s.as_json() for s in args.plan.all],
         "kv": kv_ledger(args),
     }
+    if args.family == "v4.1":  # the report's comparison: V4.1's KV ledger against V4-Flash's
+        from model.config import preset
+
+        doc["kv_vs_v4_flash"] = kv_comparison(args, preset("v4-flash"))
+    return doc
 
 
 # ---------------------------------------------------------------------------------- V4 inventory

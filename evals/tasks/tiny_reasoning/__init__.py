@@ -1,0 +1,156 @@
+"""`tiny-reasoning`: effort-conditioned addition of short lists of single-digit numbers.
+
+The synthetic reasoning task the bundled `dsv41-tiny` model is trained on (recipes/tiny/), built so
+that the reasoning-effort dial of the V4.1 chat format has a visible, learnable effect:
+
+    user:      "Add: 7 3 9 2 5"
+    assistant: <think>{trace(effort)}</think>Answer: 26<EOS>
+
+The trace grows with the effort tier, and each tier adds a more careful way of working:
+
+    effort  1-19   (none)                         answer at once: a guess for a tiny model
+    effort 20-44   7+3=10, +9=19, +2=21, +5=26     terse running sums
+    effort 45-69   7+3=10 / 10+9=19 / ...          every step written out as a full equation, one per line
+    effort 70-89   a restatement of the list and its length, then numbered full steps
+    effort 90-100  the 70-89 trace plus a verification pass that adds the list in reverse order
+
+so mean reasoning tokens rise strictly across efforts 1, 25, 50, 75, 100, and the more explicit
+traces make each step a single table look-up (a+b with b < 10), which is what makes them more often
+right. In training data the effort is uniform in 1..100 and appears, as the number it is, in the
+effort line of the system part (`model.encoding.encode_messages(..., mode="thinking", effort=e)`).
+
+The held-out set (`heldout.jsonl`, 300 items) is effort-free: each item is the prompt messages and
+the gold answer; the effort is chosen at evaluation time. Training data never contains a held-out
+list (`recipes/tiny/build_data.py` excludes them).
+
+Scoring: the last integer in the content after `</think>` must equal the gold sum.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+TASK_NAME = "tiny-reasoning"
+HELDOUT_FILE = Path(__file__).resolve().parent / "heldout.jsonl"
+MIN_NUMBERS, MAX_NUMBERS = 4, 8
+EFFORT_TIERS = (20, 45, 70, 90)  # lower bounds of tiers 1..4; tier 0 is effort 1-19
+SWEEP_EFFORTS = (1, 25, 50, 75, 100)
+THINK_END = "</think>"
+_INTEGER = re.compile(r"-?\d+")
+
+
+def effort_tier(effort: int) -> int:
+    """0 (answer at once) .. 4 (restate, step, verify)."""
+    if not 1 <= int(effort) <= 100:
+        raise ValueError(f"effort must be in 1..100, got {effort}")
+    return sum(int(effort) >= bound for bound in EFFORT_TIERS)
+
+
+def question(numbers: list[int]) -> str:
+    return "Add: " + " ".join(str(n) for n in numbers)
+
+
+def _running_steps(numbers: list[int]) -> list[tuple[int, int, int]]:
+    """(running sum so far, next number, new running sum) for every addition, left to right."""
+    steps, total = [], numbers[0]
+    for n in numbers[1:]:
+        steps.append((total, n, total + n))
+        total += n
+    return steps
+
+
+def reasoning_trace(numbers: list[int], effort: int) -> str:
+    """The gold reasoning (the text between <think> and </think>) for `numbers` at `effort`."""
+    tier = effort_tier(effort)
+    steps = _running_steps(numbers)
+    if tier == 0:
+        return ""
+    if tier == 1:
+        first, n, total = steps[0]
+        parts = [f"{first}+{n}={total}"] + [f"+{n}={total}" for _, n, total in steps[1:]]
+        return ", ".join(parts)
+    if tier == 2:
+        return "\n".join(f"{a}+{n}={s}" for a, n, s in steps)
+    lines = [f"Numbers: {', '.join(str(n) for n in numbers)} ({len(numbers)} numbers)."]
+    lines += [f"Step {i}: {a}+{n}={s}" for i, (a, n, s) in enumerate(steps, 1)]
+    if tier == 4:
+        backward = _running_steps(numbers[::-1])
+        lines.append("Check in reverse:")
+        lines += [f"{a}+{n}={s}" for a, n, s in backward]
+        lines.append(f"Both give {sum(numbers)}.")
+    return "\n".join(lines)
+
+
+def answer_text(numbers: list[int]) -> str:
+    return f"Answer: {sum(numbers)}"
+
+
+def messages(numbers: list[int]) -> list[dict]:
+    """The effort-free prompt messages of one item."""
+    return [{"role": "user", "content": question(numbers)}]
+
+
+def training_conversation(numbers: list[int], effort: int) -> str:
+    """One complete training example in the official V4.1 thinking-mode encoding (BOS ... EOS)."""
+    from model.encoding import encode_messages
+
+    convo = messages(numbers) + [{"role": "assistant", "reasoning_content": reasoning_trace(numbers, effort),
+                                  "content": answer_text(numbers)}]
+    return encode_messages(convo, mode="thinking", effort=effort)
+
+
+def prompt_text(item: dict, effort: int) -> str:
+    """The generation prompt (ends with `<｜Assistant｜><think>`) for a held-out item at `effort`."""
+    from model.encoding import encode_messages
+
+    return encode_messages(item["messages"], mode="thinking", effort=effort)
+
+
+def random_numbers(rng: random.Random) -> list[int]:
+    return [rng.randint(0, 9) for _ in range(rng.randint(MIN_NUMBERS, MAX_NUMBERS))]
+
+
+def generate_items(n: int, seed: int, exclude: set[tuple[int, ...]] | None = None) -> list[dict]:
+    """n distinct items (no list repeated, none in `exclude`)."""
+    rng = random.Random(seed)
+    seen = set(exclude or ())
+    items = []
+    while len(items) < n:
+        numbers = random_numbers(rng)
+        if tuple(numbers) in seen:
+            continue
+        seen.add(tuple(numbers))
+        items.append({"id": f"{TASK_NAME}-{len(items):04d}", "messages": messages(numbers),
+                      "numbers": numbers, "answer": sum(numbers)})
+    return items
+
+
+def load_items(path: str | Path | None = None, limit: int | None = None) -> list[dict]:
+    """The held-out items (or those of another JSONL file with the same schema)."""
+    lines = Path(path or HELDOUT_FILE).read_text().splitlines()
+    items = [json.loads(line) for line in lines if line.strip()]
+    return items[:limit] if limit else items
+
+
+def split_completion(completion: str) -> tuple[str | None, str]:
+    """Completion text after `<think>` -> (reasoning, content). reasoning is None when `</think>`
+    never came (the model used its whole budget thinking); then there is no content."""
+    if THINK_END not in completion:
+        return None, ""
+    reasoning, content = completion.split(THINK_END, 1)
+    return reasoning, content
+
+
+def extract_answer(content: str) -> int | None:
+    """The last integer in the answer content, or None."""
+    found = _INTEGER.findall(content)
+    return int(found[-1]) if found else None
+
+
+def score(completion: str, item: dict) -> bool:
+    """True when the last number of the content after `</think>` is the gold sum."""
+    _, content = split_completion(completion)
+    return extract_answer(content) == int(item["answer"])

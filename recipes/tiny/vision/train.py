@@ -1,0 +1,357 @@
+"""Give the bundled dsv41-tiny a vision tower: train the ViT, the aligner and the image span
+embeddings on synthetic pictures (recipes/tiny/vision/data.py) with the language model frozen, then
+write the checkpoint with the vision tensors added.
+
+    python -m recipes.tiny.vision.train --base model/assets/dsv41-tiny --out /tmp/dsv41-tiny-vision \
+        [--seconds 1200] [--install]
+
+What trains (everything else is the text checkpoint, bit for bit):
+    vision.*  aligner.*  image_start / image_newline / image_end     AdamW on fp32 masters, saved bf16
+    layers.*.ffn.gate.bias_vl      the image tokens' expert-selection bias, by the aux-loss-free rule
+                                   b_vl += gamma * sign(mean load - load) over image positions only
+                                   (starting from the text bias)
+
+The loss is next-token cross-entropy on the reply only, in both chat formats of V4.1:
+    thinking  BOS <System>Reasoning Effort: e ...  <User> IMAGE \\n\\n question <Assistant><think>
+              -> reasoning </think> answer EOS           (effort uniform in 1..100)
+    chat      BOS <User> IMAGE \\n\\n question <Assistant></think>  -> answer EOS
+exactly as `dsv41 generate --image PATH "question"` encodes its prompt. The language model is the
+inference model as shipped (FP8 / FP4 weights, straight-through activation rounding), so the tower
+learns against exactly the computation that will read it. A batch shares one canvas size, so its
+images share a patch grid and go through the ViT in one call.
+
+--install then replaces the --base directory with the result (the text-only one moves beside --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recipes.tiny.vision import data as D
+
+REPO = Path(__file__).resolve().parents[3]
+
+# The bundled model's vision tower: 4 blocks of width 64 (about 0.3 MB in bf16), small images.
+VISION = dict(
+    vision_n_layers=4, vision_dim=64, vision_n_heads=4, vision_inter_dim=128, vision_patch_size=14,
+    vision_rope_theta=10000.0, vision_downsample_ratio=3, vision_min_pixels=56 * 56, vision_max_n_token=64,
+    vision_max_wh_ratio=None, image_token_id=129264,
+)
+TRAINED_PREFIXES = ("vision.", "aligner.", "image_start", "image_newline", "image_end")
+
+
+# ------------------------------------------------------------------------------------ model
+def build(base: Path):
+    """(model, args, tokenizer): the text checkpoint at `base` plus a fresh vision tower, the trained
+    parts as fp32 masters. Returns also the set of names that came from the checkpoint."""
+    from model.checkpoint import load_state_dict
+    from model.tokenizer import load_tokenizer
+    from model.transformer import Transformer
+
+    state, text_args = load_state_dict(base)
+    if text_args.vision_enabled:
+        raise SystemExit(f"{base} already has a vision tower (vision_n_layers = {text_args.vision_n_layers})")
+    args = text_args.replace(**VISION)
+    tokenizer = load_tokenizer(base)
+    placeholder = tokenizer.token_to_id("<｜deepseek_image｜>")
+    if placeholder != args.image_token_id:
+        raise SystemExit(f"the tokenizer's image placeholder is id {placeholder}, not {args.image_token_id}")
+    torch.manual_seed(0)
+    model = Transformer(args, tokenizer)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any(not (n.startswith(TRAINED_PREFIXES) or n.endswith("bias_vl")) for n in missing):
+        raise SystemExit(f"the text checkpoint does not fit: unexpected {unexpected[:3]}, missing {missing[:3]}")
+    with torch.no_grad():
+        scale = model.embed.weight.float().std()
+        for name in ("image_start", "image_newline", "image_end"):
+            getattr(model, name).copy_(torch.randn(args.dim) * scale)
+        for module in model.modules():
+            gate = getattr(module, "gate", None)
+            if gate is not None and getattr(gate, "bias_vl", None) is not None:
+                gate.bias_vl.copy_(gate.bias)  # images start from the text balance
+    model.requires_grad_(False).eval()
+    model.vision.float().requires_grad_(True)
+    model.aligner.float().requires_grad_(True)
+    for name in ("image_start", "image_newline", "image_end"):
+        setattr(model, name, nn.Parameter(getattr(model, name).detach().float()))
+    model.batch_images = True
+    return model, args, tokenizer, set(state)
+
+
+class PickedHead(nn.Module):
+    """The output head applied only where the loss needs logits (a [B, T, 129280] fp32 tensor would
+    dwarf everything else): set `where` [B, T] before the forward."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+        self.where: torch.Tensor | None = None
+
+    def forward(self, u):
+        return self.head(u[self.where])
+
+
+# ------------------------------------------------------------------------------------ data
+def encode_example(example: D.Example, mode: str, effort: int, tokenizer, args):
+    """(ids, token types, image inputs, index of the first reply token) of one training sequence."""
+    from model.encoding import EOS, THINK_END, encode_messages_with_images
+    from model.vision import expand_image_placeholders
+
+    messages = [{"role": "user", "content": [{"type": "image", "data": b"-"},  # stands for example.image
+                                             {"type": "text", "text": example.question}]}]
+    prompt, records = encode_messages_with_images(messages, mode=mode, effort=effort)
+    reply = (example.reasoning + THINK_END if mode == "thinking" else "") + example.answer + EOS
+    prompt_ids = tokenizer.encode(prompt, allow_special=True)
+    ids, types, inputs = expand_image_placeholders(prompt_ids, [example.image] * len(records), args)
+    return ids + tokenizer.encode(reply, allow_special=True), types, inputs, len(ids)
+
+
+def make_batch(rng: random.Random, batch: int, tokenizer, args, pad_id: int):
+    size = (rng.choice(D.SIDES), rng.choice(D.SIDES))
+    rows, images, starts = [], [], []
+    for _ in range(batch):
+        example = D.make_example(rng, size=size)
+        mode = "thinking" if rng.random() < 0.5 else "chat"
+        ids, _, inputs, reply_at = encode_example(example, mode, rng.randint(1, 100), tokenizer, args)
+        rows.append(ids)
+        images.append(inputs)
+        starts.append(reply_at)
+    T = max(len(r) for r in rows)
+    ids = torch.full((batch, T), pad_id, dtype=torch.long)
+    target = torch.zeros(batch, T, dtype=torch.bool)  # position t predicts token t+1
+    for b, (r, s) in enumerate(zip(rows, starts)):
+        ids[b, : len(r)] = torch.tensor(r)
+        target[b, s - 1: len(r) - 1] = True
+    return ids, images, target
+
+
+# ------------------------------------------------------------------------------------ stage 1: the tower alone
+class Probe(nn.Module):
+    """Linear read-outs of the mean and max ViT features: what kind of picture, its colour, shape, count and
+    word (class 0 = not applicable). Used only to pretrain the tower; never saved."""
+
+    LABELS = {"kind": ["shape", "count", "text"], "colour": [None] + sorted(D.COLOURS),
+              "shape": [None, *D.SHAPES], "count": [None, 1, 2, 3, 4], "word": [None, *D.WORDS]}
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.heads = nn.ModuleDict({k: nn.Linear(2 * width, len(v)) for k, v in self.LABELS.items()})
+
+    @classmethod
+    def targets(cls, example: D.Example) -> dict[str, int]:
+        facts = {"kind": example.kind, **example.facts}
+        return {k: v.index(facts.get(k)) for k, v in cls.LABELS.items()}
+
+    def forward(self, features: torch.Tensor) -> dict[str, torch.Tensor]:
+        features = features.float()
+        pooled = torch.cat([features.mean(dim=-2), features.amax(dim=-2)], dim=-1)  # max: where edges and corners are
+        return {k: head(pooled) for k, head in self.heads.items()}
+
+
+def pretrain_tower(model, args, seconds: float, batch: int, lr: float, seed: int, log=print) -> list[dict]:
+    """Stage 1: the ViT learns to see (colour, shape, count, word) through linear probes, cheaply,
+    before stage 2 teaches the aligner to say it through the frozen language model."""
+    from model.image_processor import preprocess
+
+    rng = random.Random(seed + 1)
+    probe = Probe(args.vision_dim)
+    params = list(model.vision.parameters()) + list(probe.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    history, start, step, smoothed = [], time.time(), 0, None
+    while (frac := (time.time() - start) / seconds) < 1:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(frac, lr)
+        size = (rng.choice(D.SIDES), rng.choice(D.SIDES))
+        examples = [D.make_example(rng, size=size) for _ in range(batch)]
+        prepared = [preprocess(e.image, args) for e in examples]
+        grid = prepared[0][1]
+        features = model.vision(torch.stack([p for p, _ in prepared]), grid.vit_h, grid.vit_w)
+        logits = probe(features)
+        targets = [Probe.targets(e) for e in examples]
+        loss = sum(F.cross_entropy(logits[k], torch.tensor([t[k] for t in targets])) for k in Probe.LABELS)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        smoothed = loss.item() if smoothed is None else 0.95 * smoothed + 0.05 * loss.item()
+        if step % 100 == 0:
+            right = {k: (logits[k].argmax(-1) == torch.tensor([t[k] for t in targets])).float().mean().item()
+                     for k in Probe.LABELS}
+            entry = {"stage": 1, "step": step, "seconds": round(time.time() - start, 1), "loss": round(smoothed, 4),
+                     "batch_accuracy": {k: round(v, 2) for k, v in right.items()}}
+            history.append(entry)
+            log(json.dumps(entry))
+    return history
+
+
+# ------------------------------------------------------------------------------------ stage 2: through the LM
+class ImageLoad:
+    """Counts, per MoE gate, how many image positions picked each expert (forward hooks)."""
+
+    def __init__(self, model):
+        from model.moe import Gate
+
+        self.gates = [m for m in model.layers.modules() if isinstance(m, Gate)]
+        self.counts = {g: torch.zeros(g.bias.numel()) for g in self.gates}
+        self.hooks = [g.register_forward_hook(self._hook) for g in self.gates]
+
+    def _hook(self, gate, inputs, output):
+        image_mask = inputs[1] if len(inputs) > 1 else None
+        if image_mask is not None:
+            self.counts[gate] += torch.bincount(output[1][image_mask].flatten(), minlength=gate.bias.numel()).float()
+
+    @torch.no_grad()
+    def update(self, gamma: float) -> None:
+        """Aux-loss-free balancing of the image modality: b_vl += gamma * sign(mean load - load)."""
+        for gate, load in self.counts.items():
+            if load.sum() > 0:
+                gate.bias_vl.add_(gamma * torch.sign(load.mean() - load))
+            load.zero_()
+
+
+def lr_at(frac: float, peak: float, warmup: float = 0.05, floor: float = 0.05) -> float:
+    if frac < warmup:
+        return peak * frac / warmup
+    progress = min(1.0, (frac - warmup) / (1 - warmup))
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(model, args, tokenizer, seconds: float, batch: int, lr: float, gamma: float, seed: int,
+          max_steps: int | None = None, tower_lr_scale: float = 0.3, log=print) -> list[dict]:
+    rng = random.Random(seed)
+    head = model.head
+    picked = PickedHead(head)
+    model.head = picked
+    params = [p for p in model.parameters() if p.requires_grad]
+    tower = {id(p) for p in model.vision.parameters()}
+    groups = []
+    for in_tower, scale in ((True, tower_lr_scale), (False, 1.0)):  # the pretrained tower moves more slowly
+        mine = [p for p in params if (id(p) in tower) == in_tower]
+        groups += [{"params": [p for p in mine if p.dim() >= 2], "weight_decay": 0.01, "scale": scale},
+                   {"params": [p for p in mine if p.dim() < 2], "weight_decay": 0.0, "scale": scale}]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
+    load = ImageLoad(model)
+    history, start, step, smoothed = [], time.time(), 0, None
+    try:
+        while True:
+            frac = (time.time() - start) / seconds
+            if frac >= 1 or (max_steps is not None and step >= max_steps):
+                break
+            for group in opt.param_groups:
+                group["lr"] = lr_at(frac, lr) * group["scale"]
+            ids, images, target = make_batch(rng, batch, tokenizer, args, tokenizer.eos_id)
+            picked.where = target[:, :]
+            logits = model(ids, all_logits=True, images=images)
+            loss = F.cross_entropy(logits.float(), ids[:, 1:][target[:, :-1]])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            load.update(gamma)
+            step += 1
+            smoothed = loss.item() if smoothed is None else 0.95 * smoothed + 0.05 * loss.item()
+            if step % 25 == 0 or step == 1:
+                entry = {"stage": 2, "step": step, "seconds": round(time.time() - start, 1), "loss": round(smoothed, 4),
+                         "lr": round(opt.param_groups[-1]["lr"], 6)}
+                history.append(entry)
+                log(json.dumps(entry))
+    finally:
+        model.head = head
+        for h in load.hooks:
+            h.remove()
+    return history
+
+
+# ------------------------------------------------------------------------------------ export
+def vision_state(model, args) -> dict[str, torch.Tensor]:
+    """The trained tensors in their checkpoint dtypes (those of a freshly built inference model)."""
+    from model.transformer import Transformer
+
+    with torch.device("meta"):
+        ref = Transformer(args).state_dict()
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.startswith(TRAINED_PREFIXES) or name.endswith("bias_vl"):
+            out[name] = t.detach().to(ref[name].dtype).contiguous()
+    return out
+
+
+def export(model, args, base: Path, out: Path) -> list[str]:
+    """base's tensors as stored plus the vision tensors, written with the text recipe's writer
+    (shards under 16 MiB, index, config.json with the vision_config, the tokenizer files)."""
+    from model.checkpoint import load_state_dict
+    from recipes.tiny.train import write_official
+
+    state, _ = load_state_dict(base)
+    merged = {**{n: t.contiguous() for n, t in state.items()}, **vision_state(model, args)}
+    with torch.device("meta"):
+        from model.transformer import Transformer
+
+        order = list(Transformer(args).state_dict())
+    if set(order) != set(merged):
+        raise RuntimeError(f"export mismatch: {sorted(set(order) ^ set(merged))[:3]}")
+    return write_official({n: merged[n] for n in order}, args, out, base)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description="Train the bundled model's vision tower (language model frozen).")
+    ap.add_argument("--base", type=Path, default=REPO / "model" / "assets" / "dsv41-tiny")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tower-seconds", type=float, default=300.0, help="stage 1: the ViT with linear probes")
+    ap.add_argument("--tower-batch", type=int, default=64)
+    ap.add_argument("--tower-lr", type=float, default=3e-3)
+    ap.add_argument("--seconds", type=float, default=1200.0, help="stage 2: through the frozen language model")
+    ap.add_argument("--max-steps", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--gamma", type=float, default=1e-3, help="bias_vl update speed (aux-loss-free rule)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--eval-examples", type=int, default=60, help="per question type, after training")
+    ap.add_argument("--install", action="store_true", help="replace --base with the result")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.out.exists():
+        raise SystemExit(f"{a.out} already exists")
+    model, args, tokenizer, _ = build(a.base)
+    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(json.dumps({"trained_parameters": n_trained, "vision": VISION}), flush=True)
+    history = pretrain_tower(model, args, a.tower_seconds, a.tower_batch, a.tower_lr, a.seed) if a.tower_seconds else []
+    history += train(model, args, tokenizer, a.seconds, a.batch, a.lr, a.gamma, a.seed, a.max_steps)
+    files = export(model, args, a.base, a.out)
+    from recipes.tiny.vision.accuracy import evaluate
+
+    report = evaluate(a.out, n=a.eval_examples, modes=("thinking",))
+    summary = {"steps": history[-1]["step"] if history else 0, "history": history, "files": files,
+               "quick_eval": report["accuracy"]}
+    (a.out / "vision_train.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({"quick_eval": report["accuracy"]}), flush=True)
+    if a.install:
+        install(a.out, a.base)
+    return summary
+
+
+def install(new: Path, base: Path) -> None:
+    """Replace `base` with `new`; the text-only directory moves beside `new` as <new>.text-only."""
+    keep = new.with_name(new.name + ".text-only")
+    if keep.exists():
+        shutil.rmtree(keep)
+    shutil.move(str(base), str(keep))
+    shutil.copytree(new, base, ignore=shutil.ignore_patterns("vision_train.json"))
+    print(f"installed {new} as {base} (the text-only checkpoint moved to {keep})", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

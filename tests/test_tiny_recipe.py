@@ -1,0 +1,261 @@
+"""The dsv41-tiny recipe: the tiny-reasoning task, the training losses, the export to the official
+layout, the evaluation arithmetic, and (when present) the bundled checkpoint itself."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from evals.tasks import tiny_reasoning as task
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------ the task
+def test_effort_tiers_and_strictly_longer_traces():
+    from model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    assert [task.effort_tier(e) for e in (1, 19, 20, 44, 45, 69, 70, 89, 90, 100)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    with pytest.raises(ValueError):
+        task.effort_tier(0)
+    for numbers in ([7, 3, 9, 2], [0, 0, 0, 0, 0, 0, 0, 0], [9, 9, 9, 9, 9, 9, 9, 9]):
+        lengths = [len(tok.encode(task.reasoning_trace(numbers, e))) for e in task.SWEEP_EFFORTS]
+        assert lengths[0] == 0
+        assert all(a < b for a, b in zip(lengths, lengths[1:])), lengths
+
+
+def test_traces_are_arithmetically_right():
+    numbers = [7, 3, 9, 2, 5]
+    assert task.reasoning_trace(numbers, 30) == "7+3=10, +9=19, +2=21, +5=26"
+    assert task.reasoning_trace(numbers, 50).splitlines() == ["7+3=10", "10+9=19", "19+2=21", "21+5=26"]
+    full = task.reasoning_trace(numbers, 100)
+    assert full.startswith("Numbers: 7, 3, 9, 2, 5 (5 numbers).")
+    assert "Step 4: 21+5=26" in full and "5+2=7" in full and full.endswith("Both give 26.")
+    assert "Check" not in task.reasoning_trace(numbers, 89)
+
+
+def test_training_conversation_uses_the_v41_encoding():
+    text = task.training_conversation([1, 2, 3, 4], effort=37)
+    assert text.startswith("<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 37 ")
+    assert "<｜User｜>Add: 1 2 3 4<｜Assistant｜><think>1+2=3, +3=6, +4=10</think>Answer: 10<｜end▁of▁sentence｜>" in text
+    quick = task.training_conversation([1, 2, 3, 4], effort=5)
+    assert "<think></think>Answer: 10<｜end▁of▁sentence｜>" in quick
+
+
+def test_scorer_reads_the_last_number_after_think():
+    item = {"answer": 26}
+    assert task.score("7+3=10 ...</think>Answer: 26", item)
+    assert task.score("</think>It is 25, no, 26", item)
+    assert not task.score("</think>Answer: 25", item)
+    assert not task.score("26 26 26", item)  # never closed its reasoning: no answer
+    assert not task.score("</think>no idea", item)
+    assert task.split_completion("a</think>b") == ("a", "b")
+
+
+def test_heldout_set_ships_and_is_effort_free():
+    items = task.load_items()
+    assert len(items) == 300
+    assert len({tuple(i["numbers"]) for i in items}) == 300
+    for it in items:
+        assert it["answer"] == sum(it["numbers"])
+        assert task.MIN_NUMBERS <= len(it["numbers"]) <= task.MAX_NUMBERS
+        assert it["messages"] == [{"role": "user", "content": task.question(it["numbers"])}]
+    prompt = task.prompt_text(items[0], 75)
+    assert "Reasoning Effort: 75 " in prompt and prompt.endswith("<｜Assistant｜><think>")
+
+
+def test_generate_items_excludes_heldout_lists():
+    held = task.generate_items(50, seed=1)
+    excluded = {tuple(i["numbers"]) for i in held}
+    fresh = task.generate_items(200, seed=1, exclude=excluded)
+    assert not excluded & {tuple(i["numbers"]) for i in fresh}
+
+
+# ------------------------------------------------------------------------------------ training pieces
+@pytest.fixture(scope="module")
+def trainable_tiny():
+    """preset('tiny') as a trainable fp32 model, through the recipe's own builder."""
+    from model.config import preset
+    from model.engram import build_compressed_token_map
+    from model.tokenizer import load_tokenizer
+    from recipes.tiny.train import build_trainable
+
+    args = preset("tiny").replace(trainable=True)
+    token_map, _ = build_compressed_token_map(load_tokenizer())
+    return build_trainable(args, token_map, "cpu", seed=5)
+
+
+def test_chunked_ce_matches_full_cross_entropy():
+    from recipes.tiny.train import chunked_ce
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 7, 16, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 50, (3, 7), generator=g)
+    ref = F.cross_entropy(F.linear(h, w).reshape(-1, 50), t.reshape(-1))
+    got = chunked_ce(h, w, t, chunk=4)
+    assert torch.allclose(got, ref, atol=1e-6)
+    gh, gw = torch.autograd.grad(got, (h, w))
+    rh, rw = torch.autograd.grad(ref, (h, w))
+    assert torch.allclose(gh, rh, atol=1e-6) and torch.allclose(gw, rw, atol=1e-6)
+
+
+def test_selection_bias_rule_moves_toward_balance():
+    from recipes.tiny.train import update_selection_bias
+
+    class Fake:
+        pass
+
+    moe = Fake()
+    moe.gate = Fake()
+    moe.gate.bias = torch.zeros(4)
+    moe.load = torch.tensor([10, 2, 4, 4])
+    update_selection_bias([moe], 0.01)
+    assert moe.gate.bias.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
+
+
+def test_backbone_step_reduces_loss_and_keeps_bias_out_of_the_optimizer(trainable_tiny):
+    from recipes.tiny.train import WindowSampler, train_backbone
+
+    model = trainable_tiny
+    stream = torch.arange(2000) % 97 + 3  # a periodic sequence: learnable within a few steps
+    sampler = WindowSampler({"prose": stream}, {"prose": 1.0})
+    bias_before = model.layers[0].ffn.gate.bias.clone()
+    history = train_backbone(model, sampler, "cpu", seconds=1e9, batch=4, context=32, lr=1e-2, max_steps=12,
+                             gamma=1e-3, log=lambda _: None)
+    assert history[0]["step"] == 1 and history[-1]["step"] == 10
+    assert history[-1]["lm_loss"] < history[0]["lm_loss"]
+    assert history[-1]["indexer_kl"] > 0  # the indexer is trained (pool-restricted layers included)
+    moved = (model.layers[0].ffn.gate.bias - bias_before) / 1e-3
+    # only the sign rule moves the bias (whole steps of gamma), never the optimizer
+    assert moved.abs().sum() > 0 and moved.abs().max() <= 12 + 1e-3
+    assert torch.allclose(moved, moved.round(), atol=1e-3)
+
+
+def test_dspark_blocks_are_anchor_plus_next_tokens(trainable_tiny):
+    from recipes.tiny.train import dspark_batch, dspark_loss
+
+    model = trainable_tiny
+    model.zero_grad(set_to_none=True)
+    for name, p in model.named_parameters():  # phase 2: only the drafter learns
+        p.requires_grad_(name.startswith("mtp."))
+    S = model.args.dspark_block_size
+    ids = torch.randint(3, 500, (2, 40))
+    g = torch.Generator().manual_seed(0)
+    hidden, prev, labels = dspark_batch(model, ids, 6, g)
+    assert hidden.shape == (12, S, model.args.dim)
+    assert torch.equal(prev[:, 1:], labels[:, :-1])  # teacher forcing: y_i is the label of position i-1
+    # every label block is a run of S consecutive tokens of its sequence, right after the anchor
+    for row in range(12):
+        seq = ids[row // 6]
+        hits = [p for p in range(40 - S) if torch.equal(seq[p:p + S], prev[row])]
+        assert hits and any(torch.equal(seq[p + 1:p + 1 + S], labels[row]) for p in hits)
+    ce, bce, acc = dspark_loss(model, hidden, prev, labels, chunk=7)
+    assert ce > 0 and bce > 0 and 0 <= float(acc) <= 1
+    (ce + bce).backward()
+    assert model.mtp[0].main_proj.weight.grad is not None  # main_x is trained through the context KV
+    assert model.mtp[-1].markov_head.embed.weight.grad is not None
+    assert model.layers[-1].attn.wq_a.weight.grad is None  # the backbone stays frozen
+
+
+def test_export_is_the_official_layout_and_computes_what_training_computed(trainable_tiny, tmp_path):
+    from model.checkpoint import load_model
+    from recipes.tiny.train import official_state_dict, round_dense_to_bf16_, write_official
+
+    model = trainable_tiny
+    round_dense_to_bf16_(model)
+    state = official_state_dict(model, model.args)
+    assert state["layers.2.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    assert state["layers.2.attn.wq_a.scale"].dtype == torch.float8_e8m0fnu
+    assert state["layers.0.ffn.experts.0.w1.weight"].dtype == torch.int8  # packed FP4
+    assert state["layers.1.engram.embed.weight"].dtype == torch.float8_e4m3fn
+    assert state["embed.weight"].dtype == torch.bfloat16
+    files = write_official(state, model.args, tmp_path / "ckpt", None)
+    index = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    assert all((tmp_path / "ckpt" / f).stat().st_size < 16 << 20 for f in files)
+    loaded, args, _ = load_model(tmp_path / "ckpt")
+    assert args.dim == model.args.dim and not args.trainable
+    ids = torch.randint(3, 500, (2, 24))
+    with torch.no_grad():
+        trained = F.linear(model(ids, all_logits=True), model.head.weight)
+        shipped = loaded(ids, all_logits=True)
+    # the shipped model runs bf16 activations where training ran fp32: close, not bit-equal
+    assert (trained - shipped).abs().max() < 0.05 * trained.abs().max()
+    assert (trained.argmax(-1) == shipped.argmax(-1)).float().mean() > 0.9
+
+
+# ------------------------------------------------------------------------------------ evaluation
+def test_strided_bits_score_every_token_once(tiny_model):
+    from model.tokenizer import load_tokenizer
+    from recipes.tiny.evaluate import document_bits
+
+    class SmallVocab:  # the tiny preset has 512 ids: map text to ids below that
+        bos_id = 0
+
+        def encode(self, text, allow_special=False):
+            return [3 + (ord(c) % 500) for c in text]
+
+        def decode(self, ids):
+            return self._text
+
+    tok = SmallVocab()
+    text = "abcdefghij" * 7
+    tok._text = text
+    ids = torch.tensor([[0] + tok.encode(text)])
+    with torch.no_grad():
+        logp = torch.log_softmax(tiny_model(ids[:, :-1], all_logits=True), -1)
+    full_bits = float(-logp.gather(-1, ids[:, 1:, None]).sum()) / math.log(2)
+    one_window = document_bits(tiny_model, tok, [text], ctx=128, stride=64)[0]
+    assert one_window["tokens"] == len(text) and one_window["bytes"] == len(text)
+    assert one_window["bits"] == pytest.approx(full_bits, rel=1e-4)
+    strided = document_bits(tiny_model, tok, [text], ctx=32, stride=16)[0]
+    assert strided["bits"] > 0 and strided["bits"] != pytest.approx(full_bits, rel=1e-6)
+
+
+def test_wilson_interval_and_compressor_baselines():
+    from recipes.tiny.evaluate import compressor_bpb, wilson_interval
+
+    lo, hi = wilson_interval(0.0, 100)
+    assert lo == 0.0 and 0.0 < hi < 0.05
+    b = compressor_bpb(b"the quick brown fox " * 200)
+    assert set(b) == {"xz", "gzip", "bz2"} and all(0 < v < 1 for v in b.values())
+
+
+# ------------------------------------------------------------------------------------ the bundled model
+BUNDLED = REPO / "model" / "assets" / "dsv41-tiny"
+
+
+@pytest.mark.skipif(not (BUNDLED / "config.json").is_file(), reason="no bundled checkpoint in this tree")
+def test_bundled_checkpoint_layout_and_size():
+    from model.assets import bundled_model_dir
+    from model.config import load_config
+    from recipes.tiny.config import tiny_config
+
+    assert bundled_model_dir() == BUNDLED
+    assert load_config(BUNDLED).replace(name="dsv41-tiny") == tiny_config()  # the HF config carries no name
+    total = sum(p.stat().st_size for p in BUNDLED.iterdir() if p.is_file())
+    assert total <= 48_000_000
+    index = json.loads((BUNDLED / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert shards == sorted(p.name for p in BUNDLED.glob("model-*-of-*.safetensors"))
+    assert all((BUNDLED / s).stat().st_size < 16 << 20 for s in shards)
+    assert (BUNDLED / "tokenizer.json").is_file() and (BUNDLED / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.skipif(not (BUNDLED / "config.json").is_file(), reason="no bundled checkpoint in this tree")
+def test_bundled_checkpoint_loads_strictly_and_answers():
+    from model.checkpoint import load_model
+
+    model, args, tok = load_model(BUNDLED)
+    assert tok.id_to_token(128799) == "<｜System｜>"
+    prompt = tok.encode(task.prompt_text({"messages": task.messages([2, 3, 4, 1])}, 100))
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt]))
+    assert logits.shape == (1, args.vocab_size) and torch.isfinite(logits).all()
