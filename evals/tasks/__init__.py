@@ -133,7 +133,9 @@ def serve_local_data(data_dir: str | os.PathLike | None) -> Iterator[list[str]]:
             raise ValueError(f"{data_dir}: the splits of {path} mix file types ({', '.join(sorted(builders))})")
         for key in ("data_files", "data_dir", "trust_remote_code", "revision"):
             kwargs.pop(key, None)
-        served.append(f"{path}{'/' + name if name else ''}")
+        label = f"{path}{'/' + name if name else ''}"
+        if label not in served:
+            served.append(label)
         return real(builders.pop(), data_files=files, **kwargs)
 
     datasets.load_dataset = load_dataset

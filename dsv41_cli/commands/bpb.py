@@ -1,0 +1,122 @@
+"""`dsv41 bpb`: bits per byte of one or more models on text corpora, beside compressor baselines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from dsv41_cli.common import DeviceOpt, JsonOpt, resolve_device, resolve_model_dir, tune_threads
+from dsv41_cli.console import err, fail, out, print_json
+
+
+def command(
+    paths: list[Path] = typer.Argument(..., help="Corpora: files (a .jsonl file = one document per line's \"text\") or directories."),
+    models: Optional[list[str]] = typer.Option(None, "--model", envvar="DSV41_MODEL",
+                                               help="Checkpoint directory; repeat to compare models. Default: the bundled dsv41-tiny."),
+    window: str = typer.Option("disjoint", "--window", help="disjoint | strided:S (score S new tokens per window)."),
+    max_ctx: int = typer.Option(0, "--max-ctx", min=0, help="Window length in tokens (0: the model's training context)."),
+    baselines: str = typer.Option("gzip,bz2,xz,zstd", "--baselines", help="Compressors to compare with (comma list, or 'none')."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a grouped bar chart (PNG/SVG/PDF) here."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1),
+    bootstrap: int = typer.Option(1000, "--bootstrap", min=0, help="Bootstrap resamples for the 95% interval (0: none)."),
+    device: str = DeviceOpt,
+    as_json: bool = JsonOpt,
+):
+    from evals import bpb
+
+    try:
+        bpb.parse_window(window)
+    except ValueError as e:
+        fail(str(e))
+    wanted = [] if baselines.strip().lower() in ("", "none") else [b.strip() for b in baselines.split(",") if b.strip()]
+    for b in wanted:
+        if b not in bpb.COMPRESSORS:
+            fail(f"--baselines: unknown compressor {b!r} (known: {', '.join(bpb.COMPRESSORS)})")
+    unavailable = [b for b in wanted if not bpb.compressor_available(b)]
+    if unavailable:
+        err.print(f"[yellow]note:[/] {', '.join(unavailable)} not installed (pip install zstandard); left out", markup=True)
+    wanted = [b for b in wanted if b not in unavailable]
+    if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+        fail(f"--plot {plot}: use a .png, .svg or .pdf file name")
+    corpora = []
+    for p in paths:
+        try:
+            corpora.append(bpb.load_corpus(p))
+        except bpb.CorpusError as e:
+            fail(str(e))
+    bpb.unique_names(corpora)
+    for c in corpora:
+        if c.skipped:
+            err.print(f"[yellow]note:[/] {c.name}: skipped {len(c.skipped)} file(s) that are not UTF-8 text", markup=True)
+
+    dev = resolve_device(device)
+    model_dirs = [resolve_model_dir(m) for m in (models or [None])]
+    specs, seen = [], {}
+    for d in model_dirs:
+        name = d.name
+        seen[name] = seen.get(name, 0) + 1
+        specs.append(bpb.ModelSpec(name if seen[name] == 1 else f"{name}#{seen[name]}", _loader(d, dev)))
+
+    from dsv41_cli.commands.eval_cmd import StepProgress
+
+    try:
+        doc = bpb.run_bpb(specs, corpora, window=window, max_ctx=max_ctx, baselines=wanted, batch_size=batch_size,
+                          bootstrap_iters=bootstrap, progress=StepProgress(unit="tokens"))
+    except ValueError as e:
+        fail(str(e))
+    if unavailable:
+        doc["baselines_unavailable"] = unavailable
+    if plot is not None:
+        from evals.plots import plot_bpb
+
+        plot_bpb(doc, plot)
+        err.print(f"[dim]plot written to {plot}[/dim]", markup=True)
+    if as_json:
+        print_json(doc)
+    else:
+        _print_table(doc)
+
+
+def _loader(model_dir: Path, device: str):
+    def load():
+        from model.checkpoint import load_model
+
+        try:
+            model, args, tokenizer = load_model(model_dir, device=device)
+        except (ValueError, FileNotFoundError) as e:
+            fail(str(e))
+        tune_threads(args, device)
+        return model, args, tokenizer
+
+    return load
+
+
+def _print_table(doc: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"bits per byte ({doc['window']} windows, lower is better)")
+    table.add_column("corpus")
+    for col in ("bytes", "docs", "tokens"):
+        table.add_column(col, justify="right")
+    for m in doc["models"]:
+        table.add_column(f"{m['model']} (ctx {m['max_ctx']})", justify="right")
+    for b in doc["baselines"]:
+        table.add_column(b, justify="right", style="dim")
+    first = doc["models"][0]["corpora"]
+    for k, c in enumerate(first):
+        cells = [c["name"], f"{c['bytes']:,}", str(c["documents"]), f"{c['tokens']:,}"]
+        for m in doc["models"]:
+            r = m["corpora"][k]
+            ci = f" [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]" if r["ci95"] else ""
+            cells.append(f"{r['bpb']:.4f}{ci}")
+        cells += [f"{doc['baselines'][b][c['name']]:.4f}" for b in doc["baselines"]]
+        table.add_row(*cells)
+    total_bytes = sum(c["bytes"] for c in first)
+    overall = ["overall", f"{total_bytes:,}", str(sum(c["documents"] for c in first)), ""]
+    overall += [f"{m['overall_bpb']:.4f}" for m in doc["models"]]
+    overall += [f"{sum(v * c['bytes'] for v, c in zip(doc['baselines'][b].values(), first)) / total_bytes:.4f}"
+                for b in doc["baselines"]]
+    table.add_row(*overall, style="bold")
+    out.print(table)

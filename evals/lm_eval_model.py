@@ -1,0 +1,316 @@
+"""The lm-evaluation-harness model `dsv41`: a `TemplateLM` over our model, tokenizer and engine.
+
+    from evals.lm_eval_model import DSV41LM          # importing registers the name "dsv41"
+    lm = DSV41LM(pretrained="path/to/checkpoint", mode="thinking", effort=75)
+    lm_eval.simple_evaluate(model=lm, tasks=[...])
+
+or, from lm-eval's own command line (the module must be imported first, which `-m` does not do)::
+
+    python -c "import evals.lm_eval_model, sys; from lm_eval.__main__ import cli_evaluate; \\
+               sys.argv[0] = 'lm-eval'; cli_evaluate()" run --model dsv41 \\
+        --model_args pretrained=CKPT,mode=thinking,effort=75 --tasks gsm8k --apply_chat_template
+
+What each request type does
+    loglikelihood          context + continuation scored in right-padded batches (longest first);
+                           returns (sum ln p(continuation | context), continuation is greedy).
+                           Contexts start with BOS; an empty context is BOS alone.
+    loglikelihood_rolling  the document cut into lm-eval's disjoint windows of `max_length` tokens
+                           (evals/bpb.py `rolling_windows`), every token scored once, conditioned on BOS.
+    generate_until         evals/effort.py `generate`: batched decoding over the KV cache. In thinking
+                           mode the `until` strings apply only after `</think>` and the reasoning is
+                           stripped, so lm-eval's filters and metrics see the answer only.
+
+Chat and effort
+    mode None (the default) scores and generates on raw text, as a base model (Table 1). With
+    mode "thinking" or "chat", `apply_chat_template` renders lm-eval's message list with the V4.1
+    chat encoding at `effort`; run lm-eval with `apply_chat_template=True` (`dsv41 eval --mode ...`
+    does). `tokenizer_name` includes mode, effort and thinking budget, so lm-eval's caches never mix
+    requests made under different settings.
+
+lm-eval is imported here at module level: import this module only where lm-eval is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import normalize_gen_kwargs
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from evals.bpb import DEFAULT_LOGITS_BYTES, score_sequences
+from evals.effort import GenRequest, generate
+from model import encoding
+
+log = logging.getLogger(__name__)
+
+
+@register_model("dsv41")
+class DSV41LM(TemplateLM):
+    """DeepSeek-V4.1 (any checkpoint this toolkit loads) as an lm-eval model."""
+
+    backend = "causal"
+
+    def __init__(self, pretrained: str | None = None, device: str = "cpu", batch_size: int | str = 8,
+                 max_length: int | None = None, mode: str | None = None, effort: int | str = "high",
+                 max_gen_toks: int | None = None, thinking_budget: int | None = None,
+                 max_logits_bytes: int = DEFAULT_LOGITS_BYTES, model=None, tokenizer=None, progress=None,
+                 **unused: Any):
+        """pretrained: checkpoint directory (None: the bundled dsv41-tiny). model/tokenizer: an
+        already loaded pair instead (tests, `dsv41 eval`). mode: None (raw text), "thinking" or
+        "chat". effort: 1..100 or low/high/max. max_gen_toks: overrides every task's generation
+        length. progress: an object with start(label, total)/advance(n)/stop() for long calls."""
+        super().__init__()
+        if mode in ("", "none", "None"):
+            mode = None
+        if mode is not None and mode not in encoding.MODES:
+            raise ValueError(f"mode must be thinking, chat or none, not {mode!r}")
+        self.mode = mode
+        self.effort = encoding.parse_effort(effort)
+        if model is None:
+            from model.assets import bundled_model_dir
+            from model.checkpoint import load_model
+
+            path = Path(pretrained) if pretrained else bundled_model_dir()
+            if path is None:
+                raise ValueError("no checkpoint given (pretrained=PATH) and no bundled dsv41-tiny model")
+            model, _, tokenizer = load_model(path, device=_usable_device(device))
+            self.model_name = path.name
+        else:
+            if tokenizer is None:
+                raise ValueError("pass the tokenizer with the model")
+            self.model_name = getattr(model.args, "name", "dsv41")
+        self.model, self.tok, self.args = model, tokenizer, model.args
+        self._device = model.embed.weight.device
+        self.batch_size = 8 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
+        self._max_length = int(max_length) if max_length else min(self.args.original_seq_len, self.args.max_seq_len)
+        self.max_gen_toks = int(max_gen_toks) if max_gen_toks else None
+        self.thinking_budget = int(thinking_budget) if thinking_budget not in (None, "") else None
+        self.max_logits_bytes = int(max_logits_bytes)
+        self.progress = progress
+        self.generation_log: list[dict] = []  # one record per generate_until request, in call order
+
+    # ------------------------------------------------------------------ tokenization
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context and every rolling document are conditioned on: BOS, as documents
+        start in pre-training."""
+        return self.tok.bos_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        """Token ids; control tokens written in the text (chat-encoded prompts) become their ids.
+        BOS is put first unless add_special_tokens is False or the text already starts with it."""
+        ids = self.tok.encode(string, allow_special=True)
+        if add_special_tokens is False or (ids and ids[0] == self.tok.bos_id):
+            return ids
+        return [self.tok.bos_id] + ids
+
+    def tok_decode(self, ids) -> str:
+        return self.tok.decode(ids)
+
+    # ------------------------------------------------------------------ chat
+    @property
+    def tokenizer_name(self) -> str:
+        budget = f"-budget{self.thinking_budget}" if self.thinking_budget is not None else ""
+        return f"dsv41-{self.tok.fingerprint[:12]}-{self.mode or 'raw'}-effort{self.effort}{budget}"
+
+    def chat_template(self, chat_template: bool | str = False) -> str:
+        return (f"DeepSeek-V4.1 chat encoding (model/encoding.py), mode={self.mode or 'chat'}, "
+                f"effort={self.effort}")
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """lm-eval's message list in the V4.1 encoding. Without a generation prompt (a task's
+        `gen_prefix`), the last, assistant message is left open so the model continues it."""
+        messages = [dict(m) for m in chat_history]
+        if not add_generation_prompt and messages and messages[-1].get("role") == "assistant":
+            messages[-1]["wo_eos"] = True
+        return encoding.encode_messages(messages, mode=self.mode or "chat", effort=self.effort)
+
+    # ------------------------------------------------------------------ scoring
+    def _score(self, sequences, n_scored, label: str, on_done=None):
+        """score_sequences with progress; on_done(i, Scored) as each sequence is scored, so that
+        lm-eval's request cache (resume after an interruption) fills as the work goes."""
+        if self.progress:
+            self.progress.start(label, sum(len(s) - 1 for s in sequences))
+
+        def done(i, scored):
+            if on_done:
+                on_done(i, scored)
+            if self.progress:
+                self.progress.advance(len(sequences[i]) - 1)
+
+        try:
+            return score_sequences(self.model, sequences, n_scored, pad_id=self.tok.pad_id,
+                                   batch_size=self.batch_size, max_logits_bytes=self.max_logits_bytes, on_done=done)
+        finally:
+            if self.progress:
+                self.progress.stop()
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        sequences, n_scored = [], []
+        for _, context_enc, continuation_enc in requests:
+            if not continuation_enc:
+                raise ValueError("an empty continuation cannot be scored")
+            # keep the last max_length inputs (+1 for the final target), as lm-eval's HF model does
+            seq = (list(context_enc) + list(continuation_enc))[-(self.max_length + 1):]
+            sequences.append(seq)
+            n_scored.append(min(len(continuation_enc), len(seq) - 1))
+
+        def cache(i, s):
+            key = requests[i][0]
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, (s.logprob, s.greedy))
+
+        return [(s.logprob, s.greedy) for s in self._score(sequences, n_scored, "loglikelihood", cache)]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        sequences, n_scored, owner = [], [], []
+        for k, req in enumerate(requests):
+            (text,) = req.args
+            windows = get_rolling_token_windows(self.tok_encode(text, add_special_tokens=False),
+                                                self.prefix_token_id, self.max_length, 1)
+            for context, pred in map(make_disjoint_window, windows):
+                sequences.append((context + pred)[-(self.max_length + 1):])
+                n_scored.append(len(pred))
+                owner.append(k)
+        totals = [0.0] * len(requests)
+        left = [owner.count(k) for k in range(len(requests))]  # windows still to score per document
+
+        def collect(i, s):
+            k = owner[i]
+            totals[k] += s.logprob
+            left[k] -= 1
+            if left[k] == 0:
+                self.cache_hook.add_partial("loglikelihood_rolling", requests[k].args, totals[k])
+
+        if sequences:
+            self._score(sequences, n_scored, "loglikelihood_rolling", collect)
+        return totals
+
+    # ------------------------------------------------------------------ generation
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        gen_requests = []
+        for k, req in enumerate(requests):
+            context, gen_kwargs = req.args
+            kw = normalize_gen_kwargs(gen_kwargs, default_max_gen_toks=256)
+            max_new = self.max_gen_toks or kw["max_gen_toks"]
+            until = tuple(kw.get("until") or ())
+            ids = self.tok_encode(context)
+            # fit prompt + generation into the model's positions: cut the prompt from the left
+            # (keeping at least half the positions for it), then cap the generation to what is left
+            limit = self.args.max_seq_len
+            keep = limit - min(max_new, limit // 2)
+            if len(ids) > keep:
+                log.warning("prompt of %d tokens cut to its last %d", len(ids), keep)
+                ids = ids[-keep:]
+            if max_new > limit - len(ids):
+                log.warning("max_gen_toks %d capped to %d (max_seq_len %d)", max_new, limit - len(ids), limit)
+                max_new = limit - len(ids)
+            temperature = float(kw.get("temperature", 0.0)) if kw.get("do_sample") else 0.0
+            gen_requests.append(GenRequest(ids, max_new_tokens=max_new, until=until, temperature=temperature,
+                                           top_p=float(kw.get("top_p", 1.0) or 1.0), seed=int(kw.get("seed", k) or 0),
+                                           thinking_budget=self.thinking_budget))
+        def done(i, o):
+            self.cache_hook.add_partial("generate_until", requests[i].args, o.answer)
+            if self.progress:
+                self.progress.advance(1)
+
+        if self.progress:
+            self.progress.start("generate_until", len(gen_requests))
+        t0 = time.perf_counter()
+        try:
+            outputs = generate(self.model, self.tok, gen_requests, batch_size=self.batch_size, on_done=done)
+        finally:
+            if self.progress:
+                self.progress.stop()
+        for req, g, o in zip(requests, gen_requests, outputs):
+            self.generation_log.append({
+                "context_sha": hashlib.sha256(req.args[0].encode()).hexdigest()[:16],
+                "prompt_tokens": len(g.prompt_ids), "reasoning_tokens": o.reasoning_tokens,
+                "output_tokens": o.output_tokens, "finish_reason": o.finish_reason, "answered": o.answered,
+                "budget_forced": o.budget_forced})
+        log.info("generated %d answers in %.1f s", len(outputs), time.perf_counter() - t0)
+        return [o.answer for o in outputs]
+
+
+def _usable_device(device: str | None) -> str:
+    """lm-eval's command line asks for "cuda" by default; run on the CPU when there is no GPU."""
+    import torch
+
+    device = str(device or "auto")
+    if device == "auto" or (device.startswith("cuda") and not torch.cuda.is_available()):
+        if device != "auto":
+            log.warning("device %s is not available; running on the CPU", device)
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+# ============================================================================ running tasks
+class UnknownTask(ValueError):
+    """A task name that neither our aliases, our task files, the --include-path directories nor
+    lm-eval's bundled tasks know."""
+
+
+def make_task_manager(tasks: list[str], generated_dir, include_path: list[str] | None = None):
+    """A TaskManager that knows `tasks`. lm-eval's ~14,000 bundled tasks are indexed (about 6 s)
+    only when a task is not ours or the user's."""
+    from lm_eval.tasks import TaskManager
+
+    from evals.tasks import include_paths, write_generated_tasks
+
+    write_generated_tasks(generated_dir)
+    paths = include_paths(generated_dir, include_path, tasks)
+    tm = TaskManager(include_path=paths, include_defaults=False)
+    if any(t not in tm.all_tasks for t in tasks):
+        tm = TaskManager(include_path=paths, include_defaults=True)
+    missing = [t for t in tasks if t not in tm.all_tasks]
+    if missing:
+        raise UnknownTask(f"unknown task {missing[0]!r} (not an alias, not in lm-eval, not in --include-path)")
+    return tm
+
+
+def run_tasks(lm: DSV41LM, tasks: list[str], task_manager, *, limit: int | float | None = None,
+              num_fewshot: int | None = None, data_dir=None, cache_path: str | None = None,
+              confirm_run_unsafe_code: bool = False, bootstrap_iters: int = 1000) -> dict:
+    """lm_eval.simple_evaluate over our model, with --data-dir's local datasets served. The chat
+    template is applied exactly when the model has a mode. Returns lm-eval's results dict (samples
+    included) with `served_locally` added."""
+    import lm_eval
+
+    from evals.tasks import serve_local_data
+
+    with serve_local_data(data_dir) as served:
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=tasks, task_manager=task_manager, num_fewshot=num_fewshot, limit=limit,
+            batch_size=lm.batch_size, log_samples=True, apply_chat_template=lm.mode is not None,
+            fewshot_as_multiturn=lm.mode is not None, use_cache=cache_path, bootstrap_iters=bootstrap_iters,
+            confirm_run_unsafe_code=confirm_run_unsafe_code)
+    results["served_locally"] = served
+    return results
+
+
+SUMMARY_SKIP = {"alias", "name", "sample_len", " "}
+
+
+def metrics_of(results: dict) -> dict:
+    """{task or group: {"metric,filter": value}} with the numbers only (stderr included)."""
+    out = {}
+    for section in ("results", "groups"):
+        for task, row in (results.get(section) or {}).items():
+            vals = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in row.items()
+                    if k not in SUMMARY_SKIP and not isinstance(v, str)}
+            out.setdefault(task, {}).update(vals)
+    return out

@@ -1,0 +1,221 @@
+"""Bits per byte (evals/bpb.py, `dsv41 bpb`): the scoring primitive against the model's own full
+forward, the window schemes, the corpus-level aggregation, baselines, bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from evals import bpb
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = ("Le cœur a ses raisons que la raison ne connaît point. "  # non-ASCII: bytes != characters
+        "Größe, naïve façade — 東京. The quick brown fox jumps over the lazy dog.\n")
+
+
+@pytest.fixture(scope="session")
+def small_ckpt(tmp_path_factory):
+    from tests.checkpoints import make_small_checkpoint
+
+    return make_small_checkpoint(tmp_path_factory.mktemp("bpb") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def loaded(small_ckpt):
+    from model.checkpoint import load_model
+
+    return load_model(small_ckpt)
+
+
+def full_forward_logprobs(model, seq: list[int]) -> torch.Tensor:
+    """ln p(seq[j] | seq[:j]) for j >= 1 from one full forward over seq[:-1] (no cache, no windows)."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([seq[:-1]]), all_logits=True).float()
+    return torch.log_softmax(logits, -1)[0].gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1)
+
+
+def run_cli(*args, env_extra=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DSV41_THREADS": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "dsv41_cli", *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
+
+
+# ------------------------------------------------------------------------------------ scoring
+def test_score_sequences_equals_full_forward(loaded):
+    model, _, tok = loaded
+    seq = [tok.bos_id] + tok.encode(TEXT, allow_special=False)
+    ref = full_forward_logprobs(model, seq)
+    whole = bpb.score_sequences(model, [seq], [len(seq) - 1], pad_id=tok.pad_id)[0]
+    assert whole.logprob == pytest.approx(float(ref.sum()), rel=1e-5)
+    tail = bpb.score_sequences(model, [seq], [7], pad_id=tok.pad_id)[0]  # only the last 7 tokens
+    assert tail.logprob == pytest.approx(float(ref[-7:].sum()), rel=1e-5)
+    # through the KV cache in chunks of 13 positions (a tiny logits budget): the same sum
+    chunked = bpb.score_sequences(model, [seq], [len(seq) - 1], pad_id=tok.pad_id,
+                                  max_logits_bytes=4 * model.args.vocab_size * 13)[0]
+    assert chunked.logprob == pytest.approx(whole.logprob, rel=1e-3)
+
+
+def test_batching_with_padding_matches_one_by_one(loaded):
+    model, _, tok = loaded
+    seqs = [[tok.bos_id] + tok.encode(t, allow_special=False) for t in (TEXT, "short one", TEXT[:40])]
+    ns = [len(seqs[0]) - 1, 3, 10]
+    together = bpb.score_sequences(model, seqs, ns, pad_id=tok.pad_id, batch_size=3)
+    alone = [bpb.score_sequences(model, [s], [n], pad_id=tok.pad_id)[0] for s, n in zip(seqs, ns)]
+    for a, b in zip(together, alone):
+        assert a.logprob == pytest.approx(b.logprob, rel=1e-3, abs=1e-2)
+
+
+def test_greedy_flag(loaded):
+    model, _, tok = loaded
+    ctx = [tok.bos_id] + tok.encode("abc", allow_special=False)
+    seq = list(ctx)
+    with torch.inference_mode():
+        for _ in range(4):  # extend greedily: the continuation is the model's argmax at each step
+            seq.append(int(model(torch.tensor([seq]), all_logits=True)[0, -1].argmax()))
+    assert bpb.score_sequences(model, [seq], [4], pad_id=tok.pad_id)[0].greedy
+    other = seq[:-1] + [(seq[-1] + 1) % model.args.vocab_size]
+    assert not bpb.score_sequences(model, [other], [4], pad_id=tok.pad_id)[0].greedy
+
+
+def test_bad_scored_counts():
+    with pytest.raises(ValueError):
+        bpb.score_sequences(None, [[1, 2, 3]], [3])
+    with pytest.raises(ValueError):
+        bpb.score_sequences(None, [[1, 2, 3]], [0])
+
+
+# ------------------------------------------------------------------------------------ windows
+@pytest.mark.parametrize("n,ctx", [(1, 4), (10, 4), (12, 4), (13, 5), (30, 30), (31, 30)])
+def test_disjoint_windows_are_lm_evals(n, ctx):
+    lm_utils = pytest.importorskip("lm_eval.utils")
+    tokens = list(range(100, 100 + n))
+    ours = bpb.rolling_windows(tokens, 0, ctx)
+    theirs = [((a + b)[-(ctx + 1):], len(b)) for a, b in
+              map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(tokens, 0, ctx, 1))]
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("n,ctx,stride", [(50, 16, 4), (50, 16, 16), (17, 16, 5), (3, 16, 2), (64, 8, 1)])
+def test_windows_score_every_token_once_with_context(n, ctx, stride):
+    tokens = list(range(1000, 1000 + n))
+    full = [7] + tokens
+    scored = []
+    for seq, k in bpb.rolling_windows(tokens, 7, ctx, stride):
+        assert len(seq) <= ctx + 1
+        start = full.index(seq[0]) if seq[0] != 7 else 0
+        assert full[start:start + len(seq)] == seq  # a window is a contiguous slice of the document
+        positions = range(start + len(seq) - k, start + len(seq))
+        scored += list(positions)
+        if positions[0] > ctx:  # past the first window: at least ctx - stride tokens of context
+            assert len(seq) - k >= ctx - stride
+    assert scored == list(range(1, n + 1))
+
+
+def test_parse_window():
+    assert bpb.parse_window("disjoint") is None
+    assert bpb.parse_window("strided:512") == 512
+    for bad in ("strided:0", "strided:x", "sliding", "strided:"):
+        with pytest.raises(ValueError):
+            bpb.parse_window(bad)
+
+
+# ------------------------------------------------------------------------------------ corpus bpb
+def test_bpb_of_a_file_is_the_nll_over_utf8_bytes(loaded, small_ckpt, tmp_path):
+    """`dsv41 bpb FILE --json` = -sum ln p / (ln 2 x UTF-8 bytes), the sum from one full forward."""
+    model, _, tok = loaded
+    f = tmp_path / "doc.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    n_bytes = len(TEXT.encode("utf-8"))
+    assert n_bytes > len(TEXT)  # the text really has multi-byte characters
+    ids = tok.encode(TEXT, allow_special=False)
+    expected = -float(full_forward_logprobs(model, [tok.bos_id] + ids).sum()) / (math.log(2) * n_bytes)
+    r = run_cli("bpb", f, "--model", small_ckpt, "--max-ctx", len(ids) + 5, "--baselines", "gzip", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    row = doc["models"][0]["corpora"][0]
+    assert row["bytes"] == n_bytes and row["tokens"] == len(ids) and row["documents"] == 1
+    assert row["bpb"] == pytest.approx(expected, rel=1e-4)
+    assert doc["models"][0]["overall_bpb"] == pytest.approx(expected, rel=1e-4)
+    assert row["ci95"] is None  # one document: nothing to bootstrap
+    assert doc["baselines"]["gzip"]["doc.txt"] == pytest.approx(
+        8 * len(gzip.compress(TEXT.encode(), compresslevel=9, mtime=0)) / n_bytes)
+
+
+def test_corpus_bpb_is_a_ratio_of_sums(loaded, tmp_path):
+    model, args, tok = loaded
+    texts = ["a" * 200, TEXT, "x"]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    corpus = bpb.load_corpus(tmp_path / "c.jsonl")
+    docs = bpb.score_corpus(model, tok, corpus, max_ctx=32)
+    per_doc = [bpb.bits_per_byte(d.nll, d.n_bytes) for d in docs]
+    row = bpb.summarize(corpus, docs, bootstrap_iters=200)
+    total = sum(d.nll for d in docs) / (math.log(2) * sum(len(t.encode()) for t in texts))
+    assert row["bpb"] == pytest.approx(total)
+    assert row["bpb"] != pytest.approx(sum(per_doc) / len(per_doc), rel=1e-3)  # not a mean of per-document values
+    lo, hi = row["ci95"]
+    assert lo <= row["bpb"] <= hi and lo < hi
+    assert bpb.summarize(corpus, docs, bootstrap_iters=0)["ci95"] is None
+
+
+def test_strided_no_worse_than_disjoint_on_the_trained_model(tmp_path):
+    """More context per scored token must not hurt a trained language model (the bundled one)."""
+    from model.assets import bundled_model_dir
+
+    path = bundled_model_dir()
+    if path is None:
+        pytest.skip("the bundled dsv41-tiny checkpoint is not in this tree yet")
+    from model.checkpoint import load_model
+
+    model, args, tok = load_model(path)
+    rows = [json.loads(line) for line in (ROOT / "recipes/tiny/heldout/prose.jsonl").read_text().splitlines()[:2]]
+    corpus = bpb.Corpus("prose", [bpb.Document(r["name"], r["text"][:3000]) for r in rows])
+    disjoint = bpb.summarize(corpus, bpb.score_corpus(model, tok, corpus, 128), 0)["bpb"]
+    strided = bpb.summarize(corpus, bpb.score_corpus(model, tok, corpus, 128, stride=32), 0)["bpb"]
+    assert strided <= disjoint
+
+
+def test_directory_corpus_and_several_models(loaded, tmp_path):
+    pytest.importorskip("matplotlib")
+    from evals.plots import plot_bpb
+
+    d = tmp_path / "corpus"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.txt").write_text("hello world " * 10)
+    (d / "sub" / "b.md").write_text("# title\nsome text\n")
+    (d / "bin.dat").write_bytes(b"\xff\xfe\x00binary")
+    (d / ".hidden").write_text("ignored")
+    corpus = bpb.load_corpus(d)
+    assert [doc.name for doc in corpus.documents] == ["a.txt", "sub/b.md"] and corpus.skipped == ["bin.dat"]
+    specs = [bpb.ModelSpec("first", lambda: loaded), bpb.ModelSpec("second", lambda: loaded)]
+    doc = bpb.run_bpb(specs, [corpus], window="strided:8", max_ctx=16, baselines=["bz2"], bootstrap_iters=50)
+    assert doc["window"] == "strided:8" and [m["model"] for m in doc["models"]] == ["first", "second"]
+    first, second = (m["corpora"][0] for m in doc["models"])
+    assert first["bpb"] == pytest.approx(second["bpb"]) and first["documents"] == 2
+    assert doc["models"][0]["max_ctx"] == 16 and set(doc["baselines"]) == {"bz2"}
+    png = plot_bpb(doc, tmp_path / "fig.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="stride"):
+        bpb.run_bpb(specs[:1], [corpus], window="strided:32", max_ctx=16)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["/no/such/corpus"], "no such file"),
+    (["{f}", "--window", "sliding"], "--window"),
+    (["{f}", "--baselines", "lz4"], "unknown compressor"),
+    (["{f}", "--plot", "{tmp}/fig.gif"], "--plot"),
+])
+def test_bad_input_exits_2(small_ckpt, tmp_path, args, message):
+    f = tmp_path / "t.txt"
+    f.write_text("some text")
+    args = [a.format(f=f, tmp=tmp_path) for a in args]
+    r = run_cli("bpb", *args, "--model", small_ckpt)
+    assert r.returncode == 2 and message in r.stderr and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1

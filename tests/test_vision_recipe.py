@@ -1,0 +1,68 @@
+"""The bundled model's vision recipe: synthetic pictures, their encoding for training, and scoring."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("PIL.Image")
+
+from recipes.tiny.vision import accuracy as A  # noqa: E402
+from recipes.tiny.vision import data as D  # noqa: E402
+
+
+def test_examples_are_reproducible_and_say_what_is_drawn():
+    a = D.make_example(random.Random(5), kind="shape", question_type="describe", size=(84, 112))
+    b = D.make_example(random.Random(5), kind="shape", question_type="describe", size=(84, 112))
+    assert a.image.tobytes() == b.image.tobytes() and a.answer == b.answer
+    assert a.image.size == (84, 112)
+    assert a.facts["colour"] in a.answer.lower() and a.facts["shape"] in a.answer
+    # the drawn colour dominates the non-background pixels
+    import numpy as np
+
+    pixels = np.asarray(a.image).reshape(-1, 3).astype(float)
+    mean = pixels[pixels.min(axis=1) < 200].mean(axis=0)
+    want = D.COLOURS[a.facts["colour"]]
+    assert all(abs(m - w) < 30 for m, w in zip(mean, want))
+    counted = D.make_example(random.Random(1), kind="count", question_type="count")
+    assert counted.answer == D.NUMBER_WORDS[counted.facts["count"]].capitalize() + "."
+
+
+def test_scoring_accepts_the_gold_answer_only():
+    for qt in A.QUESTION_TYPES:
+        for example in A.heldout_examples(qt, 5):
+            assert A.score(qt, example, example.answer), (qt, example.answer)
+    ex = A.heldout_examples("describe", 1)[0]
+    other_colour = next(c for c in D.COLOURS if c != ex.facts["colour"])
+    assert not A.score("describe", ex, f"A {other_colour} {ex.facts['shape']}.")
+    assert not A.score("colour", ex, f"{ex.facts['colour']} or {other_colour}")  # hedging is wrong
+    assert not A.score("shape", ex, "Nothing.")
+
+
+def test_heldout_pictures_differ_from_training_pictures():
+    held = {A.heldout_examples(qt, 20)[i].image.tobytes() for qt in ("colour", "shape") for i in range(20)}
+    rng = random.Random(0)  # the training stream of seed 0
+    train = {D.make_example(rng, size=(84, 84)).image.tobytes() for _ in range(200)}
+    assert not held & train
+
+
+def test_training_sequences_match_the_cli_prompt():
+    from model.config import ModelArgs
+    from model.encoding import encode_messages_with_images
+    from model.tokenizer import load_tokenizer
+    from recipes.tiny.vision.train import VISION, encode_example
+
+    tok = load_tokenizer()
+    args = ModelArgs().replace(**VISION)
+    ex = D.make_example(random.Random(3), kind="shape", question_type="colour", size=(84, 84))
+    ids, types, inputs, reply_at = encode_example(ex, "thinking", 75, tok, args)
+    # the prompt part is what `dsv41 generate --image x.png "question"` encodes (image first)
+    prompt, _ = encode_messages_with_images([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x.png"}}, {"type": "text", "text": ex.question}]}], mode="thinking")
+    placeholder = tok.encode(prompt)
+    n = inputs[0].types.numel()
+    assert ids[:reply_at] == placeholder[: inputs[0].start] + [args.image_token_id] * n + placeholder[inputs[0].start + 1:]
+    assert tok.decode(ids[reply_at:]) == f"{ex.reasoning}</think>{ex.answer}<｜end▁of▁sentence｜>"
+    # 84x84 -> 6x6 patches -> 2x2 tokens -> 8 positions
+    assert n == 8 and types[inputs[0].start: inputs[0].end] == [0, 1, 1, 2, 1, 1, 2, 3]
