@@ -75,10 +75,40 @@ def plot_bpb(doc: dict, path: str | os.PathLike, title: str | None = None) -> Pa
     return out
 
 
+def _label_points(fig, ax, xs, ys, labels, bold) -> None:
+    """Write each label beside its point: right of it, else left, moving up or down a line at a time
+    until it covers no marker and no label already placed; a thin leader line joins a moved label to its point."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    spots = [(dx, dy) for dy in (4, -14, 16, -26, 28, -38, 40, 52, 64) for dx in (10, -10)]
+    from matplotlib.transforms import Bbox
+
+    frame = ax.get_window_extent(renderer)
+    placed = []  # display-space boxes a label must not cover: the markers, then the labels placed
+    for x, y in zip(xs, ys):
+        px, py = ax.transData.transform((x, y))
+        placed.append(Bbox([[px - 9, py - 9], [px + 9, py + 9]]))
+    for x, y, text, b in zip(xs, ys, labels, bold):
+        style = {"fontsize": 8, "fontweight": "bold" if b else "normal", "textcoords": "offset points"}
+        for dx, dy in spots:
+            probe = ax.annotate(text, (x, y), xytext=(dx, dy), ha="left" if dx > 0 else "right", **style)
+            box = probe.get_window_extent(renderer).expanded(1.0, 1.0).padded(3)
+            probe.remove()
+            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+            if inside and not any(box.x0 < q.x1 and q.x0 < box.x1 and box.y0 < q.y1 and q.y0 < box.y1 for q in placed):
+                break
+        placed.append(box)
+        moved = (dx, dy) != spots[0]
+        ax.annotate(text, (x, y), xytext=(dx, dy), ha="left" if dx > 0 else "right", **style,
+                    arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "#777777", "shrinkB": 4} if moved else None)
+
+
 def plot_sweep(doc: dict, path: str | os.PathLike, title: str | None = None) -> Path:
     """Left: accuracy (95% interval) against mean output tokens on a log axis, one point per effort,
-    labelled with its effort, the presets low/high/max (50/75/100) drawn as stars. Right: mean
+    labelled with its effort (e=25), the presets low/high/max (50/75/100) drawn as stars. Right: mean
     reasoning and mean output tokens per effort."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     from evals.effort import PRESET_OF
 
     plt = _pyplot()
@@ -96,13 +126,17 @@ def plot_sweep(doc: dict, path: str | os.PathLike, title: str | None = None) -> 
         preset = PRESET_OF.get(e)
         ax.scatter([t], [a], s=150 if preset else 40, marker="*" if preset else "o", zorder=3,
                    color=PALETTE[1] if preset else color, edgecolor="black" if preset else "none", linewidth=0.5)
-        label = f"{preset} ({e})" if preset else f"effort {e}"
-        ax.annotate(label, (t, a), xytext=(6, -12 if preset == "max" else 6), textcoords="offset points",
-                    fontsize=8, fontweight="bold" if preset else "normal")
     ax.set_xscale("log")
+    lo_t, hi_t = min(tokens), max(tokens)
+    if hi_t / lo_t < 4:  # a narrow range: widen it around its geometric centre so ticks fall inside
+        centre, half = (lo_t * hi_t) ** 0.5, 1.35
+        ax.set_xlim(centre / half, centre * half)
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylim(max(0, min(a - l for a, l in zip(acc, lo)) - 8), min(100, max(a + h for a, h in zip(acc, hi)) + 8))
     ax.set_xlabel("mean output tokens per item (log scale)")
     ax.set_ylabel(f"accuracy, % ({pts[0]['n']} items, 95% CI)")
-    ax.set_ylim(max(0, min(a - l for a, l in zip(acc, lo)) - 8), min(100, max(a + h for a, h in zip(acc, hi)) + 8))
     ax.grid(alpha=0.3, which="both")
     ax.spines[["top", "right"]].set_visible(False)
     ax.set_title("Accuracy against output length", fontsize=10)
@@ -116,12 +150,16 @@ def plot_sweep(doc: dict, path: str | os.PathLike, title: str | None = None) -> 
     ax2.set_xlabel("reasoning effort")
     ax2.set_ylabel("mean tokens per item")
     ax2.set_xticks(efforts)
+    ax2.set_ylim(0, 1.15 * max(p["mean_output_tokens"] for p in pts) + 1)
     ax2.grid(alpha=0.3)
     ax2.legend(frameon=False, fontsize=8)
     ax2.spines[["top", "right"]].set_visible(False)
-    ax2.set_title("Length grows with effort", fontsize=10, pad=14)
+    ax2.set_title("Tokens per item at each effort", fontsize=10, pad=14)
     fig.suptitle(title or f"Effort sweep: {doc['task']}", fontsize=12)
     fig.tight_layout()
+    # labels last: their overlap test needs the final layout
+    _label_points(fig, ax, tokens, acc, [f"{PRESET_OF[e]} {e}" if e in PRESET_OF else f"e={e}" for e in efforts],
+                  [e in PRESET_OF for e in efforts])
     out = _save(fig, path)
     plt.close(fig)
     return out
