@@ -319,7 +319,10 @@ def test_chunked_prefill_keeps_image_spans_whole(vmodel):
         for chunk in (2, 5):
             cache = vmodel.new_cache(1)
             chunked = gen.prefill(cache, ids[0].tolist(), chunk=chunk, images=inputs)
-            assert torch.allclose(chunked, whole, atol=1e-4), chunk
+            # chunking changes only the blocking of REF's online softmax (bf16 probabilities) and of the
+            # quantized GEMMs: same argmax, logits within float tolerance (as for text, test_engine.py)
+            assert torch.allclose(chunked, whole, atol=2e-2), chunk
+            assert torch.equal(chunked.argmax(-1), whole.argmax(-1)), chunk
         with pytest.raises(ValueError, match="inside the chunk"):
             vmodel(ids[:, :5], images=[inputs])
 
