@@ -78,11 +78,11 @@ def command(
     if backend is None:
         if endpoint:
             backend = "endpoint"
-        elif "local" in choices:
+        elif model and "local" in choices:
             backend = "local"
         else:
-            fail("choose a backend: --endpoint URL (an OpenAI-compatible server) or --backend oracle "
-                 "(the local engine is not installed in this build)")
+            fail("choose a backend: --model PATH or --backend local (the dsv41 engine), --endpoint URL "
+                 "(an OpenAI-compatible server) or --backend oracle")
     if backend not in choices:
         fail(f"--backend must be one of {', '.join(choices)}, not {backend!r}"
              + ("" if "local" in choices or backend != "local" else " (the local inference engine is not installed)"))
