@@ -82,9 +82,12 @@ def evaluate(model_dir: Path, n: int = 100, modes=("thinking", "chat"), question
              max_new_tokens: int = 24, temperature: float = 0.0, top_p: float = 1.0, log=None) -> dict:
     from model.checkpoint import load_model
 
+    from dsv41_cli.common import tune_threads
+
     model, args, tokenizer = load_model(model_dir)  # outside inference mode: the weights stay ordinary tensors
     if not args.vision_enabled:
         raise SystemExit(f"{model_dir} has no vision tower")
+    tune_threads(args, "cpu")  # as `dsv41 generate` does: one thread for a small model
     return _evaluate(model, args, tokenizer, str(model_dir), n, modes, question_types, max_new_tokens,
                      temperature, top_p, log)
 
