@@ -226,13 +226,9 @@ class Generator:
         out: list[int] = []
         while True:
             token = budget.override(int(sampler(logits[0])))
-            out.append(token)
-            if on_token:
-                on_token(token)
-            if token in config.stop_ids:
-                return out, "stop", None
-            if len(out) >= config.max_new_tokens:
-                return out, "length", None
+            finish = _emit(token, out, config, on_token)
+            if finish:
+                return out, finish, None
             logits = self.step(cache, token)
 
     # ---------------------------------------------------------------- DSpark
@@ -254,15 +250,9 @@ class Generator:
         steps = accepted_total = 0
         anchor = budget.override(int(sampler(logits[0])))
         while True:
-            out.append(anchor)
             history.append(anchor)
-            if on_token:
-                on_token(anchor)
-            if anchor in config.stop_ids:
-                finish = "stop"
-                break
-            if len(out) >= config.max_new_tokens:
-                finish = "length"
+            finish = _emit(anchor, out, config, on_token)
+            if finish:
                 break
             P1 = cache.pos  # the anchor's position (not yet in the target cache)
             contexts = []
@@ -301,15 +291,9 @@ class Generator:
                                torch.arange(P1, kept, device=self.device))
             stop = None
             for d in drafts[:n]:
-                out.append(d)
                 history.append(d)
-                if on_token:
-                    on_token(d)
-                if d in config.stop_ids:
-                    stop = "stop"
-                    break
-                if len(out) >= config.max_new_tokens:
-                    stop = "length"
+                stop = _emit(d, out, config, on_token)
+                if stop:
                     break
             if stop:
                 finish = stop
@@ -355,6 +339,18 @@ class Generator:
                     return n, int(sampler.draw(residual))
             n += 1
         return n, int(sampler(target_logits[len(drafts)]))
+
+
+def _emit(token: int, out: list[int], config: GenerationConfig, on_token) -> str | None:
+    """Commit one generated token; return the finish reason if generation ends with it."""
+    out.append(token)
+    if on_token:
+        on_token(token)
+    if token in config.stop_ids:
+        return "stop"
+    if len(out) >= config.max_new_tokens:
+        return "length"
+    return None
 
 
 class _Budget:
