@@ -19,13 +19,35 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _CEILINGS: dict | None = None
+# Quick mode (set_quick): every timing window divided by 5, for one short device call (benchmarks/device_batch.sh)
+_WINDOW = {"scale": 1.0}
+
+
+def set_quick(quick: bool = True) -> None:
+    _WINDOW["scale"] = 0.2 if quick else 1.0
 
 
 def bench(fn, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median time of fn() in seconds (CUDA events through triton.testing.do_bench, L2 flushed between runs)."""
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
+    k = _WINDOW["scale"]
+    return do_bench(fn, warmup=warmup_ms * k, rep=rep_ms * k, return_mode="median") * 1e-3
+
+
+def graph_bench(fn) -> float:
+    """Median time of fn() replayed from a CUDA graph (no CPU launch cost), in seconds. fn must not
+    synchronise with the host; it is run once before capture (compilation, caches)."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay)
 
 
 def ceilings() -> dict:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import formats
+from model import formats, kernels
 
 FP4 = "fp4"  # packed E2M1 experts are stored as int8 bytes ("I8" in safetensors), two values per byte
 
@@ -52,7 +52,9 @@ def qat(fake_quant, x: torch.Tensor, *args) -> torch.Tensor:
 
 # How FP8/FP4 GEMMs are evaluated. "fast": exact dequantization of both operands, one fp32 matmul.
 # "exact": REF's kernel order, K blocks of 32 accumulated one after another (bit parity with REF's
-# CPU port, slow). The two differ only in the order of fp32 additions.
+# CPU port, slow). The two differ only in the order of fp32 additions. On CUDA with Triton, "fast" runs
+# the kernels of model/kernels/gemm.py and model/kernels/experts.py (same products, fp32 sums in another
+# order); "exact" always takes the reference loop.
 GEMM_MODE = {"mode": "fast"}
 
 
@@ -133,11 +135,24 @@ class Linear(nn.Module):
             return formats.dequant_fp8_weight(self.weight, self.scale, self.block)
         return formats.dequant_fp4_weight(self.weight, self.scale, 32)
 
+    def _kernel_usable(self, x: torch.Tensor) -> bool:
+        """Stored FP8/FP4 weights, inputs on CUDA with Triton (model/kernels), no gradient to the input.
+        (Device first: a CPU run never imports Triton; the interpreter flag lets the tests force the path.)"""
+        return ((x.is_cuda or kernels.interpreting()) and not self.trainable
+                and not (torch.is_grad_enabled() and x.requires_grad) and kernels.use_triton(x, self.weight))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "dense":
             y = F.linear(x.to(self.weight.dtype), self.weight)
         elif GEMM_MODE["mode"] == "exact" and not self.trainable:
             fn = formats.fp8_linear if self.kind == "fp8" else formats.fp4_linear
+            y = fn(x, self.weight, self.scale, self.block)
+        elif self._kernel_usable(x):
+            # the same "fast" numbers from a Triton kernel that dequantizes the stored weight in registers
+            # (CUDA only; no fp32 copy of the weight is cached). model/kernels/gemm.py
+            from model.kernels import gemm
+
+            fn = gemm.fp8_block_gemm if self.kind == "fp8" else gemm.fp4_gemm
             y = fn(x, self.weight, self.scale, self.block)
         else:
             # FP8 activation (1 x block, UE8M0) times the exact weight, accumulated in fp32

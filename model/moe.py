@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import LayerSpec, ModelArgs
+from model.kernels import experts as expert_kernels
 from model.layers import FP4, Linear, storage_dtype
 
 
@@ -97,6 +98,9 @@ class MoE(nn.Module):
     def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """sum_k w_k E_k(x) over the selected experts held here, fp32 [N, dim]. Under expert
         parallelism (model/parallel.py) the experts another rank holds are None and this is a partial sum."""
+        if expert_kernels.usable(self.experts, x):  # CUDA: grouped GEMMs over expert-sorted tokens
+            weights_ = expert_kernels.cached_weights(self, self.experts)
+            return expert_kernels.routed_experts(x, weights, indices, weights_, self._swiglu_limit())
         y = torch.zeros_like(x, dtype=torch.float32)
         # group tokens by expert: each expert runs once on the tokens routed to it
         for e in torch.unique(indices).tolist():
@@ -105,3 +109,16 @@ class MoE(nn.Module):
             rows, slot = torch.where(indices == e)
             y[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()
         return y
+
+    def _swiglu_limit(self) -> float:
+        return next(e for e in self.experts if e is not None).limit
+
+    # the kernels reach the experts' weights through a table of addresses (model/kernels/experts.py):
+    # moving or loading the weights drops it
+    def _apply(self, fn, *args, **kwargs):
+        expert_kernels.forget(self)
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        expert_kernels.forget(self)
+        super()._load_from_state_dict(*args, **kwargs)

@@ -7,10 +7,15 @@ One module per kernel:
     mhc                single-pass mHC: residual update, next collapse and next coefficients in one pass
     indexer            ReLU-weighted MXFP4 query-key scores over packed keys (dense or over a candidate pool)
     quant              fused quantize-and-pack of KV entries (FP4 with E4M3 scales; FP8 with UE8M0 scales)
+    gemm               GEMMs with FP8 (32x32 UE8M0 tiles) or packed FP4 weights dequantized in the kernel, the
+                       activation quantized to FP8 on the way in (Linear's "fast" gemm mode)
+    experts            the routed experts of an MoE layer as grouped GEMMs over expert-sorted tokens (FP4 or
+                       FP8 weights, SwiGLU and the routing weight fused, combine in MoE.routed's order)
 
 `reference.py` holds the reference of every kernel with the same signature, written with the model's own
-functions (model/attention.py, model/mhc.py, model/indexer.py, model/formats.py), so "the kernel agrees with
-the reference" means "the kernel agrees with the model".
+functions (model/attention.py, model/mhc.py, model/indexer.py, model/formats.py; the GEMM and expert
+references are Linear's and MoE.routed's "fast" path, equal to them bit for bit in the tests), so "the kernel
+agrees with the reference" means "the kernel agrees with the model".
 
 Each public function dispatches: Triton when the inputs are on a CUDA device and Triton imports, the
 reference otherwise. CPU numerics are therefore never changed by this package. Under TRITON_INTERPRET=1

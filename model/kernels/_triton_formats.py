@@ -94,3 +94,15 @@ def as_mma(x, INTERPRET: tl.constexpr):
         return x.to(tl.bfloat16).to(tl.float32)
     else:
         return x.to(tl.bfloat16)
+
+
+@triton.jit
+def round_cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 x -> dtype, rounding to nearest even. The CPU interpreter casts fp32 -> bf16 by truncation
+    (Triton 3.6), so there the rounding is done on the bits first (finite values), which makes the cast exact."""
+    if INTERPRET and dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    else:
+        return x.to(dtype)

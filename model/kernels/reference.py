@@ -4,12 +4,15 @@ Each is written with the model's own functions, so a kernel that matches its ref
 model computes: `sparse_attention_packed` unpacks with model/formats.py and calls
 model.attention.sparse_attention; `indexer_scores` is Indexer.head_scores on unpacked keys plus the
 visibility mask of Indexer.forward; `mhc_step` is mhc.expand, mhc.collapse and mhc.hc_coefficients in the
-order model/transformer.py's Block.mix calls them; the packers are model/formats.py's.
+order model/transformer.py's Block.mix calls them; the packers are model/formats.py's; the GEMMs are
+model/layers.py's Linear in the "fast" gemm mode, and `routed_experts` is model/moe.py's MoE.routed over
+Expert.forward in that mode.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from model import formats, mhc
 from model.attention import sparse_attention
@@ -88,3 +91,53 @@ def pack_fp4_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack_fp8_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (E4M3 bytes [..., D] uint8, UE8M0 bytes [..., D/32] uint8): the window KV format."""
     return formats.pack_fp8_ue8m0(x, formats.FP8_BLOCK)
+
+
+# --------------------------------------------------------------------------------- quantized GEMMs
+def fp8_act_quant(x: torch.Tensor, block: int = formats.FP8_BLOCK) -> torch.Tensor:
+    """The activation entering a quantized GEMM: E4M3 with one UE8M0 scale per `block` along the last dim,
+    dequantized straight back (formats.fp8_fake_quant), in x's dtype."""
+    return formats.fp8_fake_quant(x, block)
+
+
+def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                   block: int = formats.FP8_BLOCK) -> torch.Tensor:
+    """y = fp8_fake_quant(x) @ W^T for an FP8 E4M3 weight [N, K] with one UE8M0 scale per block x block tile
+    ([ceil(N/block), ceil(K/block)]): both operands dequantized exactly, one fp32 matmul, rounded to x's
+    dtype. This is Linear.forward for FP8 weights in the "fast" gemm mode (model/layers.py)."""
+    xq = formats.fp8_fake_quant(x, block).float()
+    return F.linear(xq, formats.dequant_fp8_weight(weight, scale, block)).to(x.dtype)
+
+
+def fp4_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             act_block: int = formats.FP8_BLOCK) -> torch.Tensor:
+    """y = fp8_fake_quant(x, act_block) @ W^T for a packed FP4 weight [N, K/2] (E2M1 pairs, element 2i in the
+    low nibble) with one UE8M0 per row and 32 columns ([N, K/32]): Linear.forward for FP4 weights in the
+    "fast" gemm mode."""
+    xq = formats.fp8_fake_quant(x, act_block).float()
+    return F.linear(xq, formats.dequant_fp4_weight(weight, scale, formats.FP4_WEIGHT_BLOCK)).to(x.dtype)
+
+
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts,
+                   swiglu_limit: float) -> torch.Tensor:
+    """sum over each token's selected experts of the routing weight times the SwiGLU expert, fp32 [T, dim].
+
+    x [T, dim]; weights / indices [T, k] (fp32 / expert ids); experts: a model.kernels.experts.ExpertWeights
+    (per-expert stored weights, None for experts held by another rank, which contribute nothing). Each
+    expert runs once on its tokens and the results are added in ascending expert order: MoE.routed with
+    Expert.forward, in the "fast" gemm mode."""
+    gemm = fp4_gemm if experts.fmt == "fp4" else fp8_block_gemm
+    y = torch.zeros_like(x, dtype=torch.float32)
+    for e in torch.unique(indices).tolist():
+        if experts.w1[e] is None:
+            continue
+        rows, slot = torch.where(indices == e)
+        xe = x[rows]
+        gate = gemm(xe, experts.w1[e], experts.s1[e], experts.block).float()
+        up = gemm(xe, experts.w3[e], experts.s3[e], experts.block).float()
+        if swiglu_limit > 0:
+            up = up.clamp(-swiglu_limit, swiglu_limit)
+            gate = gate.clamp(max=swiglu_limit)
+        h = weights[rows, slot, None] * (F.silu(gate) * up)
+        y[rows] += gemm(h.to(x.dtype), experts.w2[e], experts.s2[e], experts.block).float()
+    return y

@@ -1,0 +1,127 @@
+"""Compile the quantized-GEMM and expert kernels for an H100/H200-class GPU (sm_90) on a machine without one,
+and report what the compiler made of each launch configuration: registers, spills (local memory), shared
+memory, whether the products use wgmma, and the widest vector the weight loads got.
+
+Triton's NVIDIA backend (its bundled ptxas) compiles to a cubin with no device present, so a kernel that does
+not lower, or that spills, shows up before any GPU time is spent. Usage (not under TRITON_INTERPRET=1):
+
+    python benchmarks/compile_kernels.py [--quick]
+
+Exit status 1 if a configuration fails to compile or spills; prints "no NVIDIA backend" and exits 0 when
+Triton has no CUDA backend here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+D16 = [["tt.divisibility", 16]]
+
+
+def _signature(fn, types: dict, consts: dict) -> dict:
+    return {name: ("constexpr" if name in consts else types[name]) for name in fn.arg_names}
+
+
+def compile_one(fn, types, consts, divisible, num_warps, num_stages, target):
+    import triton
+    from triton.compiler import ASTSource
+
+    sig = _signature(fn, types, consts)
+    attrs = {(fn.arg_names.index(a),): D16 for a in divisible}
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=target,
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    try:
+        usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage)
+    regs, _, local = (int(v) for v in m.groups()) if m else (-1, -1, -1)
+    ttgir = k.asm["ttgir"]
+    vec = max((int(v) for v in re.findall(r"contiguity = (\d+)", ttgir)), default=0)
+    return dict(regs=regs, spill_bytes=local, shared=k.metadata.shared, wgmma="warp_group_dot" in ttgir,
+                max_contiguity=vec)
+
+
+def cases(quick: bool):
+    from model.kernels import _triton_gemm as K
+
+    g_types = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", y_ptr="*bf16", M="i32", N="i32", K="i32", KP="i32",
+                   stride_xm="i32", stride_ym="i32", split_stride="i32", stride_wn="i32", stride_sn="i32")
+    g_div = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "K", "KP", "stride_xm", "stride_ym", "stride_wn")
+    dense = [  # (fp4, fused quant, BM, BN, BK, warps, stages): gemm.launch_config's decode and prefill choices
+        (False, True, 16, 64, 128, 4, 4), (True, True, 16, 64, 128, 4, 4),
+        (False, False, 64, 64, 128, 4, 4), (True, False, 64, 64, 128, 4, 4),
+        (False, False, 128, 128, 64, 8, 3), (True, False, 128, 128, 64, 8, 3)]
+    if quick:
+        dense = [dense[0], dense[5]]
+    for fp4, fuse, BM, BN, BK, w, st in dense:
+        yield ("gemm fp4" if fp4 else "gemm fp8", K.gemm_kernel, g_types,
+               dict(K_SPLIT=1280, W_FP4=fp4, QA=32, QW=32, QUANT_A=fuse, BM=BM, BN=BN, BK=BK, INTERPRET=False),
+               g_div, w, st)
+    if not quick:
+        yield ("act_quant", K.act_quant_kernel, dict(x_ptr="*bf16", y_ptr="*bf16", M="i32", K="i32", stride_x="i32",
+                                                     stride_y="i32"), dict(QA=32, BM=8, BK=512),
+               ("x_ptr", "y_ptr", "K", "stride_x", "stride_y"), 4, 3)
+        yield ("split_sum", K.split_sum_kernel, dict(p_ptr="*fp32", y_ptr="*bf16", MN="i32"),
+               dict(S=4, BLOCK=1024, INTERPRET=False), ("p_ptr", "y_ptr"), 4, 3)
+        yield ("combine", K.combine_kernel, dict(out_ptr="*bf16", pos_ptr="*i32", y_ptr="*fp32", T="i32", N="i32",
+                                                 stride_o="i32", stride_y="i32"),
+               dict(SLOTS=6, BT=16, BN=128), ("out_ptr", "y_ptr", "N", "stride_o", "stride_y"), 4, 3)
+    u_types = dict(xq_ptr="*bf16", tok_ptr="*i32", wts_ptr="*fp32", tile_e_ptr="*i32", tile_r_ptr="*i32",
+                   off_ptr="*i32", base_ptr="*u8", table_ptr="*i64", h_ptr="*bf16", E="i32", K="i32", KP="i32",
+                   N="i32", stride_x="i32", stride_h="i32", stride_wn="i32", stride_sn="i32", limit="fp32")
+    d_types = dict(h_ptr="*bf16", tile_e_ptr="*i32", tile_r_ptr="*i32", off_ptr="*i32", base_ptr="*u8",
+                   table_ptr="*i64", out_ptr="*bf16", E="i32", K="i32", KP="i32", N="i32", stride_h="i32",
+                   stride_o="i32", stride_wn="i32", stride_sn="i32")
+    for BM, w in ((16, 4),) if quick else ((16, 4), (32, 4), (64, 8)):
+        yield ("experts up", K.expert_up_kernel, u_types,
+               dict(HAS_LIMIT=True, W_FP4=True, QA=32, QW=32, ALIGNED=True, NK=80, BM=BM, BN=64, BK=64,
+                    INTERPRET=False),
+               ("xq_ptr", "base_ptr", "h_ptr", "K", "KP", "N", "stride_x", "stride_h", "stride_wn", "stride_sn"), w, 3)
+        yield ("experts down", K.expert_down_kernel, d_types,
+               dict(W_FP4=True, QW=32, ALIGNED=True, NK=36, BM=BM, BN=64, BK=64, INTERPRET=False),
+               ("h_ptr", "base_ptr", "out_ptr", "K", "KP", "N", "stride_h", "stride_o", "stride_wn"), w, 3)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="one decode and one prefill configuration per kernel")
+    quick = ap.parse_args().quick
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: interpreted functions cannot be compiled")
+        return 2
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        print(f"no NVIDIA backend: {e}")
+        return 0
+    target = GPUTarget("cuda", 90, 32)
+    bad = 0
+    for name, fn, types, consts, div, warps, stages in cases(quick):
+        shown = {k: v for k, v in consts.items() if k != "INTERPRET"}
+        try:
+            info = compile_one(fn, types, consts, div, warps, stages, target)
+        except Exception as e:  # noqa: BLE001
+            print(f"FAIL {name} {shown}: {type(e).__name__}: {str(e)[:400]}")
+            bad += 1
+            continue
+        ok = info["spill_bytes"] == 0
+        bad += not ok
+        print(f"{'ok  ' if ok else 'SPILL'} {name:12s} warps={warps} stages={stages} {shown}: {info}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

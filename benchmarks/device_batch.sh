@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call for the quantized-GEMM and FP4-expert kernels (about 3 minutes on one H200):
+#   1. their GPU tests (tests/test_kernels_gemm.py -m gpu)            -> $OUT/gpu_tests.log
+#   2. ceilings + bench_gemm + bench_experts, short timing windows   -> $OUT/{ceilings,gemm,experts}.json, bench.log
+# Each step has its own time limit, so a hang in one still leaves the other's output. Run from anywhere:
+#   OUT=/some/dir bash benchmarks/device_batch.sh
+# (on the lent machine $OUT is the folder whose files come back). The CPU-side compile check,
+# benchmarks/compile_kernels.py, is not repeated here: the tests compile the same kernels.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench_out}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET DSV41_DISABLE_TRITON
+start=$(date +%s)
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv 2>&1
+  "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)" 2>&1
+  git rev-parse HEAD 2>/dev/null
+  git status --short 2>/dev/null | head -20
+} > "$OUT/env.txt"
+
+if "$PY" -c "import pytest" 2>/dev/null; then
+  timeout 100 "$PY" -m pytest -q -m gpu tests/test_kernels_gemm.py -p no:cacheprovider --durations=5 \
+    > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests: exit $? after $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.log"
+else
+  echo "pytest is not installed: GPU tests skipped" | tee "$OUT/gpu_tests.log"
+fi
+
+timeout 140 "$PY" benchmarks/run_all_kernels.py --quick --only gemm experts --out "$OUT" > "$OUT/bench.log" 2>&1
+echo "benchmarks: exit $? after $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log"
+tail -n 45 "$OUT/bench.log"

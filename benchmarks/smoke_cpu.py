@@ -1,0 +1,59 @@
+"""Run bench_gemm.py and bench_experts.py end to end on the CPU, through Triton's interpreter at tiny shapes,
+to check the scripts themselves (every case, JSON written) before device time is spent on them. The timings
+are one wall-clock call each and the ceilings are placeholders: the numbers mean nothing.
+
+Usage: python benchmarks/smoke_cpu.py [--out DIR]      (sets TRITON_INTERPRET=1 itself)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    out = Path(ap.parse_args().out or tempfile.mkdtemp(prefix="bench_smoke_"))
+    import bench_experts
+    import bench_gemm
+    import kernels_common
+
+    from model.kernels import experts, gemm
+
+    kernels_common._CEILINGS = {"copy_GBps": 1000.0, "bf16_TFLOPs": 100.0, "copy_bytes": 0, "matmul_shape": []}
+
+    def once(fn, warmup_ms=0, rep_ms=0):
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    for mod in (gemm, experts):  # CPU tensors take the kernels (interpreted), as CUDA tensors would
+        mod.use_triton = lambda *t, force=False: True
+    for mod in (bench_gemm, bench_experts):
+        mod.bench, mod.graph_bench, mod.DEVICE = once, once, "cpu"
+    bench_gemm.SHAPES = (("wq_a", 40, 64), ("wo_b", 48, 96))
+    bench_gemm.M_LIST = (1, 65)
+    bench_gemm.VARIANTS = (("wq_a", 1, dict(split=2)), ("wo_b", 16, dict(fuse=False)))
+    bench_experts.DIM, bench_experts.INTER, bench_experts.N_EXPERTS, bench_experts.TOPK = 64, 96, 6, 2
+    bench_experts.T_LIST, bench_experts.REF_MAX_T = (1, 20), 1
+    bench_gemm.run(str(out / "gemm.json"))
+    bench_experts.run(str(out / "experts.json"))
+    for name, n in (("gemm", 6), ("experts", 2)):
+        rows = json.loads((out / f"{name}.json").read_text())["rows"]
+        assert len(rows) == n, (name, len(rows))
+    print(f"smoke run ok: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Triton kernels of model/kernels/gemm.py and model/kernels/experts.py (imported only when they run).
+
+Every product is computed "swapped": acc [BN weight rows, BM tokens] = W_tile [BN, BK] @ X_tile^T [BK, BM].
+The weight tile, dequantized in registers, is the left operand (the one the matrix units may take from
+registers), and the token count is the small right dimension, so a decode step with one token pads it to 16
+rather than to 64 or 128.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from model.kernels._triton_formats import as_mma, e2m1_to_f32, e8m0_to_f32, f32_to_e4m3_value, round_cast
+
+
+@triton.jit
+def fp8_fake_quant(x, BM: tl.constexpr, BK: tl.constexpr, QA: tl.constexpr):
+    """x [BM, BK] fp32 -> formats.fp8_fake_quant(x, QA) along axis 1, fp32 (bit-exact).
+
+    Per group of QA: amax (floor 1e-4), scale = 2^ceil(log2(amax * fp32(1/448))) from the fp32 bits,
+    E4M3 nearest-even of x / scale (a power of two, so the product with its inverse is exact), times scale.
+    The values are exact in bf16 (4 significant bits)."""
+    g = tl.reshape(x, (BM, BK // QA, QA))
+    amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4)
+    ratio_bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+    biased = ((ratio_bits >> 23) & 255) + ((ratio_bits & 0x7FFFFF) != 0).to(tl.int32)
+    inverse = ((254 - biased) << 23).to(tl.float32, bitcast=True)
+    scale = (biased << 23).to(tl.float32, bitcast=True)
+    y = g * inverse[:, :, None]
+    v = f32_to_e4m3_value(tl.abs(y))
+    v = tl.where(y < 0, -v, v)
+    return tl.reshape(v * scale[:, :, None], (BM, BK))
+
+
+@triton.jit
+def weight_scales(s_ptr, rows, rmask, k0, K, stride_sn,
+                  W_FP4: tl.constexpr, QW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The UE8M0 scales of rows `rows` [BN] x columns k0 .. k0+BK, as fp32 [BN, BK/QW].
+
+    FP8 weights have one per QW x QW block ([ceil(N/QW), ceil(K/QW)]), FP4 weights one per row and QW
+    columns ([N, K/QW]). Columns past K read as 1. The GEMM loops load these one K step ahead: they are
+    byte gathers, which the software pipeliner does not stage through shared memory, so a load issued in
+    the step that uses it would stall that step on its latency."""
+    KB: tl.constexpr = BK // QW
+    col_blocks = k0 // QW + tl.arange(0, KB)
+    mask = rmask[:, None] & (col_blocks[None, :] * QW < K)
+    if W_FP4:
+        srow = rows.to(tl.int64)
+    else:
+        srow = (rows // QW).to(tl.int64)
+    return e8m0_to_f32(tl.load(s_ptr + srow[:, None] * stride_sn + col_blocks[None, :], mask=mask,
+                               other=127).to(tl.int32))
+
+
+@triton.jit
+def weight_tile(w_ptr, s, rows, rmask, k0, KP, stride_wn,
+                W_FP4: tl.constexpr, QW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Rows `rows` [BN] x columns k0 .. k0+BK of a stored weight, times their scales s [BN, BK/QW]
+    (weight_scales) -> fp32 [BN, BK], exact values.
+
+    FP8: E4M3 bytes [N, K]. FP4: E2M1 pairs [N, K/2], element 2i in the low nibble. KP = bytes per row
+    (K or K/2; an argument of its own so that its divisibility, which the loads' vector width depends on, is
+    known to the compiler). The tile is handled as [BN, BK/QW, QW] so that each block's scale broadcasts over
+    the last axis."""
+    KB: tl.constexpr = BK // QW
+    kb = tl.arange(0, KB)
+    r64 = rows.to(tl.int64)
+    if W_FP4:
+        half = tl.arange(0, QW // 2)
+        cols = k0 // 2 + kb[:, None] * (QW // 2) + half[None, :]  # byte columns [KB, QW/2]
+        mask = rmask[:, None, None] & (cols[None, :, :] < KP)
+        b = tl.load(w_ptr + r64[:, None, None] * stride_wn + cols[None, :, :], mask=mask, other=0).to(tl.int32)
+        v = tl.join(e2m1_to_f32(b & 15), e2m1_to_f32(b >> 4))  # [BN, KB, QW/2, 2]: elements 2i, 2i+1
+        v = v * s[:, :, None, None]
+    else:
+        q = tl.arange(0, QW)
+        cols = k0 + kb[:, None] * QW + q[None, :]  # [KB, QW]
+        mask = rmask[:, None, None] & (cols[None, :, :] < KP)
+        b = tl.load(w_ptr + r64[:, None, None] * stride_wn + cols[None, :, :], mask=mask, other=0)
+        v = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # exact (E4M3 fits fp16 and fp32)
+        v = v * s[:, :, None]
+    return tl.reshape(v, (BN, BK))
+
+
+@triton.jit
+def act_quant_kernel(x_ptr, y_ptr, M, K, stride_x, stride_y,
+                     QA: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """y = fp8_fake_quant(x) for a [BM, BK] tile (K is a multiple of QA, so groups are never cut)."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    r64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = fp8_fake_quant(x, BM, BK, QA)
+    tl.store(y_ptr + r64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, KP, stride_xm, stride_ym, split_stride, stride_wn, stride_sn,
+                K_SPLIT: tl.constexpr, W_FP4: tl.constexpr, QA: tl.constexpr, QW: tl.constexpr,
+                QUANT_A: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """Program (BN weight rows, BM tokens, K range K_SPLIT): y[m, n] (+)= sum_k xq[m, k] W[n, k].
+
+    QUANT_A: x is raw and is fake-quantized here per QA (decode: saves the separate act-quant launch);
+    otherwise x already holds the quantized values. With a split K, program k writes its fp32 partial at
+    y + k * split_stride and split_sum_kernel adds the partials in order."""
+    pid_k = tl.program_id(2)
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = tl.program_id(1) * BM + tl.arange(0, BM)
+    nmask = n < N
+    mmask = m < M
+    m64 = m.to(tl.int64)
+    k_lo = pid_k * K_SPLIT
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    s_next = weight_scales(s_ptr, n, nmask, k_lo, K, stride_sn, W_FP4, QW, BN, BK)
+    for i in range(K_SPLIT // BK):
+        k0 = k_lo + i * BK
+        s_cur = s_next
+        s_next = weight_scales(s_ptr, n, nmask, k0 + BK, K, stride_sn, W_FP4, QW, BN, BK)
+        kk = k0 + tl.arange(0, BK)
+        a = tl.load(x_ptr + m64[:, None] * stride_xm + kk[None, :], mask=mmask[:, None] & (kk[None, :] < K),
+                    other=0.0).to(tl.float32)
+        if QUANT_A:
+            a = fp8_fake_quant(a, BM, BK, QA)
+        w = weight_tile(w_ptr, s_cur, n, nmask, k0, KP, stride_wn, W_FP4, QW, BN, BK)
+        acc += tl.dot(as_mma(w, INTERPRET), as_mma(tl.trans(a), INTERPRET))
+    out = y_ptr + pid_k * split_stride + m64[None, :] * stride_ym + n[:, None]
+    tl.store(out, round_cast(acc, y_ptr.dtype.element_ty, INTERPRET), mask=nmask[:, None] & mmask[None, :])
+
+
+@triton.jit
+def split_sum_kernel(p_ptr, y_ptr, MN, S: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    """y = sum_s partial[s] (in order s = 0, 1, ...: deterministic), rounded to y's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, S):
+        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, round_cast(acc, y_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------ experts
+@triton.jit
+def expert_base(base_ptr, table_ptr, which, e, E, ALIGNED: tl.constexpr):
+    """Pointer to tensor `which` (0..5: w1, s1, w3, s3, w2, s2) of expert e: the tables hold byte offsets
+    from one base tensor, so every expert's separately allocated weights are reached from one argument."""
+    off = tl.load(table_ptr + which * E + e)
+    if ALIGNED:
+        off = tl.multiple_of(off, 16)  # checked on the host: lets the weight loads vectorize
+    return base_ptr + off
+
+
+@triton.jit
+def expert_up_kernel(xq_ptr, tok_ptr, wts_ptr, tile_e_ptr, tile_r_ptr, off_ptr, base_ptr, table_ptr, h_ptr,
+                     E, K, KP, N, stride_x, stride_h, stride_wn, stride_sn, limit,
+                     HAS_LIMIT: tl.constexpr, W_FP4: tl.constexpr, QA: tl.constexpr, QW: tl.constexpr,
+                     ALIGNED: tl.constexpr, NK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """Program (tile of BM rows of one expert, BN intermediate channels):
+
+        gate = round(w1 xq), up = round(w3 xq)            (rounded to the activation dtype, as Linear returns)
+        h = w_route * silu(min(gate, L)) * clamp(up, -L, L)
+        store fp8_fake_quant(round(h)) per QA           (w2's input, quantized once here)
+
+    Rows are the expert-sorted (token, slot) assignments; xq holds every token's quantized input, gathered
+    by token id. Tiles past the last real one (the grid is an upper bound) have expert E and do nothing."""
+    t = tl.program_id(0)
+    e = tl.load(tile_e_ptr + t)
+    if e < E:
+        row0 = tl.load(tile_r_ptr + t)
+        row_end = tl.load(off_ptr + e + 1)
+        rows = row0 + tl.arange(0, BM)
+        rmask = rows < row_end
+        tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < N
+        w1 = expert_base(base_ptr, table_ptr, 0, e, E, ALIGNED)
+        s1 = expert_base(base_ptr, table_ptr, 1, e, E, False)
+        w3 = expert_base(base_ptr, table_ptr, 2, e, E, ALIGNED)
+        s3 = expert_base(base_ptr, table_ptr, 3, e, E, False)
+        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+        sg_next = weight_scales(s1, n, nmask, 0, K, stride_sn, W_FP4, QW, BN, BK)
+        su_next = weight_scales(s3, n, nmask, 0, K, stride_sn, W_FP4, QW, BN, BK)
+        for i in range(NK):
+            k0 = i * BK
+            sg = sg_next
+            su = su_next
+            sg_next = weight_scales(s1, n, nmask, k0 + BK, K, stride_sn, W_FP4, QW, BN, BK)
+            su_next = weight_scales(s3, n, nmask, k0 + BK, K, stride_sn, W_FP4, QW, BN, BK)
+            kk = k0 + tl.arange(0, BK)
+            a = tl.load(xq_ptr + tok[:, None] * stride_x + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K),
+                        other=0.0)
+            at = as_mma(tl.trans(a.to(tl.float32)), INTERPRET)
+            wg = weight_tile(w1, sg, n, nmask, k0, KP, stride_wn, W_FP4, QW, BN, BK)
+            acc_g += tl.dot(as_mma(wg, INTERPRET), at)
+            wu = weight_tile(w3, su, n, nmask, k0, KP, stride_wn, W_FP4, QW, BN, BK)
+            acc_u += tl.dot(as_mma(wu, INTERPRET), at)
+        gate = round_cast(acc_g, h_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
+        up = round_cast(acc_u, h_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
+        if HAS_LIMIT:
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            gate = tl.minimum(gate, limit)
+        h = gate / (1.0 + tl.exp(-gate)) * up  # F.silu(gate) * up
+        route = tl.load(wts_ptr + rows, mask=rmask, other=0.0)
+        h = route[None, :] * h
+        h = round_cast(h, h_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # w2's input, in the activation dtype
+        hq = fp8_fake_quant(tl.trans(h), BM, BN, QA)  # [BM, BN], groups of QA along the channels
+        out = h_ptr + rows.to(tl.int64)[:, None] * stride_h + n[None, :]
+        tl.store(out, hq.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def expert_down_kernel(h_ptr, tile_e_ptr, tile_r_ptr, off_ptr, base_ptr, table_ptr, out_ptr,
+                       E, K, KP, N, stride_h, stride_o, stride_wn, stride_sn,
+                       W_FP4: tl.constexpr, QW: tl.constexpr, ALIGNED: tl.constexpr, NK: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """Program (tile of BM sorted rows of one expert, BN model channels): out = round(w2 hq)."""
+    t = tl.program_id(0)
+    e = tl.load(tile_e_ptr + t)
+    if e < E:
+        row0 = tl.load(tile_r_ptr + t)
+        row_end = tl.load(off_ptr + e + 1)
+        rows = row0 + tl.arange(0, BM)
+        rmask = rows < row_end
+        r64 = rows.to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < N
+        w2 = expert_base(base_ptr, table_ptr, 4, e, E, ALIGNED)
+        s2 = expert_base(base_ptr, table_ptr, 5, e, E, False)
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        s_next = weight_scales(s2, n, nmask, 0, K, stride_sn, W_FP4, QW, BN, BK)
+        for i in range(NK):
+            k0 = i * BK
+            s_cur = s_next
+            s_next = weight_scales(s2, n, nmask, k0 + BK, K, stride_sn, W_FP4, QW, BN, BK)
+            kk = k0 + tl.arange(0, BK)
+            a = tl.load(h_ptr + r64[:, None] * stride_h + kk[None, :], mask=rmask[:, None] & (kk[None, :] < K),
+                        other=0.0)
+            w = weight_tile(w2, s_cur, n, nmask, k0, KP, stride_wn, W_FP4, QW, BN, BK)
+            acc += tl.dot(as_mma(w, INTERPRET), as_mma(tl.trans(a.to(tl.float32)), INTERPRET))
+        out = out_ptr + r64[None, :] * stride_o + n[:, None]
+        tl.store(out, round_cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=nmask[:, None] & rmask[None, :])
+
+
+@triton.jit
+def combine_kernel(out_ptr, pos_ptr, y_ptr, T, N, stride_o, stride_y,
+                   SLOTS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr):
+    """y[t] = sum over t's slots, in ascending expert order, of out[pos] in fp32 (as MoE.routed adds them);
+    pos -1 = an expert another rank holds (skipped)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    tmask = t < T
+    nmask = n < N
+    acc = tl.zeros([BT, BN], dtype=tl.float32)
+    for j in tl.static_range(SLOTS):
+        p = tl.load(pos_ptr + t * SLOTS + j, mask=tmask, other=-1)
+        present = p >= 0
+        v = tl.load(out_ptr + tl.where(present, p, 0).to(tl.int64)[:, None] * stride_o + n[None, :],
+                    mask=present[:, None] & nmask[None, :], other=0.0)
+        acc = tl.where(present[:, None], acc + v.to(tl.float32), acc)
+    tl.store(y_ptr + t.to(tl.int64)[:, None] * stride_y + n[None, :], acc, mask=tmask[:, None] & nmask[None, :])

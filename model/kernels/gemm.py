@@ -1,0 +1,158 @@
+"""GEMMs with block-scaled FP8 or packed FP4 weights, dequantized in the kernel (model/layers.py, Linear).
+
+    y = fp8_fake_quant(x, block) @ dequant(W)^T          accumulated in fp32, rounded to x's dtype
+
+    fp8_block_gemm   W: E4M3 [N, K] with one UE8M0 scale per block x block tile ([ceil(N/b), ceil(K/b)])
+    fp4_gemm         W: E2M1 pairs [N, K/2] (element 2i in the low nibble) with one UE8M0 per row and 32
+                     columns ([N, K/32]); the activation block is the layer's `block`
+    fp8_act_quant    the activation rounding alone (E4M3 with one power-of-two scale per block along K)
+
+Which gemm mode this serves. model/layers.py has two: "fast" (the activation fake-quantized, both operands
+dequantized exactly, one fp32 matmul) and "exact" (REF's kernel order, each 32-wide K block's product
+scaled and added in K order, for bit parity with REF's CPU port). The kernel computes "fast": the
+quantized activation and the dequantized weight are exact in bf16 (E4M3 / E2M1 times a power of two), so
+the bf16 matrix units form every product exactly and add them in fp32; only the order of the fp32
+additions differs from the torch path, as it does between any two BLAS libraries. Linear dispatches to
+it only in "fast" mode; "exact" keeps the reference loop on every device.
+
+Kernel layout (model/kernels/_triton_gemm.py): one program per (BN weight rows, BM tokens, K range);
+the weight tile is loaded as bytes and dequantized in registers (each 32-wide block times its scale),
+then multiplies the token tile on the matrix units with the weight as the left operand. Small M (decode)
+splits K across programs so that the weight streams from every SM, then adds the fp32 partials in a
+fixed order (deterministic); M <= 16 also quantizes the activation inside the GEMM (one launch). Larger M
+quantizes the activation once in its own kernel (bf16, exact) and runs unsplit 128 x 128 tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from model import formats
+from model.kernels import interpreting, reference, use_triton
+
+
+def fp8_act_quant(x: torch.Tensor, block: int = formats.FP8_BLOCK, force_triton: bool = False) -> torch.Tensor:
+    """See reference.fp8_act_quant: formats.fp8_fake_quant(x, block) (bit-exact), in x's dtype."""
+    if not use_triton(x, force=force_triton):
+        return reference.fp8_act_quant(x, block)
+    K = x.size(-1)
+    if K % block:
+        raise ValueError(f"last dimension {K} is not a multiple of the block size {block}")
+    return _act_quant(x.reshape(-1, K), block, x.dtype).view(x.shape)
+
+
+def fp8_block_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = formats.FP8_BLOCK,
+                   force_triton: bool = False, config: dict | None = None) -> torch.Tensor:
+    """See reference.fp8_block_gemm: x [..., K] times an FP8 weight [N, K] with block x block UE8M0 scales.
+
+    `config` overrides the launch choice (keys of `launch_config`), for benchmarks and tests."""
+    if not use_triton(x, weight, force=force_triton):
+        return reference.fp8_block_gemm(x, weight, scale, block)
+    N, K = weight.shape
+    if tuple(scale.shape) != (-(-N // block), -(-K // block)):
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not match weight [{N}, {K}] with block {block}")
+    return _gemm(x, _bytes(weight), _bytes(scale), N, K, False, block, block, config)
+
+
+def fp4_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_block: int = formats.FP8_BLOCK,
+             force_triton: bool = False, config: dict | None = None) -> torch.Tensor:
+    """See reference.fp4_gemm: x [..., K] times a packed FP4 weight [N, K/2] with UE8M0 scales [N, K/32]."""
+    if not use_triton(x, weight, force=force_triton):
+        return reference.fp4_gemm(x, weight, scale, act_block)
+    N, K = weight.size(0), 2 * weight.size(1)
+    wb = formats.FP4_WEIGHT_BLOCK
+    if tuple(scale.shape) != (N, K // wb):
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not match an FP4 weight [{N}, {K}]")
+    return _gemm(x, _bytes(weight), _bytes(scale), N, K, True, act_block, wb, config)
+
+
+# ------------------------------------------------------------------------------------------ launch
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.view(torch.uint8)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: small, so that tests still see split K
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    p = lo
+    while p < n:
+        p *= 2
+    return p
+
+
+def launch_config(M: int, N: int, K: int, qa: int, qw: int, device: torch.device) -> dict:
+    """Tile sizes, K split, fused activation quantization, warps and stages for an [M, K] x [N, K]^T GEMM.
+
+    Decode (M <= 64) is bound by the weight bytes: narrow weight tiles (64 rows), the token tile padded to
+    16..64, and K split until about two programs per SM stream the weight (at least two K tiles each).
+    Prefill: 128 x 128 tiles (64 tokens up to M = 128), K whole."""
+    bk_min = max(qa, qw)
+    if M <= 64:
+        BM, BN, BK = _pow2_at_least(M, 16), 64, max(128, bk_min)
+        tiles = -(-N // BN) * -(-M // BM)
+        k_tiles = -(-K // BK)
+        split = max(1, min(-(-2 * _sm_count(device) // tiles), k_tiles // 2))
+        return dict(BM=BM, BN=BN, BK=BK, split=split, fuse=M <= 16, num_warps=4, num_stages=4)
+    return dict(BM=64 if M <= 128 else 128, BN=128, BK=max(64, bk_min), split=1, fuse=False, num_warps=8,
+                num_stages=3)
+
+
+def _act_quant(x2: torch.Tensor, qa: int, out_dtype: torch.dtype) -> torch.Tensor:
+    import triton
+
+    from model.kernels._triton_gemm import act_quant_kernel
+
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, K = x2.shape
+    y = torch.empty(M, K, dtype=out_dtype, device=x2.device)
+    BK = max(qa, min(512, _pow2_at_least(K, qa)))
+    BM = max(1, 4096 // BK)
+    act_quant_kernel[(triton.cdiv(M, BM), triton.cdiv(K, BK))](x2, y, M, K, x2.stride(0), y.stride(0),
+                                                                QA=qa, BM=BM, BK=BK, num_warps=4)
+    return y
+
+
+def _gemm(x, w, s, N, K, fp4, qa, qw, config):
+    import triton
+
+    from model.kernels._triton_gemm import gemm_kernel, split_sum_kernel
+
+    if x.size(-1) != K or K % qa:
+        raise ValueError(f"input width {x.size(-1)} does not fit the weight (K = {K}, activation block {qa})")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.size(0)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.view(*lead, N)
+    cfg = launch_config(M, N, K, qa, qw, x.device)
+    cfg.update(config or {})
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    if BK % qa or BK % qw:
+        raise ValueError(f"BK = {BK} must be a multiple of the blocks ({qa}, {qw})")
+    if not cfg["fuse"]:
+        x2 = _act_quant(x2, qa, torch.bfloat16)  # exact in bf16
+    k_split = -(-K // cfg["split"])
+    k_split = -(-k_split // BK) * BK
+    split = -(-K // k_split)
+    target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), split)
+    gemm_kernel[grid](x2, w, s, target, M, N, K, K // 2 if fp4 else K, x2.stride(0), N, M * N, w.stride(0), s.stride(0),
+                      K_SPLIT=k_split, W_FP4=fp4, QA=qa, QW=qw, QUANT_A=cfg["fuse"], BM=BM, BN=BN, BK=BK,
+                      INTERPRET=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split > 1:
+        BLOCK = 1024
+        split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](target, out, M * N, S=split, BLOCK=BLOCK,
+                                                       INTERPRET=interpreting(), num_warps=4)
+    return out.view(*lead, N)

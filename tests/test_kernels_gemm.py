@@ -1,0 +1,403 @@
+"""The quantized-GEMM kernels (model/kernels/gemm.py) and the grouped FP4/FP8 expert path
+(model/kernels/experts.py) against their references (model/kernels/reference.py), and the references
+against the model (Linear and MoE.routed in the "fast" gemm mode).
+
+CPU: tiny ragged shapes through Triton's interpreter (TRITON_INTERPRET=1), skipped without Triton; the
+reference-vs-model checks need no Triton. GPU (@pytest.mark.gpu): the compiled kernels at V4.1-Flash
+shapes, and the dispatch from Linear and MoE.
+
+Tolerances. The kernels form the same exact products as the references (the quantized activation and the
+dequantized weight are exact in bf16) and differ only in the order of the fp32 sums: fp32 outputs agree
+to ~1e-7 relative; outputs rounded to bf16 agree except where a sum sits next to a rounding boundary, so
+each element is checked to one output rounding step plus a small multiple of sum |x w| (assert_gemm_close).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CPU = not torch.cuda.is_available()
+if CPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a Triton kernel is defined
+
+from model import formats, kernels  # noqa: E402
+from model.kernels import experts as ek  # noqa: E402
+from model.kernels import gemm, reference  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="Triton (the `kernels` extra) is not installed")
+interp = pytest.mark.skipif(not kernels.triton_available() or not CPU or os.environ.get("TRITON_INTERPRET") != "1",
+                            reason="CPU interpreter tests (a GPU runs the gpu-marked ones)")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert not torch.isnan(a).any()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def assert_gemm_close(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> None:
+    """Same shape and dtype, and every element within one output rounding step (bf16: 2^-7 |ref|) plus a
+    summation-order allowance of 2^-14 sum_k |x_k w_k| (`bound`: the GEMM of the absolute values), which
+    covers elements whose sum cancels to near zero; and the relative error of the whole output small."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    o, r = out.float(), ref.float()
+    step = r.abs() * (2.0**-7 if out.dtype == torch.bfloat16 else 2.0**-23) + bound.float() * 2.0**-14
+    assert bool(((o - r).abs() <= step).all()), float(((o - r).abs() - step).max())
+    assert rel_err(o, r) < (2e-3 if out.dtype == torch.bfloat16 else 1e-5)
+
+
+def abs_bound(x, w, s, kind, block=32):
+    """sum_k |xq_k| |w_k|: the scale of the fp32 rounding errors of any summation order."""
+    xq = formats.fp8_fake_quant(x.float(), block).abs()
+    wd = (formats.dequant_fp4_weight(w, s) if kind == "fp4" else formats.dequant_fp8_weight(w, s, block)).abs()
+    return (xq @ wd.T).reshape(*x.shape[:-1], wd.size(0))
+
+
+# ---------------------------------------------------------------------------------- builders
+def activations(M, K, dtype, seed, device=DEV):
+    """Rows with block magnitudes spread over 2^+-8, an all-zero block (the amax floor) and a -0."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.exp2(torch.randint(-8, 9, (M, K // 32), generator=g)).repeat_interleave(32, 1)
+    x[0, :32] = 0
+    if K > 40:
+        x[0, 40] = -0.0
+    return x.to(dtype).to(device)
+
+
+def fp8_weight(N, K, seed, device=DEV):
+    """An FP8 weight whose 32x32 tiles have different scales (the scale indexing is exercised)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g)
+    w = w * torch.exp2(torch.randint(-6, 7, (-(-N // 32), -(-K // 32)), generator=g).float()).repeat_interleave(
+        32, 0)[:N].repeat_interleave(32, 1)[:, :K]
+    q, s = formats.quant_fp8_weight(w)
+    return q.to(device), s.to(device)
+
+
+def fp4_weight(N, K, seed, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * torch.exp2(torch.randint(-6, 7, (N, K // 32), generator=g).float()
+                                                    ).repeat_interleave(32, 1)
+    q, s = formats.quant_fp4_weight(w)
+    return q.view(torch.int8).to(device), s.to(device)
+
+
+def make_moe(dim, inter, n_experts, topk, expert_dtype="fp4", seed=0, device=DEV):
+    """A routed MoE layer with random stored weights (every scale byte in 2^-7 .. 2^0)."""
+    from model.config import LayerPlan, preset
+    from model.moe import MoE
+
+    args = preset("tiny").replace(dim=dim, moe_inter_dim=inter, n_routed_experts=n_experts,
+                                  n_activated_experts=topk, expert_dtype=expert_dtype)
+    moe = MoE(args, LayerPlan.from_args(args).layers[0])
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            if p.dtype == torch.int8:
+                p.copy_(torch.randint(-128, 128, p.shape, generator=g, dtype=torch.int8))
+            elif p.dtype == torch.float8_e8m0fnu:
+                p.copy_(torch.randint(120, 128, p.shape, generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu))
+            elif p.dtype == torch.float8_e4m3fn:
+                p.copy_(torch.randn(p.shape, generator=g).to(torch.float8_e4m3fn))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return moe.to(device).eval()
+
+
+def routing(T, k, n_experts, seed, empty=(), device=DEV):
+    """Distinct experts per token, never those in `empty`; fp32 weights."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(n_experts) if e not in empty])
+    idx = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(T)])
+    w = torch.rand(T, k, generator=g) + 0.1
+    return w.to(device), idx.to(device)
+
+
+GEMM_CONFIGS = [None, dict(BM=16, BN=16, BK=32, split=1, fuse=False, num_warps=4, num_stages=2),
+                dict(BM=16, BN=32, BK=64, split=2, fuse=True, num_warps=4, num_stages=2)]
+
+
+# ---------------------------------------------------------------------------------- references = the model
+@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+def test_gemm_references_are_the_linear_fast_path(kind):
+    from model.layers import FP4, Linear
+
+    lin = Linear(96, 40, FP4 if kind == "fp4" else torch.float8_e4m3fn, 32)
+    w, s = (fp4_weight if kind == "fp4" else fp8_weight)(40, 96, seed=1, device="cpu")
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.scale.copy_(s)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = activations(5, 96, dtype, seed=2, device="cpu")
+        ref = (reference.fp4_gemm if kind == "fp4" else reference.fp8_block_gemm)(x, w, s, 32)
+        assert torch.equal(lin(x), ref)
+
+
+def test_routed_experts_reference_is_moe_routed():
+    moe = make_moe(64, 96, 5, 2, device="cpu")
+    w, idx = routing(7, 2, 5, seed=3, empty=(3,), device="cpu")
+    x = activations(7, 64, torch.bfloat16, seed=4, device="cpu")
+    for drop in (None, 1):
+        if drop is not None:
+            moe.experts[drop] = None  # held by another rank
+        ew = ek.ExpertWeights.from_experts(moe.experts)
+        with torch.no_grad():
+            assert torch.equal(reference.routed_experts(x, w, idx, ew, moe._swiglu_limit()), moe.routed(x, w, idx))
+
+
+def test_sort_by_expert_covers_every_row_once():
+    E, T, k, BM = 6, 9, 3, 4
+    w, idx = routing(T, k, E, seed=5, empty=(2,), device="cpu")
+    held = torch.tensor([True, True, True, False, True, True])
+    token, route, offsets, tile_e, tile_r, pos = ek.sort_by_expert(w, idx, held, BM)
+    flat = idx.reshape(-1)
+    keep = held[flat]
+    n_held = int(keep.sum())
+    assert int(offsets[-1]) == n_held and int(offsets[3]) == int(offsets[4]) and int(offsets[2]) == int(offsets[3])
+    seen = torch.zeros(n_held, dtype=torch.int64)
+    for e, r in zip(tile_e.tolist(), tile_r.tolist()):
+        if e == E:
+            continue
+        rows = torch.arange(r, min(r + BM, int(offsets[e + 1])))
+        assert int(offsets[e]) <= r < int(offsets[e + 1])
+        seen[rows] += 1
+        assert bool((idx[token[rows].long()] == e).any(dim=1).all())  # each row's token chose e
+    assert bool((seen == 1).all())
+    assert len(tile_e) == -(-T * k // BM) + E and bool((tile_e[:-1] <= tile_e[1:]).all())
+    expert_of_row = torch.searchsorted(offsets[1:].long(), torch.arange(n_held), right=True)
+    for t in range(T):  # pos: the token's held slots in ascending rows = ascending experts, -1 (unheld) first
+        p = pos[t]
+        real = p[p >= 0].long()
+        assert len(real) == int(keep.view(T, k)[t].sum()) and bool((p[: k - len(real)] == -1).all())
+        assert bool((token[real] == t).all()) and bool((real[:-1] < real[1:]).all())
+        experts = expert_of_row[real]
+        assert experts.tolist() == sorted(e for e in idx[t].tolist() if held[e])
+        want = [float(w[t][(idx[t] == e).nonzero()[0, 0]]) for e in experts.tolist()]
+        assert route[real].tolist() == pytest.approx(want)
+
+
+def test_dispatch_keeps_cpu_on_the_torch_path(monkeypatch):
+    """Without CUDA, Linear and MoE never call the kernels: CPU numerics are unchanged."""
+    def boom(*a, **k):
+        raise AssertionError("kernel called on CPU")
+
+    monkeypatch.setattr(gemm, "_gemm", boom)
+    monkeypatch.setattr(ek, "routed_experts", boom)
+    moe = make_moe(64, 96, 4, 2, device="cpu")
+    x = activations(6, 64, torch.bfloat16, seed=6, device="cpu").view(2, 3, 64)
+    with torch.no_grad():
+        moe(x)
+
+
+# ---------------------------------------------------------------------------------- CPU (interpreter)
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_act_quant_bit_exact_interpreted(dtype):
+    x = activations(7, 160, dtype, seed=7)
+    x[3, 64:96] *= 1e-30  # a block whose scale is tiny
+    out = gemm.fp8_act_quant(x, 32, force_triton=True)
+    assert out.dtype == dtype and torch.equal(out, reference.fp8_act_quant(x, 32))
+
+
+@interp
+@pytest.mark.parametrize("cfg", GEMM_CONFIGS)
+@pytest.mark.parametrize("M", [1, 37])
+def test_fp8_block_gemm_interpreted(cfg, M):
+    w, s = fp8_weight(72, 96, seed=M)  # N = 72: a partial 32-row scale block and a partial tile
+    for dtype in (torch.float32, torch.bfloat16):
+        x = activations(M, 96, dtype, seed=M + 1)
+        out = gemm.fp8_block_gemm(x, w, s, 32, force_triton=True, config=cfg)
+        assert_gemm_close(out, reference.fp8_block_gemm(x, w, s, 32), abs_bound(x, w, s, "fp8"))
+
+
+@interp
+@pytest.mark.parametrize("cfg", GEMM_CONFIGS)
+@pytest.mark.parametrize("M", [1, 37])
+def test_fp4_gemm_interpreted(cfg, M):
+    w, s = fp4_weight(40, 96, seed=M)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = activations(M, 96, dtype, seed=M + 2)
+        out = gemm.fp4_gemm(x, w, s, 32, force_triton=True, config=cfg)
+        assert_gemm_close(out, reference.fp4_gemm(x, w, s, 32), abs_bound(x, w, s, "fp4"))
+
+
+@interp
+def test_gemm_leading_dims_and_empty_interpreted():
+    w, s = fp8_weight(40, 64, seed=3)
+    x = activations(6, 64, torch.bfloat16, seed=3).view(2, 3, 64)
+    assert_gemm_close(gemm.fp8_block_gemm(x, w, s, force_triton=True), reference.fp8_block_gemm(x, w, s),
+                      abs_bound(x, w, s, "fp8"))
+    empty = torch.zeros(0, 64, dtype=torch.bfloat16)
+    assert gemm.fp8_block_gemm(empty, w, s, force_triton=True).shape == (0, 40)
+
+
+@interp
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_routed_experts_interpreted(fmt):
+    """T = 7 tokens, top-2 of 5 experts: expert 3 gets no token, expert 1 is held by another rank."""
+    moe = make_moe(64, 96, 5, 2, expert_dtype=fmt)
+    moe.experts[1] = None
+    ew = ek.ExpertWeights.from_experts(moe.experts)
+    w, idx = routing(7, 2, 5, seed=8, empty=(3,))
+    for dtype, cfg in ((torch.float32, None), (torch.bfloat16, dict(BM=16, BN=32, BK=32))):
+        x = activations(7, 64, dtype, seed=9)
+        out = ek.routed_experts(x, w, idx, ew, moe._swiglu_limit(), force_triton=True, config=cfg)
+        ref = reference.routed_experts(x, w, idx, ew, moe._swiglu_limit())
+        assert out.dtype == torch.float32 and out.shape == ref.shape
+        assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+@interp
+def test_linear_and_moe_dispatch_to_the_kernels_interpreted(monkeypatch):
+    """With the device check forced (as on CUDA), Linear and MoE.forward run the kernels and agree with
+    the torch path; "exact" mode and inputs that need a gradient stay on the torch path."""
+    from model import layers
+
+    moe = make_moe(64, 96, 4, 2)
+    x = activations(6, 64, torch.bfloat16, seed=10).view(2, 3, 64)
+    with torch.no_grad():
+        want = moe(x)
+    calls = {"gemm": 0, "experts": 0}
+    real_gemm, real_experts = gemm._gemm, ek.routed_experts
+    yes = lambda *t, force=False: True  # noqa: E731
+    for mod in (kernels, gemm, ek):
+        monkeypatch.setattr(mod, "use_triton", yes)
+    monkeypatch.setattr(gemm, "_gemm", lambda *a: calls.__setitem__("gemm", calls["gemm"] + 1) or real_gemm(*a))
+    monkeypatch.setattr(ek, "routed_experts", lambda *a, **k: calls.__setitem__("experts", calls["experts"] + 1)
+                        or real_experts(*a, **k))
+    with torch.no_grad():
+        got = moe(x)
+    assert calls == {"gemm": 3, "experts": 1}  # the shared expert's three FP8 linears, the routed experts
+    assert rel_err(got, want) < 2e-3
+    layers.set_gemm_mode("exact")
+    try:
+        with torch.no_grad():
+            moe(x)
+    finally:
+        layers.set_gemm_mode("fast")
+    assert calls == {"gemm": 3, "experts": 1}
+    lin = moe.shared_experts.w1
+    xg = x.float().requires_grad_()
+    lin(xg).sum().backward()  # the torch path: gradients reach the input
+    assert xg.grad is not None and calls["gemm"] == 3
+
+
+def test_expert_weights_cache_follows_moved_and_replaced_tensors():
+    import copy
+
+    moe = make_moe(64, 96, 3, 2, device="cpu")
+    first = ek.cached_weights(moe, moe.experts)
+    assert ek.cached_weights(moe, moe.experts) is first
+    moe.experts[0].w1.weight = torch.nn.Parameter(moe.experts[0].w1.weight.clone(), requires_grad=False)
+    second = ek.cached_weights(moe, moe.experts)
+    assert second is not first and second.w1[0] is moe.experts[0].w1.weight
+    moe.to("cpu")  # _apply: dropped, even where nothing moved
+    assert ek.cached_weights(moe, moe.experts) is not second
+    moe.load_state_dict(moe.state_dict())
+    third = ek._CACHE.get(moe)
+    assert third is None
+    clone = copy.deepcopy(moe)  # the cache is not part of the module
+    assert ek._CACHE.get(clone) is None
+
+
+@needs_triton
+@pytest.mark.slow
+def test_kernels_compile_for_h100_class_gpus():
+    """The kernels lower to sm_90 code (wgmma, no register spills) without a GPU: compiled in a child
+    process, as the interpreter flag of this one would turn them into interpreted functions."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_kernels.py"), "--quick"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if "no NVIDIA backend" in proc.stdout:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@needs_triton
+@pytest.mark.slow
+def test_benchmark_scripts_run_on_cpu(tmp_path):
+    """bench_gemm.py and bench_experts.py end to end at tiny shapes through the interpreter
+    (benchmarks/smoke_cpu.py), so a broken script is found before device time is spent on it."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "smoke_cpu.py"), "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "gemm.json").exists() and (tmp_path / "experts.json").exists()
+
+
+# ---------------------------------------------------------------------------------- GPU
+GPU_SHAPES = [(1, 1280, 5120), (16, 2304, 5120), (64, 5120, 2304), (300, 1000, 2304), (2048, 512, 5120)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_act_quant_gpu_bit_exact(dtype):
+    x = activations(333, 5120, dtype, seed=11)
+    assert torch.equal(gemm.fp8_act_quant(x), reference.fp8_act_quant(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_fp8_block_gemm_gpu(shape):
+    M, N, K = shape
+    w, s = fp8_weight(N, K, seed=M)
+    x = activations(M, K, torch.bfloat16, seed=N)
+    assert_gemm_close(gemm.fp8_block_gemm(x, w, s), reference.fp8_block_gemm(x, w, s), abs_bound(x, w, s, "fp8"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_fp4_gemm_gpu(shape):
+    M, N, K = shape
+    w, s = fp4_weight(N, K, seed=M)
+    x = activations(M, K, torch.bfloat16, seed=N)
+    assert_gemm_close(gemm.fp4_gemm(x, w, s), reference.fp4_gemm(x, w, s), abs_bound(x, w, s, "fp4"))
+
+
+@pytest.mark.gpu
+def test_gemm_gpu_configs_and_fp32():
+    w, s = fp8_weight(1280, 5120, seed=1)
+    for M in (1, 16):
+        x = activations(M, 5120, torch.bfloat16, seed=M)
+        ref, bound = reference.fp8_block_gemm(x, w, s), abs_bound(x, w, s, "fp8")
+        for cfg in (dict(split=1), dict(fuse=False), dict(fuse=True, split=8)):
+            assert_gemm_close(gemm.fp8_block_gemm(x, w, s, config=cfg), ref, bound)
+    x = activations(5, 5120, torch.float32, seed=3)
+    assert_gemm_close(gemm.fp8_block_gemm(x, w, s), reference.fp8_block_gemm(x, w, s), abs_bound(x, w, s, "fp8"))
+
+
+@pytest.mark.gpu
+def test_routed_experts_gpu():
+    """V4.1-Flash expert shapes (dim 5120, inter 2304, top-6) over 16 experts: expert 5 gets no token and
+    expert 9 is held by another rank. 1, 64 and 700 tokens: row tiles of 16, 32 and 64."""
+    moe = make_moe(5120, 2304, 16, 6)
+    moe.experts[9] = None
+    ew = ek.ExpertWeights.from_experts(moe.experts)
+    for T in (1, 64, 700):
+        w, idx = routing(T, 6, 16, seed=T, empty=(5,))
+        x = activations(T, 5120, torch.bfloat16, seed=T)
+        out = ek.routed_experts(x, w, idx, ew, moe._swiglu_limit())
+        ref = reference.routed_experts(x, w, idx, ew, moe._swiglu_limit())
+        assert rel_err(out, ref) < 2e-3, T
+
+
+@pytest.mark.gpu
+def test_moe_forward_gpu_kernels_vs_torch(monkeypatch):
+    moe = make_moe(256, 128, 8, 3)
+    x = activations(40, 256, torch.bfloat16, seed=12).view(2, 20, 256)
+    with torch.no_grad():
+        monkeypatch.setenv("DSV41_DISABLE_TRITON", "1")
+        want = moe(x)
+        monkeypatch.delenv("DSV41_DISABLE_TRITON")
+        calls = []
+        real = ek.routed_experts
+        monkeypatch.setattr(ek, "routed_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+        got = moe(x)
+    assert calls and rel_err(got, want) < 2e-3
