@@ -49,62 +49,92 @@ class Scored:
     n: int  # number of scored tokens
 
 
+def plan_batches(sequences: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
+    """The batches `score_sequences` runs: sequence indices sorted longest first, `batch_size` at a time."""
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    return [order[b:b + batch_size] for b in range(0, len(order), batch_size)]
+
+
 def score_sequences(model, sequences: Sequence[Sequence[int]], n_scored: Sequence[int], *,
                     pad_id: int = 0, batch_size: int = 8, max_logits_bytes: int = DEFAULT_LOGITS_BYTES,
-                    on_done: Callable[[int, Scored], None] | None = None, check_greedy: bool = True) -> list[Scored]:
+                    on_done: Callable[[int, Scored], None] | None = None, check_greedy: bool = True,
+                    ctx=None, on_start: Callable[[list[int]], None] | None = None) -> list[Scored]:
     """For each token sequence s and count n, sum ln p(s[j] | s[:j]) over its last n tokens.
 
     The model reads s[:-1]; the logits at input positions len(s)-1-n .. len(s)-2 predict the scored
     tokens (lm-eval's indexing rule). Sequences are sorted longest first and scored in right-padded
-    batches; a batch runs through the KV cache in chunks of at most `max_logits_bytes` of fp32 logits.
-    on_done(i, score) is called as sequence i (original order) is scored. check_greedy False skips the
-    argmax pass (the greedy flag is then meaningless).
-    """
-    import torch
+    batches (`plan_batches`); a batch runs through the KV cache in chunks of at most `max_logits_bytes`
+    of fp32 logits. on_done(i, score) is called as sequence i (original order) is scored. check_greedy
+    False skips the argmax pass (the greedy flag is then meaningless).
 
+    ctx: a `model.parallel.ParallelContext` when running under torchrun. Every rank must call this
+    with the same sequences. With several model copies (DSV41_TP) the batches are dealt out to the
+    copies and the scores gathered, so every rank returns all of them; each batch is exactly the one
+    a single process runs, so the scores are a single process's. Then on_done is called only for the
+    sequences this copy scores, and on_start(indices), when given, is called first with their indices
+    (all of them in one process or one copy).
+    """
     if len(sequences) != len(n_scored):
         raise ValueError("one scored-token count per sequence")
     for seq, n in zip(sequences, n_scored):
         if not 1 <= n <= len(seq) - 1:
             raise ValueError(f"cannot score {n} tokens of a {len(seq)}-token sequence (the first token is context)")
-    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    batches = plan_batches(sequences, batch_size)
+
+    def run(share: list[list[int]]) -> list[list[Scored]]:
+        if on_start:
+            on_start([i for rows in share for i in rows])
+        return [_score_batch(model, sequences, n_scored, rows, pad_id, max_logits_bytes, check_greedy, on_done)
+                for rows in share]
+
+    per_batch = ctx.split_work(batches, run) if ctx is not None else run(batches)
     results: list[Scored | None] = [None] * len(sequences)
+    for rows, scores in zip(batches, per_batch):
+        for i, s in zip(rows, scores):
+            results[i] = s
+    return results  # type: ignore[return-value]
+
+
+def _score_batch(model, sequences, n_scored, rows: list[int], pad_id: int, max_logits_bytes: int,
+                 check_greedy: bool, on_done) -> list[Scored]:
+    """One right-padded batch of `score_sequences`: the Scored of each row, in the order of `rows`."""
+    import torch
+
     device = model.embed.weight.device
     vocab = model.args.vocab_size
     with torch.inference_mode():
-        for b0 in range(0, len(order), batch_size):
-            rows = order[b0:b0 + batch_size]
-            T = len(sequences[rows[0]]) - 1  # input length of the longest row
-            ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-            targets = torch.full((len(rows), T), -1, dtype=torch.long)  # -1: not scored
-            for r, i in enumerate(rows):
-                seq, n = sequences[i], n_scored[i]
-                L = len(seq) - 1
-                ids[r, :L] = torch.as_tensor(seq[:-1])
-                targets[r, L - n:L] = torch.as_tensor(seq[L - n + 1:])
-            ids, targets = ids.to(device), targets.to(device)
-            chunk = max(1, max_logits_bytes // (4 * vocab * len(rows)))
-            cache = model.new_cache(len(rows))
-            logprob = torch.zeros(len(rows), dtype=torch.float64, device=device)
-            greedy = torch.ones(len(rows), dtype=torch.bool, device=device)
-            for s in range(0, T, chunk):
-                tgt = targets[:, s:s + chunk]
-                wanted = tgt >= 0
-                if not bool(wanted.any()):  # nothing scored here: only fill the cache
-                    model(ids[:, s:s + chunk], start_pos=s, cache=cache)
-                    continue
-                logits = model(ids[:, s:s + chunk], start_pos=s, cache=cache, all_logits=True).float()
-                # ln p(target) = logit(target) - logsumexp(logits): no full log-softmax copy
-                picked = logits.gather(-1, tgt.clamp_min(0).unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-                logprob += torch.where(wanted, picked, torch.zeros_like(picked)).double().sum(-1)
-                if check_greedy:
-                    hit = logits.argmax(-1) == tgt
-                    greedy &= torch.where(wanted, hit, torch.ones_like(hit)).all(-1)
-            for r, i in enumerate(rows):
-                results[i] = Scored(float(logprob[r]), bool(greedy[r]), n_scored[i])
-                if on_done:
-                    on_done(i, results[i])
-    return results  # type: ignore[return-value]
+        T = len(sequences[rows[0]]) - 1  # input length of the longest row
+        ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+        targets = torch.full((len(rows), T), -1, dtype=torch.long)  # -1: not scored
+        for r, i in enumerate(rows):
+            seq, n = sequences[i], n_scored[i]
+            L = len(seq) - 1
+            ids[r, :L] = torch.as_tensor(seq[:-1])
+            targets[r, L - n:L] = torch.as_tensor(seq[L - n + 1:])
+        ids, targets = ids.to(device), targets.to(device)
+        chunk = max(1, max_logits_bytes // (4 * vocab * len(rows)))
+        cache = model.new_cache(len(rows))
+        logprob = torch.zeros(len(rows), dtype=torch.float64, device=device)
+        greedy = torch.ones(len(rows), dtype=torch.bool, device=device)
+        for s in range(0, T, chunk):
+            tgt = targets[:, s:s + chunk]
+            wanted = tgt >= 0
+            if not bool(wanted.any()):  # nothing scored here: only fill the cache
+                model(ids[:, s:s + chunk], start_pos=s, cache=cache)
+                continue
+            logits = model(ids[:, s:s + chunk], start_pos=s, cache=cache, all_logits=True).float()
+            # ln p(target) = logit(target) - logsumexp(logits): no full log-softmax copy
+            picked = logits.gather(-1, tgt.clamp_min(0).unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+            logprob += torch.where(wanted, picked, torch.zeros_like(picked)).double().sum(-1)
+            if check_greedy:
+                hit = logits.argmax(-1) == tgt
+                greedy &= torch.where(wanted, hit, torch.ones_like(hit)).all(-1)
+        out = []
+        for r, i in enumerate(rows):
+            out.append(Scored(float(logprob[r]), bool(greedy[r]), n_scored[i]))
+            if on_done:
+                on_done(i, out[-1])
+    return out
 
 
 # ============================================================================ windows
@@ -273,8 +303,13 @@ def tokenize_corpus(tokenizer, corpus: Corpus) -> list[list[int]]:
 def score_corpus(model, tokenizer, corpus: Corpus, max_ctx: int, stride: int | None = None, *,
                  token_ids: list[list[int]] | None = None, batch_size: int = 8,
                  max_logits_bytes: int = DEFAULT_LOGITS_BYTES,
-                 on_tokens: Callable[[int], None] | None = None) -> list[DocumentScore]:
-    """Score every document of the corpus; one DocumentScore per document, in order."""
+                 on_tokens: Callable[[int], None] | None = None,
+                 on_start: Callable[[int], None] | None = None, ctx=None) -> list[DocumentScore]:
+    """Score every document of the corpus; one DocumentScore per document, in order.
+
+    on_start(n), when given, is called first with the number of tokens this process will score, then
+    on_tokens(k) as each window's k tokens are scored. ctx: see `score_sequences` (model copies divide
+    the windows)."""
     token_ids = token_ids if token_ids is not None else tokenize_corpus(tokenizer, corpus)
     sequences, n_scored, owner = [], [], []
     for k, ids in enumerate(token_ids):
@@ -284,7 +319,9 @@ def score_corpus(model, tokenizer, corpus: Corpus, max_ctx: int, stride: int | N
             owner.append(k)
     scores = score_sequences(model, sequences, n_scored, pad_id=tokenizer.pad_id, batch_size=batch_size,
                              max_logits_bytes=max_logits_bytes,
-                             on_done=(lambda i, s: on_tokens(s.n)) if on_tokens else None, check_greedy=False)
+                             on_done=(lambda i, s: on_tokens(s.n)) if on_tokens else None, check_greedy=False,
+                             ctx=ctx, on_start=(lambda mine: on_start(sum(n_scored[i] for i in mine)))
+                             if on_start else None)
     nll = [0.0] * len(corpus.documents)
     for k, s in zip(owner, scores):
         nll[k] -= s.logprob
@@ -343,27 +380,30 @@ class ModelSpec:
 
 def run_bpb(models: Iterable[ModelSpec], corpora: list[Corpus], *, window: str = "disjoint", max_ctx: int = 0,
             baselines: Sequence[str] = (), batch_size: int = 8, bootstrap_iters: int = 1000,
-            max_logits_bytes: int = DEFAULT_LOGITS_BYTES, progress=None) -> dict:
+            max_logits_bytes: int = DEFAULT_LOGITS_BYTES, progress=None, ctx=None) -> dict:
     """Bits per byte of every model on every corpus, plus compressor baselines: the `dsv41 bpb` JSON.
 
     max_ctx 0 means each model's training context (`original_seq_len`), capped by `max_seq_len`.
-    progress: an object with start(label, total_tokens) / advance(n) / stop(), or None."""
+    progress: an object with start(label, total_tokens) / advance(n) / stop(), or None.
+    ctx: a `model.parallel.ParallelContext` under torchrun (every rank calls this with the same
+    arguments and gets the same document; model copies divide the windows)."""
     stride = parse_window(window)
     out = {"window": window, "max_ctx": max_ctx, "models": [], "baselines": {}}
     for spec in models:
         model, args, tokenizer = spec.load()
-        ctx = max_ctx or min(args.original_seq_len, args.max_seq_len)
-        if stride is not None and stride > ctx:
-            raise ValueError(f"--window strided:{stride}: the stride exceeds the context ({ctx} tokens)")
-        entry = {"model": spec.name, "max_ctx": ctx, "corpora": []}
+        window_ctx = max_ctx or min(args.original_seq_len, args.max_seq_len)
+        if stride is not None and stride > window_ctx:
+            raise ValueError(f"--window strided:{stride}: the stride exceeds the context ({window_ctx} tokens)")
+        entry = {"model": spec.name, "max_ctx": window_ctx, "corpora": []}
         total_nll = total_bytes = 0.0
         for corpus in corpora:
             token_ids = tokenize_corpus(tokenizer, corpus)
-            if progress:
-                progress.start(f"{spec.name} · {corpus.name}", sum(map(len, token_ids)))
-            docs = score_corpus(model, tokenizer, corpus, ctx, stride, token_ids=token_ids, batch_size=batch_size,
-                                max_logits_bytes=max_logits_bytes,
-                                on_tokens=progress.advance if progress else None)
+            label = f"{spec.name} · {corpus.name}"
+            docs = score_corpus(model, tokenizer, corpus, window_ctx, stride, token_ids=token_ids,
+                                batch_size=batch_size, max_logits_bytes=max_logits_bytes,
+                                on_tokens=progress.advance if progress else None,
+                                on_start=(lambda n, label=label: progress.start(label, n)) if progress else None,
+                                ctx=ctx)
             if progress:
                 progress.stop()
             row = summarize(corpus, docs, bootstrap_iters)

@@ -27,6 +27,19 @@ Chat and effort
     does). `tokenizer_name` includes mode, effort and thinking budget, so lm-eval's caches never mix
     requests made under different settings.
 
+Under torchrun (docs/parallel.md)
+    Every rank builds the same lm-eval run and calls the same request methods; the model is split
+    across the ranks of a model copy, so those ranks run every forward together. With several model
+    copies (DSV41_TP < world) the work is dealt out to the copies and the answers gathered, so every
+    rank returns every answer: loglikelihood and loglikelihood_rolling divide `score_sequences`'
+    batches (each batch is one a single process runs, so the numbers are a single process's),
+    generate_until divides the requests (longest prompts dealt first). lm-eval itself sees one
+    process (rank 0 of 1, as its HF model in tensor-parallel mode): it neither splits the documents
+    nor pads the ranks' request lists with repeats, and its results equal a one-process run's. The
+    request cache (`open_request_cache`, which `run_tasks` opens for `cache_path`) is one file that
+    rank 0 reads and writes, so all ranks always agree on which requests are left to run.
+    `run_tasks` returns rank 0's results on every rank.
+
 lm-eval is imported here at module level: import this module only where lm-eval is installed.
 """
 
@@ -38,12 +51,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lm_eval.api.model import TemplateLM
+from lm_eval.api.model import TemplateLM, hash_args
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from evals.bpb import DEFAULT_LOGITS_BYTES, score_sequences
+from evals.bpb import DEFAULT_LOGITS_BYTES, plan_batches, score_sequences
 from evals.effort import GenRequest, generate
 from model import encoding
 
@@ -60,12 +73,16 @@ class DSV41LM(TemplateLM):
                  max_length: int | None = None, mode: str | None = None, effort: int | str = "high",
                  max_gen_toks: int | None = None, thinking_budget: int | None = None,
                  max_logits_bytes: int = DEFAULT_LOGITS_BYTES, model=None, tokenizer=None, progress=None,
-                 **unused: Any):
+                 ctx=None, **unused: Any):
         """pretrained: checkpoint directory (None: the bundled dsv41-tiny). model/tokenizer: an
         already loaded pair instead (tests, `dsv41 eval`). mode: None (raw text), "thinking" or
         "chat". effort: 1..100 or low/high/max. max_gen_toks: overrides every task's generation
-        length. progress: an object with start(label, total)/advance(n)/stop() for long calls."""
+        length. progress: an object with start(label, total)/advance(n)/stop() for long calls.
+        ctx: the `model.parallel.ParallelContext` the model was loaded under (default: the current
+        one; loading from `pretrained` under torchrun starts it and loads this rank's part)."""
         super().__init__()
+        from model import parallel
+
         if mode in ("", "none", "None"):
             mode = None
         if mode is not None and mode not in encoding.MODES:
@@ -74,17 +91,18 @@ class DSV41LM(TemplateLM):
         self.effort = encoding.parse_effort(effort)
         if model is None:
             from model.assets import bundled_model_dir
-            from model.checkpoint import load_model
 
             path = Path(pretrained) if pretrained else bundled_model_dir()
             if path is None:
                 raise ValueError("no checkpoint given (pretrained=PATH) and no bundled dsv41-tiny model")
-            model, _, tokenizer = load_model(path, device=_usable_device(device))
+            ctx = ctx or parallel.init_from_env(_usable_device(device))  # one process, or this rank's part
+            model, _, tokenizer = parallel.load_model_parallel(path, ctx.device, ctx)
             self.model_name = path.name
         else:
             if tokenizer is None:
                 raise ValueError("pass the tokenizer with the model")
             self.model_name = getattr(model.args, "name", "dsv41")
+        self.ctx = ctx or parallel.current()
         self.model, self.tok, self.args = model, tokenizer, model.args
         self._device = model.embed.weight.device
         self.batch_size = 8 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
@@ -94,6 +112,7 @@ class DSV41LM(TemplateLM):
         self.max_logits_bytes = int(max_logits_bytes)
         self.progress = progress
         self.generation_log: list[dict] = []  # one record per generate_until request, in call order
+        self._cache, self._caching = None, False  # the request cache (open_request_cache)
 
     # ------------------------------------------------------------------ tokenization
     @property
@@ -142,9 +161,12 @@ class DSV41LM(TemplateLM):
     # ------------------------------------------------------------------ scoring
     def _score(self, sequences, n_scored, label: str, on_done=None):
         """score_sequences with progress; on_done(i, Scored) as each sequence is scored, so that
-        lm-eval's request cache (resume after an interruption) fills as the work goes."""
-        if self.progress:
-            self.progress.start(label, sum(len(s) - 1 for s in sequences))
+        lm-eval's request cache (resume after an interruption) fills as the work goes. Model copies
+        divide the batches (progress and on_done then cover this copy's share)."""
+
+        def start(mine):
+            if self.progress:
+                self.progress.start(label, sum(len(sequences[i]) - 1 for i in mine))
 
         def done(i, scored):
             if on_done:
@@ -154,10 +176,80 @@ class DSV41LM(TemplateLM):
 
         try:
             return score_sequences(self.model, sequences, n_scored, pad_id=self.tok.pad_id,
-                                   batch_size=self.batch_size, max_logits_bytes=self.max_logits_bytes, on_done=done)
+                                   batch_size=self.batch_size, max_logits_bytes=self.max_logits_bytes, on_done=done,
+                                   ctx=self.ctx, on_start=start)
         finally:
             if self.progress:
                 self.progress.stop()
+
+    # ------------------------------------------------------------------ the request methods lm-eval calls
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return self._answer("loglikelihood", requests,
+                            lambda reqs: TemplateLM.loglikelihood(self, reqs,
+                                                                  disable_tqdm=disable_tqdm or not self.ctx.is_main))
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        return self._answer("loglikelihood_rolling", requests, self._loglikelihood_rolling)
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        return self._answer("generate_until", requests, self._generate_until)
+
+    def _answer(self, kind: str, requests, run) -> list:
+        """run(the requests the request cache does not answer), merged with the cached answers.
+
+        Under torchrun the ranks run the model together, so they must be handed the same requests:
+        lm-eval builds them alike on every rank, and a digest of each rank's list checks it (if they
+        differ, every rank raises, rather than waiting in mismatched collectives). The cache is read
+        on rank 0 and its answers handed to all ranks, so all of them run the same misses."""
+        keys = [hash_args(kind, r.args) for r in requests]
+        if self.ctx.distributed:
+            digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()
+            if len(set(self.ctx.all_gather_object(digest))) > 1:
+                raise RuntimeError(f"the ranks were handed different {kind} requests; lm-eval must build the "
+                                   "same requests on every rank")
+        answers: list = [None] * len(requests)
+        # sampled generations are never answered from the cache (repeats must differ), as in lm-eval
+        sampled = [kind == "generate_until" and bool(r.args[1].get("do_sample")) for r in requests]
+        cached: dict[int, Any] = {}
+        if self._caching:
+            cached = self.ctx.on_main(lambda: {i: self._cache[k] for i, k in enumerate(keys)
+                                               if not sampled[i] and k in self._cache})
+        for i, a in cached.items():
+            answers[i] = a
+        todo = [i for i in range(len(requests)) if i not in cached]
+        if todo:
+            for i, a in zip(todo, run([requests[i] for i in todo])):
+                answers[i] = a
+                if self._cache is not None and not sampled[i]:
+                    self._cache[keys[i]] = a
+            if self._cache is not None:
+                self._cache.commit()
+        return answers
+
+    # ------------------------------------------------------------------ the request cache
+    def open_request_cache(self, path: str | None) -> None:
+        """Answer requests from, and record every answer in, the sqlite file `path`_rank0.db (the file
+        and keys lm-eval's own `use_cache` writes in one process, so either reads the other's), so that
+        an interrupted run resumes where it stopped. Under torchrun rank 0 alone reads and writes it and
+        hands the cached answers to all ranks: one file, whatever the ranks' number. None: no cache."""
+        self.close_request_cache()
+        self._caching = path is not None
+        if self._caching and self.ctx.is_main:
+            from sqlitedict import SqliteDict
+
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._cache = SqliteDict(f"{path}_rank0.db", autocommit=True)
+
+    def close_request_cache(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+        self._cache, self._caching = None, False
+
+    def _remember(self, kind: str, args: tuple, answer) -> None:
+        """Record one answer as soon as it is known (rank 0's cache, and lm-eval's when it wraps us)."""
+        self.cache_hook.add_partial(kind, args, answer)
+        if self._cache is not None:
+            self._cache[hash_args(kind, args)] = answer
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         sequences, n_scored = [], []
@@ -172,11 +264,11 @@ class DSV41LM(TemplateLM):
         def cache(i, s):
             key = requests[i][0]
             if key is not None:
-                self.cache_hook.add_partial("loglikelihood", key, (s.logprob, s.greedy))
+                self._remember("loglikelihood", key, (s.logprob, s.greedy))
 
         return [(s.logprob, s.greedy) for s in self._score(sequences, n_scored, "loglikelihood", cache)]
 
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+    def _loglikelihood_rolling(self, requests) -> list[float]:
         sequences, n_scored, owner = [], [], []
         for k, req in enumerate(requests):
             (text,) = req.args
@@ -194,14 +286,18 @@ class DSV41LM(TemplateLM):
             totals[k] += s.logprob
             left[k] -= 1
             if left[k] == 0:
-                self.cache_hook.add_partial("loglikelihood_rolling", requests[k].args, totals[k])
+                self._remember("loglikelihood_rolling", requests[k].args, totals[k])
 
         if sequences:
-            self._score(sequences, n_scored, "loglikelihood_rolling", collect)
+            scores = self._score(sequences, n_scored, "loglikelihood_rolling", collect)
+            if self.ctx.dp > 1:  # `collect` saw this copy's windows only: sum them all, in one process's order
+                totals = [0.0] * len(requests)
+                for i in (i for rows in plan_batches(sequences, self.batch_size) for i in rows):
+                    totals[owner[i]] += scores[i].logprob
         return totals
 
     # ------------------------------------------------------------------ generation
-    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    def _generate_until(self, requests) -> list[str]:
         gen_requests = []
         for k, req in enumerate(requests):
             context, gen_kwargs = req.args
@@ -224,15 +320,26 @@ class DSV41LM(TemplateLM):
                                            top_p=float(kw.get("top_p", 1.0) or 1.0), seed=int(kw.get("seed", k) or 0),
                                            thinking_budget=self.thinking_budget))
         def done(i, o):
-            self.cache_hook.add_partial("generate_until", requests[i].args, o.answer)
+            self._remember("generate_until", requests[i].args, o.answer)
             if self.progress:
                 self.progress.advance(1)
 
+        # model copies divide the requests, the longest prompts dealt first so that the loads match
+        order = list(range(len(gen_requests)))
+        if self.ctx.dp > 1:
+            order.sort(key=lambda i: -len(gen_requests[i].prompt_ids))
+
+        def run(share: list[int]):
+            return generate(self.model, self.tok, [gen_requests[i] for i in share], batch_size=self.batch_size,
+                            on_done=lambda j, o: done(share[j], o))
+
         if self.progress:
-            self.progress.start("generate_until", len(gen_requests))
+            self.progress.start("generate_until", len(self.ctx.share(order)))
         t0 = time.perf_counter()
         try:
-            outputs = generate(self.model, self.tok, gen_requests, batch_size=self.batch_size, on_done=done)
+            outputs = [None] * len(gen_requests)
+            for i, o in zip(order, self.ctx.split_work(order, run)):
+                outputs[i] = o
         finally:
             if self.progress:
                 self.progress.stop()
@@ -287,19 +394,25 @@ def run_tasks(lm: DSV41LM, tasks: list[str], task_manager, *, limit: int | float
               confirm_run_unsafe_code: bool = False, bootstrap_iters: int = 1000) -> dict:
     """lm_eval.simple_evaluate over our model, with --data-dir's local datasets served. The chat
     template is applied exactly when the model has a mode. Returns lm-eval's results dict (samples
-    included) with `served_locally` added."""
+    included) with `served_locally` added. Under torchrun every rank calls this; lm-eval returns the
+    results on local rank 0 only, and every rank gets rank 0's."""
     import lm_eval
 
     from evals.tasks import serve_local_data
 
-    with serve_local_data(data_dir) as served:
-        results = lm_eval.simple_evaluate(
-            model=lm, tasks=tasks, task_manager=task_manager, num_fewshot=num_fewshot, limit=limit,
-            batch_size=lm.batch_size, log_samples=True, apply_chat_template=lm.mode is not None,
-            fewshot_as_multiturn=lm.mode is not None, use_cache=cache_path, bootstrap_iters=bootstrap_iters,
-            confirm_run_unsafe_code=confirm_run_unsafe_code)
-    results["served_locally"] = served
-    return results
+    lm.open_request_cache(cache_path)  # ours, not lm-eval's use_cache: one file rank 0 keeps (see _answer)
+    try:
+        with serve_local_data(data_dir) as served:
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=tasks, task_manager=task_manager, num_fewshot=num_fewshot, limit=limit,
+                batch_size=lm.batch_size, log_samples=True, apply_chat_template=lm.mode is not None,
+                fewshot_as_multiturn=lm.mode is not None, bootstrap_iters=bootstrap_iters,
+                confirm_run_unsafe_code=confirm_run_unsafe_code)
+    finally:
+        lm.close_request_cache()
+    if results is not None:
+        results["served_locally"] = served
+    return lm.ctx.broadcast_object(results)
 
 
 SUMMARY_SKIP = {"alias", "name", "sample_len", " "}

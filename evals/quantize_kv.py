@@ -154,13 +154,17 @@ def compare_batch(model, windows: Sequence[tuple[list[int], int]], formats: Sequ
 def evaluate(model, tokenizer, corpora: Sequence[Corpus], formats: Sequence[str] = DEFAULT_FORMATS, *,
              max_ctx: int | None = None, max_tokens: int | None = None, batch_size: int = 8,
              max_logits_bytes: int = DEFAULT_LOGITS_BYTES, model_name: str = "",
-             progress: Callable[[int, int], None] | None = None) -> dict:
+             progress: Callable[[int, int], None] | None = None, ctx=None) -> dict:
     """The `dsv41 quantize-kv` document (spec/cli.md): per format overall and per corpus.
 
     max_ctx: model inputs per window (default, as `dsv41 bpb`: the training context original_seq_len,
     capped by max_seq_len). max_tokens: score at most
     this many tokens of each corpus (whole documents in order, the last one cut; its bytes are those of
-    the decoded kept tokens). progress(tokens_done, tokens_total) is called after every batch."""
+    the decoded kept tokens). progress(tokens_done, tokens_total) is called after every batch.
+    ctx: a `model.parallel.ParallelContext` under torchrun; every rank calls this with the same
+    arguments and gets the same document. Model copies (DSV41_TP) divide the batches; the statistics
+    are summed in batch order, so the document is a single process's. progress then counts this
+    copy's share."""
     from model.ledger import kv_ledger
 
     args = model.args
@@ -185,21 +189,30 @@ def evaluate(model, tokenizer, corpora: Sequence[Corpus], formats: Sequence[str]
         plans.append((corpus, windows, n_bytes, n_docs, n_tokens))
 
     vocab = args.vocab_size
-    total = sum(p[4] for p in plans)
+    rows = max(1, min(batch_size, max_logits_bytes // max(1, max_ctx * vocab * 4)))
+    batches = [_batches(windows, rows) for _, windows, *_ in plans]
+    share = [ctx.share(b) if ctx is not None else b for b in batches]
+    total = sum(windows[i][1] for (_, windows, *_), mine in zip(plans, share) for batch in mine for i in batch)
     done = 0
     overall = {f: FormatStats() for f in dict.fromkeys([REFERENCE, *formats])}
     overall_bytes = 0
     corpora_out = []
-    for corpus, windows, n_bytes, n_docs, n_tokens in plans:
+    for (corpus, windows, n_bytes, n_docs, n_tokens), corpus_batches in zip(plans, batches):
+        def run(mine: list[list[int]], windows=windows) -> list[dict[str, FormatStats]]:
+            nonlocal done
+            out = []
+            for batch in mine:
+                out.append(compare_batch(model, [windows[i] for i in batch], formats, tokenizer.pad_id))
+                done += out[-1][REFERENCE].tokens
+                if progress:
+                    progress(done, total)
+            return out
+
+        per_batch = ctx.split_work(corpus_batches, run) if ctx is not None else run(corpus_batches)
         per = {f: FormatStats() for f in overall}
-        rows = max(1, min(batch_size, max_logits_bytes // max(1, max_ctx * vocab * 4)))
-        for batch in _batches(windows, rows):
-            stats = compare_batch(model, [windows[i] for i in batch], formats, tokenizer.pad_id)
+        for stats in per_batch:  # in batch order, as one process sums them
             for f, s in stats.items():
                 per[f].add(s)
-            done += stats[REFERENCE].tokens
-            if progress:
-                progress(done, total)
         for f, s in per.items():
             overall[f].add(s)
         overall_bytes += n_bytes
@@ -222,7 +235,7 @@ def evaluate(model, tokenizer, corpora: Sequence[Corpus], formats: Sequence[str]
         row["window_bytes_per_layer"] = s.kv_bytes["window"] / max(1, s.kv_windows * args.n_layers)
         row["ledger_bytes_per_token"] = _ledger_global(args, f)
         formats_out.append(row)
-    return {"model": model_name, "tokens": total, "bytes": overall_bytes, "reference": REFERENCE,
+    return {"model": model_name, "tokens": sum(p[4] for p in plans), "bytes": overall_bytes, "reference": REFERENCE,
             "max_ctx": max_ctx, "window": "disjoint",
             "ledger": {"global_bytes_per_token_fp4": ledger["global_bytes_per_token"],
                        "swa_bytes_per_layer_window": ledger["swa_bytes_per_layer_window"]},

@@ -30,9 +30,10 @@ Processes. `init_from_env()` reads torchrun's environment (RANK, WORLD_SIZE, LOC
 starts the process group (NCCL on CUDA, gloo on the CPU) and returns a `ParallelContext`; outside
 torchrun it returns a one-process context and starts nothing, so commands call it unconditionally.
 The ranks form a grid of `world / tp` model copies of `tp` ranks each (`tp` = world unless
-`DSV41_TP` says otherwise): model collectives run inside a copy; `shard` / `gather` split a list of
-requests across the copies (data parallelism, for evaluation). Rank 0 owns the console: the other
-ranks' stdout goes to /dev/null, and `on_main` / `broadcast_object` hand rank 0's inputs to all.
+`DSV41_TP` says otherwise): model collectives run inside a copy; `split_work` (`share` / `gather`)
+deals a list of independent work items (scoring batches, evaluation requests) out to the copies and
+reassembles the results in order (data parallelism, for evaluation). Rank 0 owns the console: the
+other ranks' stdout goes to /dev/null, and `on_main` / `broadcast_object` hand rank 0's inputs to all.
 
 Numerics: a sharded matmul sums in a different order (wo_b's partial sums, the indexer's head sums),
 so logits differ from one process by float rounding; greedy tokens agree unless two candidates are
@@ -142,21 +143,54 @@ class ParallelContext:
         return self.broadcast_object(seed if seed is not None else random.SystemRandom().randrange(2**63))
 
     # ------------------------------------------------------------------ data parallelism over model copies
-    def shard(self, items) -> list:
-        """This model copy's contiguous share of `items` (all of them when there is one copy)."""
-        items = list(items)
-        lo, hi = len(items) * self.dp_rank // self.dp, len(items) * (self.dp_rank + 1) // self.dp
-        return items[lo:hi]
+    def share(self, items) -> list:
+        """This model copy's share of `items`: every `dp`-th item from its copy index on (dealt round
+        robin, so that a list sorted by cost gives every copy a similar load); all of them with one copy."""
+        return list(items)[self.dp_rank::self.dp]
 
     def gather(self, part) -> list:
-        """The inverse of `shard`: every copy's results, concatenated in the order of the items, on
-        every rank (the ranks of one copy hold the same results; each copy's first rank reports them)."""
+        """The inverse of `share`: every copy's results, back in the order of the items, on every rank.
+        A collective over the whole world (every rank calls it); the ranks of one copy hold the same
+        results, and each copy's first rank's are used."""
         part = list(part)
         if self.dp == 1:
             return part
+        parts = [self.all_gather_object(part)[c * self.tp] for c in range(self.dp)]
+        merged: list = [None] * sum(map(len, parts))
+        for c, p in enumerate(parts):
+            merged[c::self.dp] = p
+        return merged
+
+    def split_work(self, items, run) -> list:
+        """`run(share)` -> one result per item of the share, on this copy's share of `items`; every
+        copy's results in the order of `items` on every rank. An exception in any copy is raised on
+        every rank (rank-by-rank errors would leave the other copies waiting in the gather)."""
+        items = list(items)
+        if self.dp == 1:
+            return list(run(items))
+        mine = self.share(items)
+        try:
+            part, error = list(run(mine)), None
+        except Exception as e:  # noqa: BLE001 - handed to every rank, then re-raised
+            part, error = [], e
+        everyone = self.all_gather_object((part, _picklable(error)))
+        if error is not None:
+            raise error
+        for _, shipped in everyone:
+            if shipped is not None:
+                raise shipped
+        merged: list = [None] * len(items)
+        for c in range(self.dp):
+            merged[c::self.dp] = everyone[c * self.tp][0]
+        return merged
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank (any picklable value)."""
+        if not self.distributed:
+            return [obj]
         everyone: list = [None] * self.world
-        dist.all_gather_object(everyone, part)
-        return [x for r in range(0, self.world, self.tp) for x in everyone[r]]
+        dist.all_gather_object(everyone, obj)
+        return everyone
 
     def barrier(self) -> None:
         if self.distributed:

@@ -28,6 +28,7 @@ PROMPT = [0, 5, 77, 200, 31, 9, 100, 4, 8, 15, 16, 23, 42, 99, 300, 1, 2, 3, 250
 PAIRS = [([0, 5, 77, 200, 31, 9], [100, 4, 8]), ([3, 250, 11, 64, 65, 66, 400, 12, 13, 14, 7, 8], [15]),
          ([0, 1], [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17])]
 TEXT = "Tensor parallel ranks must agree on every token, byte for byte. Ünïcödé too."
+REQUESTS = [("Hello", " world"), ("The sky", " is blue"), ("Ice", " is cold"), ("", "Ice")]  # lm-eval's
 
 
 # ---------------------------------------------------------------------------------- the scenario
@@ -96,11 +97,52 @@ def worker(whole_dir: str, split_dir: str, out_dir: str) -> None:
     except ValueError as e:
         result["error"] = str(e)
     data_parallel = parallel.ParallelContext(ctx.rank, ctx.world, tp=1)  # two model copies of one rank each
-    mine = data_parallel.shard(range(7))
-    result["shard"] = mine
+    mine = data_parallel.share(range(7))
+    result["share"] = mine
     result["gathered"] = data_parallel.gather([x * 10 for x in mine])
+    result["split_work"] = data_parallel.split_work(range(7), lambda xs: [x * x for x in xs])
+    try:  # item 3 fails in copy 1 only: both copies must raise it (not wait for each other)
+        data_parallel.split_work(range(4), lambda xs: [x // (x - 3) for x in xs])
+        result["split_error"] = None
+    except ZeroDivisionError as e:
+        result["split_error"] = type(e).__name__
+    result.update(adapter_scenario(model, tokenizer, ctx, Path(out_dir) / "cache"))
     print(f"rank {ctx.rank} says hello on stdout")
     torch.save(result, Path(out_dir) / f"rank{ctx.rank}.pt")
+
+
+def adapter_scenario(model, tokenizer, ctx, cache: Path) -> dict:
+    """The lm-eval adapter (evals/lm_eval_model.py) on every rank: log-likelihoods of REQUESTS, the
+    same answered from the request cache (which rank 0 alone keeps) with scoring disabled, and
+    different requests on the two ranks (which must raise on both, not hang). Empty without lm-eval."""
+    try:
+        from lm_eval.api.instance import Instance
+
+        import evals.lm_eval_model as M
+    except ImportError:
+        return {}
+
+    def ask(lm, pairs):
+        return lm.loglikelihood([Instance(request_type="loglikelihood", doc={}, arguments=p, idx=0) for p in pairs])
+
+    out = {}
+    lm = M.DSV41LM(model=model, tokenizer=tokenizer, ctx=ctx, batch_size=2)
+    lm.open_request_cache(str(cache))
+    out["adapter"] = ask(lm, REQUESTS)
+    lm.close_request_cache()
+    scoring, M.score_sequences = M.score_sequences, None  # a rank that scored now would fail
+    try:
+        lm.open_request_cache(str(cache))
+        out["adapter_cached"] = ask(lm, REQUESTS)
+        lm.close_request_cache()
+    finally:
+        M.score_sequences = scoring
+    try:
+        ask(lm, REQUESTS[ctx.rank:])
+        out["adapter_mismatch"] = None
+    except RuntimeError as e:
+        out["adapter_mismatch"] = str(e)
+    return out
 
 
 # ---------------------------------------------------------------------------------- launching
@@ -110,9 +152,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, *argv: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node nproc ARGV` on 127.0.0.1 with gloo; killed (all ranks) on timeout."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DSV41_DIST_TIMEOUT="120")
+def torchrun(nproc: int, *argv: str, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node nproc ARGV` on 127.0.0.1 with gloo; killed (all ranks) on timeout.
+    env: variables added to this process's environment (e.g. DSV41_TP)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DSV41_DIST_TIMEOUT="120", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *argv]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -166,6 +209,7 @@ def test_the_split_is_the_checkpoints_split(split_checkpoint):
 
 def test_a_model_split_over_two_gloo_processes_computes_what_one_process_does(small_checkpoint, split_checkpoint,
                                                                             tmp_path):
+    from model import parallel
     from model.checkpoint import load_model
 
     r = torchrun(2, str(Path(__file__)), str(small_checkpoint), str(split_checkpoint), str(tmp_path))
@@ -197,10 +241,22 @@ def test_a_model_split_over_two_gloo_processes_computes_what_one_process_does(sm
     assert ranks[0]["seed"] == ranks[1]["seed"] is not None
     assert ranks[0]["on_main"] == ranks[1]["on_main"] == "read by rank 0"
     assert ranks[0]["error"] == ranks[1]["error"] == "bad input on rank 0"
-    # two one-rank model copies: each takes a contiguous share of the requests, gather restores the order
-    assert ranks[0]["shard"] + ranks[1]["shard"] == list(range(7)) and ranks[0]["shard"]
+    # two one-rank model copies: the items are dealt out round robin, gather restores the order
+    assert ranks[0]["share"] == [0, 2, 4, 6] and ranks[1]["share"] == [1, 3, 5]
     assert ranks[0]["gathered"] == ranks[1]["gathered"] == [x * 10 for x in range(7)]
+    assert ranks[0]["split_work"] == ranks[1]["split_work"] == [x * x for x in range(7)]
+    assert ranks[0]["split_error"] == ranks[1]["split_error"] == "ZeroDivisionError"
     assert ref["greedy"] != ref["greedy"][:1] * 16  # the scenario exercises real, varied output
+    # the lm-eval adapter: the one-process answers; from rank 0's cache alike on both ranks; and
+    # different requests on the two ranks raise on both
+    expected = adapter_scenario(model, tokenizer, parallel.current(), tmp_path / "one" / "cache").get("adapter")
+    if expected is not None:
+        for res in ranks:
+            for key in ("adapter", "adapter_cached"):
+                for (ll, greedy), (ref_ll, ref_greedy) in zip(res[key], expected, strict=True):
+                    assert ll == pytest.approx(ref_ll, abs=1e-3, rel=1e-4) and greedy == ref_greedy
+            assert "different loglikelihood requests" in res["adapter_mismatch"]
+        assert (tmp_path / "cache_rank0.db").is_file()
 
 
 def test_torchrun_generate_on_two_ranks_matches_one_process(small_checkpoint, split_checkpoint, tmp_path):

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from dsv41_cli.common import DeviceOpt, JsonOpt, resolve_device, resolve_model_dir, tune_threads
+from dsv41_cli.common import DeviceOpt, JsonOpt, load_on_ranks, resolve_model_dir, start_ranks
 from dsv41_cli.console import err, fail, out, print_json
 
 
@@ -26,6 +26,8 @@ def command(
 ):
     from evals import bpb
 
+    ctx = start_ranks(device)  # one process, or one rank under torchrun: rank 0 prints, plots and shows progress
+    note = err.print if ctx.is_main else (lambda *a, **k: None)
     try:
         bpb.parse_window(window)
     except ValueError as e:
@@ -36,7 +38,7 @@ def command(
             fail(f"--baselines: unknown compressor {b!r} (known: {', '.join(bpb.COMPRESSORS)})")
     unavailable = [b for b in wanted if not bpb.compressor_available(b)]
     if unavailable:
-        err.print(f"[yellow]note:[/] {', '.join(unavailable)} not installed (pip install zstandard); left out", markup=True)
+        note(f"[yellow]note:[/] {', '.join(unavailable)} not installed (pip install zstandard); left out", markup=True)
     wanted = [b for b in wanted if b not in unavailable]
     if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
         fail(f"--plot {plot}: use a .png, .svg or .pdf file name")
@@ -49,25 +51,26 @@ def command(
     bpb.unique_names(corpora)
     for c in corpora:
         if c.skipped:
-            err.print(f"[yellow]note:[/] {c.name}: skipped {len(c.skipped)} file(s) that are not UTF-8 text", markup=True)
+            note(f"[yellow]note:[/] {c.name}: skipped {len(c.skipped)} file(s) that are not UTF-8 text", markup=True)
 
-    dev = resolve_device(device)
     model_dirs = [resolve_model_dir(m) for m in (models or [None])]
     specs, seen = [], {}
     for d in model_dirs:
         name = d.name
         seen[name] = seen.get(name, 0) + 1
-        specs.append(bpb.ModelSpec(name if seen[name] == 1 else f"{name}#{seen[name]}", _loader(d, dev)))
+        specs.append(bpb.ModelSpec(name if seen[name] == 1 else f"{name}#{seen[name]}", _loader(d, ctx)))
 
     from dsv41_cli.commands.eval_cmd import StepProgress
 
     try:
         doc = bpb.run_bpb(specs, corpora, window=window, max_ctx=max_ctx, baselines=wanted, batch_size=batch_size,
-                          bootstrap_iters=bootstrap, progress=StepProgress(unit="tokens"))
+                          bootstrap_iters=bootstrap, progress=StepProgress(enabled=ctx.is_main, unit="tokens"), ctx=ctx)
     except ValueError as e:
         fail(str(e))
     if unavailable:
         doc["baselines_unavailable"] = unavailable
+    if not ctx.is_main:  # every rank computed the same document; rank 0 reports it
+        return
     if plot is not None:
         from evals.plots import plot_bpb
 
@@ -79,18 +82,8 @@ def command(
         _print_table(doc)
 
 
-def _loader(model_dir: Path, device: str):
-    def load():
-        from model.checkpoint import load_model
-
-        try:
-            model, args, tokenizer = load_model(model_dir, device=device)
-        except (ValueError, FileNotFoundError) as e:
-            fail(str(e))
-        tune_threads(args, device)
-        return model, args, tokenizer
-
-    return load
+def _loader(model_dir: Path, ctx):
+    return lambda: load_on_ranks(model_dir, ctx)  # this rank's part of the model under torchrun
 
 
 def _print_table(doc: dict) -> None:

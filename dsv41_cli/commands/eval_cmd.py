@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from dsv41_cli.common import DeviceOpt, JsonOpt, ModelOpt, resolve_device, resolve_model_dir, tune_threads
+from dsv41_cli.common import DeviceOpt, JsonOpt, ModelOpt, load_on_ranks, resolve_model_dir, start_ranks
 from dsv41_cli.console import err, fail, out, print_json
 
 
@@ -118,28 +118,26 @@ def command(
     quiet_libraries()
     need_lm_eval()
 
-    from model.checkpoint import load_model
-
-    dev = resolve_device(device)
+    # one process, or one rank under torchrun: every rank runs lm-eval and the model calls (the adapter
+    # divides the work between model copies), rank 0 alone shows progress, prints and writes files
+    ctx = start_ranks(device)
     model_dir = resolve_model_dir(model)
-    try:
-        net, args, tokenizer = load_model(model_dir, device=dev)
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
-    tune_threads(args, dev)
+    net, args, tokenizer = load_on_ranks(model_dir, ctx)
 
     from evals.lm_eval_model import DSV41LM
 
-    progress = StepProgress(enabled=True)
+    progress = StepProgress(enabled=ctx.is_main)
 
     def make_lm(lm_mode):
         return DSV41LM(model=net, tokenizer=tokenizer, mode=lm_mode, effort=effort_value, batch_size=batch_size,
-                       max_gen_toks=max_gen_toks, thinking_budget=thinking_budget, progress=progress)
+                       max_gen_toks=max_gen_toks, thinking_budget=thinking_budget, progress=progress, ctx=ctx)
 
     settings = {"model": str(model_dir), "mode": mode, "effort": effort_value if mode == "thinking" else None,
                 "limit": limit, "num_fewshot": num_fewshot, "batch_size": batch_size, "max_gen_toks": max_gen_toks,
                 "thinking_budget": thinking_budget, "data_dir": str(data_dir) if data_dir else None,
-                "device": dev}
+                "device": ctx.device}
+    if ctx.distributed:
+        settings["parallel"] = {"world": ctx.world, "tp": ctx.tp, "model_copies": ctx.dp}
     if suite_spec is not None:
         _run_suite(suite_spec, make_lm, mode, settings, limit, num_fewshot, data_dir, include_path, output,
                    confirm_run_unsafe_code, as_json)
@@ -152,12 +150,12 @@ def command(
 
 
 def _cache_path(output: Path | None, lm, settings: dict) -> str | None:
-    """lm-eval's request cache (sqlite) under --output, keyed by everything that changes answers."""
+    """The request cache (sqlite) under --output, keyed by everything that changes answers. Under
+    torchrun rank 0 alone keeps it (`DSV41LM.open_request_cache`)."""
     if output is None:
         return None
     key = json.dumps({"model": settings["model"], "tok": lm.tokenizer_name, "max_gen_toks": lm.max_gen_toks,
                       "max_length": lm.max_length}, sort_keys=True)
-    (output / "cache").mkdir(parents=True, exist_ok=True)
     return str(output / "cache" / hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
@@ -198,6 +196,8 @@ def _run_tasks(names, lm, settings, limit, num_fewshot, data_dir, include_path, 
 
     doc = {"results": metrics_of(results), "config": {**settings, "tasks": resolved,
                                                        "served_locally": results.get("served_locally", [])}}
+    if not lm.ctx.is_main:  # every rank holds rank 0's results; rank 0 reports them
+        return
     if output is not None:
         from evals.reports import write_eval_outputs
 
@@ -234,8 +234,14 @@ def _run_suite(suite, make_lm, mode, settings, limit, num_fewshot, data_dir, inc
         return _evaluate([row.task], lm, limit, row.shots if num_fewshot is None else num_fewshot, data_dir,
                          include_path, output, confirm, settings)[1]
 
-    report = run_suite(suite, evaluate_row, explain_failure, log=lambda m: err.print(m, markup=False),
+    from model.parallel import current
+
+    is_main = current().is_main
+    report = run_suite(suite, evaluate_row, explain_failure,
+                       log=(lambda m: err.print(m, markup=False)) if is_main else (lambda m: None),
                        mode_override=mode)
+    if not is_main:  # every rank computed the same report; rank 0 writes it
+        return
     report["config"] = settings
     paths = write_report(report, output)
     if as_json:

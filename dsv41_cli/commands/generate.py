@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import typer
 
-from dsv41_cli.common import DeviceOpt, JsonOpt, ModelOpt, resolve_device, resolve_model_dir, tune_threads
+from dsv41_cli.common import DeviceOpt, JsonOpt, ModelOpt, load_on_ranks, resolve_model_dir, start_ranks
 from dsv41_cli.console import err, fail, out, print_json
 
 
@@ -57,10 +57,8 @@ def command(
     if not sources:
         fail("nothing to generate from: give a PROMPT, --messages FILE, --input-file FILE or --interactive")
 
-    from model.parallel import init_from_env
-
     # one process, or one rank of `torchrun --nproc-per-node N -m dsv41_cli generate`: rank 0 owns the console
-    ctx = init_from_env(resolve_device(device))
+    ctx = start_ranks(device)
     tool_list = _read_json_file(tools, "--tools", list) if tools else None
     image_blocks = [{"type": "image_url", "image_url": {"url": str(p)}} for p in image or ()]
     if image_blocks and input_file is not None:
@@ -107,17 +105,11 @@ def command(
         return
 
     from model.engine import GenerationConfig, Generator, SamplingConfig
-    from model.parallel import load_model_parallel
 
-    dev = ctx.device
     model_dir = resolve_model_dir(model)
-    try:
-        net, args, tokenizer = load_model_parallel(model_dir, dev, ctx)  # this rank's part of the model
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
+    net, args, tokenizer = load_on_ranks(model_dir, ctx)  # this rank's part of the model
     if use_dspark and not args.dspark_enabled:
         fail(f"--dspark: the checkpoint at {model_dir} has no DSpark drafter")
-    tune_threads(args, dev)
     engine = Generator(net, tokenizer)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature, top_p, ctx.same_seed(seed)),

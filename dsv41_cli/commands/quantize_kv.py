@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from dsv41_cli.common import DeviceOpt, JsonOpt, ModelOpt, resolve_device, resolve_model_dir, tune_threads
+from dsv41_cli.common import DeviceOpt, JsonOpt, ModelOpt, load_on_ranks, resolve_model_dir, start_ranks
 from dsv41_cli.console import err, fail, out, print_json
 
 
@@ -26,6 +26,7 @@ def command(
     from evals.bpb import CorpusError, load_corpus, unique_names
     from evals.quantize_kv import evaluate, parse_formats
 
+    ctx = start_ranks(device)  # one process, or one rank under torchrun: rank 0 prints and shows progress
     try:
         names = parse_formats(formats)
     except ValueError as e:
@@ -36,22 +37,16 @@ def command(
         fail(str(e))
     unique_names(loaded)
     model_dir = resolve_model_dir(model)
-    dev = resolve_device(device)
-
-    from model.checkpoint import CheckpointError, load_model
-
-    try:
-        net, args, tokenizer = load_model(model_dir, device=dev)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
-        fail(f"--model {model_dir}: {e}")
-    tune_threads(args, dev)
+    net, args, tokenizer = load_on_ranks(model_dir, ctx)  # this rank's part of the model under torchrun
     net.eval().requires_grad_(False)
 
     def progress(done: int, total: int) -> None:
         err.print(f"\rquantize-kv: {done:,}/{total:,} tokens", end="", markup=False)
 
     doc = evaluate(net, tokenizer, loaded, names, max_ctx=max_ctx, max_tokens=max_tokens, batch_size=batch_size,
-                   model_name=str(model_dir), progress=progress)
+                   model_name=str(model_dir), progress=progress if ctx.is_main else None, ctx=ctx)
+    if not ctx.is_main:  # every rank computed the same document; rank 0 reports it
+        return
     err.print("", markup=False)
     if as_json:
         print_json(doc)
