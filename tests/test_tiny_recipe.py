@@ -148,7 +148,7 @@ def test_dspark_blocks_are_anchor_plus_next_tokens(trainable_tiny):
     S = model.args.dspark_block_size
     ids = torch.randint(3, 500, (2, 40))
     g = torch.Generator().manual_seed(0)
-    hidden, prev, labels = dspark_batch(model, ids, 6, g)
+    hidden, prev, labels = dspark_batch(model, ids, 6, g, labels_from="data")
     assert hidden.shape == (12, S, model.args.dim)
     assert torch.equal(prev[:, 1:], labels[:, :-1])  # teacher forcing: y_i is the label of position i-1
     # every label block is a run of S consecutive tokens of its sequence, right after the anchor
@@ -162,6 +162,80 @@ def test_dspark_blocks_are_anchor_plus_next_tokens(trainable_tiny):
     assert model.mtp[0].main_proj.weight.grad is not None  # main_x is trained through the context KV
     assert model.mtp[-1].markov_head.embed.weight.grad is not None
     assert model.layers[-1].attn.wq_a.weight.grad is None  # the backbone stays frozen
+
+
+def test_dspark_target_labels_are_the_targets_greedy_tokens(trainable_tiny):
+    """Self-distillation: the label of block position i is the target's argmax at the position whose
+    next token it predicts, i.e. what greedy verification would accept there."""
+    from recipes.tiny.train import dspark_batch, greedy_next
+
+    model = trainable_tiny
+    S = model.args.dspark_block_size
+    ids = torch.randint(3, 500, (2, 40))
+    with torch.no_grad():
+        greedy = greedy_next(model(ids, all_logits=True), model.head.weight)
+    _, prev, labels = dspark_batch(model, ids, 6, torch.Generator().manual_seed(1), labels_from="target")
+    data_labels_differ = False
+    for row in range(12):
+        seq, picks = ids[row // 6], greedy[row // 6]
+        starts = [p for p in range(40 - S) if torch.equal(seq[p:p + S], prev[row])]
+        assert any(torch.equal(picks[p:p + S], labels[row]) for p in starts)
+        data_labels_differ |= not any(torch.equal(seq[p + 1:p + 1 + S], labels[row]) for p in starts)
+    assert data_labels_differ  # an untrained model's picks are not the data
+
+
+def test_text_checkpoint_grows_a_fresh_vision_tower(trainable_tiny, tmp_path):
+    """--init-from a text-only checkpoint into the vision config: text tensors load as stored, the
+    tower keeps its random init, and bias_vl starts from the text selection bias."""
+    from model.engram import build_compressed_token_map
+    from model.fixtures import TINY_VISION
+    from model.tokenizer import load_tokenizer
+    from recipes.tiny.train import build_trainable, load_into_trainable_, official_state_dict, write_official
+
+    text = trainable_tiny
+    write_official(official_state_dict(text, text.args), text.args, tmp_path / "text", None)
+    token_map, _ = build_compressed_token_map(load_tokenizer())
+    both = build_trainable(text.args.replace(**TINY_VISION), token_map, "cpu", seed=6)
+    tower_before = both.vision.patch_embed.proj.weight.detach().clone()
+    saved_bias = text.layers[0].ffn.gate.bias.detach().clone()
+    with torch.no_grad():
+        text.layers[0].ffn.gate.bias.fill_(0.25)
+    write_official(official_state_dict(text, text.args), text.args, tmp_path / "text2", None)
+    with torch.no_grad():
+        text.layers[0].ffn.gate.bias.copy_(saved_bias)  # the module-scoped fixture is shared
+    assert load_into_trainable_(both, tmp_path / "text2") is True
+    assert torch.equal(both.vision.patch_embed.proj.weight, tower_before)
+    assert torch.equal(both.layers[0].ffn.gate.bias_vl, both.layers[0].ffn.gate.bias)
+    assert float(both.layers[0].ffn.gate.bias[0].detach()) == 0.25
+    assert load_into_trainable_(text, tmp_path / "text") is False  # same architecture: nothing fresh
+
+
+def test_joint_image_steps_train_the_tower_and_balance_bias_vl(trainable_tiny):
+    """Backbone steps with image batches: the reply loss is logged, the tower and the image-span
+    embeddings learn, and bias_vl moves only by the aux-loss-free sign rule (whole steps of gamma)."""
+    from model.engram import build_compressed_token_map
+    from model.fixtures import TINY_VISION
+    from model.tokenizer import load_tokenizer
+    from recipes.tiny.config import VISION
+    from recipes.tiny.train import VisionJob, WindowSampler, build_trainable, train_backbone
+
+    args = trainable_tiny.args.replace(**{**VISION, **TINY_VISION})
+    token_map, _ = build_compressed_token_map(load_tokenizer())
+    model = build_trainable(args, token_map, "cpu", seed=7)
+    tower = model.vision.patch_embed.proj.weight.detach().clone()
+    start = model.image_start.detach().clone()
+    bias_vl = model.layers[0].ffn.gate.bias_vl.detach().clone()
+    vision = VisionJob(None, args, batch=2, every=1, weight=1.0, seed=3, workers=0)
+    real = vision.batches  # the real tokenizer's ids, folded into the test model's small vocabulary
+    vision.batches = ((ids % args.vocab_size, images, target) for ids, images, target in real)
+    sampler = WindowSampler({"prose": torch.arange(2000) % 97 + 3}, {"prose": 1.0})
+    history = train_backbone(model, sampler, "cpu", seconds=1e9, batch=2, context=32, lr=1e-2, max_steps=2,
+                             gamma=1e-3, log=lambda _: None, vision=vision)
+    assert history[0]["image_reply_loss"] > 0
+    assert not torch.equal(model.vision.patch_embed.proj.weight, tower)
+    assert not torch.equal(model.image_start, start)
+    moved = (model.layers[0].ffn.gate.bias_vl - bias_vl) / 1e-3
+    assert moved.abs().sum() > 0 and torch.allclose(moved, moved.round(), atol=1e-3) and moved.abs().max() <= 2 + 1e-3
 
 
 def test_export_is_the_official_layout_and_computes_what_training_computed(trainable_tiny, tmp_path):
@@ -182,7 +256,7 @@ def test_export_is_the_official_layout_and_computes_what_training_computed(train
     assert all((tmp_path / "ckpt" / f).stat().st_size < 16 << 20 for f in files)
     loaded, args, _ = load_model(tmp_path / "ckpt")
     assert args.dim == model.args.dim and not args.trainable
-    ids = torch.randint(3, 500, (2, 24))
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         trained = F.linear(model(ids, all_logits=True), model.head.weight)
         shipped = loaded(ids, all_logits=True)
@@ -239,7 +313,8 @@ def test_bundled_checkpoint_layout_and_size():
     from recipes.tiny.config import tiny_config
 
     assert bundled_model_dir() == BUNDLED
-    assert load_config(BUNDLED).replace(name="dsv41-tiny") == tiny_config()  # the HF config carries no name
+    # the HF config carries no name; the bundled model has the recipe's vision tower
+    assert load_config(BUNDLED).replace(name="dsv41-tiny") == tiny_config(vision=True)
     total = sum(p.stat().st_size for p in BUNDLED.iterdir() if p.is_file())
     assert total <= 48_000_000
     index = json.loads((BUNDLED / "model.safetensors.index.json").read_text())

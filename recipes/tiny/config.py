@@ -31,7 +31,16 @@ from model.config import ModelArgs
 TRAIN_CONTEXT = 512
 
 
-def tiny_config(trainable: bool = False) -> ModelArgs:
+# The vision tower: 4 ViT blocks of width 64 (0.49 MB with the aligner in bf16), small images (at most
+# 64 image tokens; the synthetic pictures of recipes/tiny/vision/data.py give 4 to 16).
+VISION = dict(
+    vision_n_layers=4, vision_dim=64, vision_n_heads=4, vision_inter_dim=128, vision_patch_size=14,
+    vision_rope_theta=10000.0, vision_downsample_ratio=3, vision_min_pixels=56 * 56, vision_max_n_token=64,
+    vision_max_wh_ratio=None, image_token_id=129264,
+)
+
+
+def tiny_config(trainable: bool = False, vision: bool = False) -> ModelArgs:
     from model.engram import engram_table_rows
 
     args = ModelArgs(
@@ -49,4 +58,5 @@ def tiny_config(trainable: bool = False) -> ModelArgs:
         dspark_target_layer_ids=(7, 8, 9), dspark_markov_rank=4, dspark_n_routed_experts=8,
         dspark_n_activated_experts=2, vision_n_layers=0, trainable=trainable,
     )
-    return args.replace(engram_num_embeddings=engram_table_rows(args))
+    args = args.replace(engram_num_embeddings=engram_table_rows(args))
+    return args.replace(**VISION) if vision else args

@@ -24,13 +24,19 @@ def main(argv: list[str] | None = None) -> Path:
     for i, f in enumerate(files, 1):
         h = json.loads(f.read_text())
         bb = h["backbone"]
-        ax.plot([(offset_tokens + r["tokens"]) / 1e6 for r in bb], [r["lm_loss"] for r in bb], label=f"stage {i} LM loss")
-        ax.plot([(offset_tokens + r["tokens"]) / 1e6 for r in bb], [r["indexer_kl"] * 10 for r in bb], ":",
-                label=f"stage {i} indexer KL x10")
+        if bb:
+            ax.plot([(offset_tokens + r["tokens"]) / 1e6 for r in bb], [r["lm_loss"] for r in bb], label=f"stage {i} LM loss")
+            ax.plot([(offset_tokens + r["tokens"]) / 1e6 for r in bb], [r["indexer_kl"] * 10 for r in bb], ":",
+                    label=f"stage {i} indexer KL x10")
+            if "image_reply_loss" in bb[-1]:
+                ax.plot([(offset_tokens + r["tokens"]) / 1e6 for r in bb if "image_reply_loss" in r],
+                        [r["image_reply_loss"] for r in bb if "image_reply_loss" in r], "--",
+                        label=f"stage {i} image-question reply loss")
         ds = h["dspark"]
-        ax2.plot([offset_steps + r["dspark_step"] for r in ds], [r["ce"] for r in ds], label=f"stage {i} drafter CE")
-        ax2.plot([offset_steps + r["dspark_step"] for r in ds], [r["teacher_forced_top1"] * 10 for r in ds], ":",
-                 label=f"stage {i} drafter top-1 x10")
+        if ds:
+            ax2.plot([offset_steps + r["dspark_step"] for r in ds], [r["ce"] for r in ds], label=f"stage {i} drafter CE")
+            ax2.plot([offset_steps + r["dspark_step"] for r in ds], [r["teacher_forced_top1"] * 10 for r in ds], ":",
+                     label=f"stage {i} drafter top-1 x10")
         if bb:
             offset_tokens += bb[-1]["tokens"]
             ax.axvline(offset_tokens / 1e6, color="grey", lw=0.5)
@@ -38,7 +44,7 @@ def main(argv: list[str] | None = None) -> Path:
             offset_steps += ds[-1]["dspark_step"]
     ax.set_xlabel("training tokens (M)")
     ax.set_ylabel("nats / token")
-    ax.set_title("dsv41-tiny backbone (stage 2: code/reasoning-heavy mix)")
+    ax.set_title("dsv41-tiny backbone (stages 1-4; grey lines: stage boundaries)")
     ax.legend(fontsize=8)
     ax2.set_xlabel("drafter steps (backbone frozen)")
     ax2.set_title("DSpark drafter")

@@ -1,18 +1,33 @@
 #!/usr/bin/env bash
-# Rebuild the bundled dsv41-tiny checkpoint from scratch on one CUDA GPU (an H200 here):
-# data build (CPU, ~3 min), stage 1 (mixed data), stage 2 (continued, code/reasoning-heavy mix), evaluation.
+# Rebuild the bundled dsv41-tiny checkpoint from scratch on one CUDA GPU (an H200 here), exactly the
+# five stages the shipped checkpoint went through (recipes/tiny/README.md):
+#   1-2  text only (drafter labels = data tokens), batch 128         (session 1, 7.9 min of training)
+#   3-4  + the vision tower, trained jointly; batch 256                (session 2)
+#   5    the DSpark drafter alone, labels = the target's greedy tokens (session 2)
 #   bash recipes/tiny/reproduce.sh [OUT_DIR]      (default: model/assets/dsv41-tiny)
 set -euo pipefail
 OUT=${1:-model/assets/dsv41-tiny}
 PY=${PY:-python}
-STAGE1=$(mktemp -d)/stage1
+WORK=$(mktemp -d)
 $PY -m recipes.tiny.build_data
-$PY -m recipes.tiny.train --out "$STAGE1" --backbone-seconds 260 --dspark-seconds 55 \
-    --history recipes/tiny/logs/stage1_history.json
-rm -rf "$OUT.new"
-$PY -m recipes.tiny.train --init-from "$STAGE1" --out "$OUT.new" --lr 2e-3 \
+$PY -m recipes.tiny.train --out "$WORK/s1" --no-vision --dspark-labels data \
+    --backbone-seconds 260 --dspark-seconds 55 --history recipes/tiny/logs/stage1_history.json
+$PY -m recipes.tiny.train --init-from "$WORK/s1" --out "$WORK/s2" --no-vision --dspark-labels data --lr 2e-3 \
     --mix prose=0.15,code=0.35,literature=0.08,reasoning=0.42 --backbone-seconds 125 --dspark-seconds 25 \
     --history recipes/tiny/logs/stage2_history.json
+$PY -m recipes.tiny.train --init-from "$WORK/s2" --out "$WORK/s3" --batch 256 --lr 2e-3 \
+    --mix prose=0.15,code=0.30,literature=0.07,reasoning=0.48 --backbone-seconds 465 --dspark-seconds 0 \
+    --tower-seconds 40 --vision-every 3 --vision-batch 256 --vision-workers 6 \
+    --history recipes/tiny/logs/stage3_history.json
+$PY -m recipes.tiny.train --init-from "$WORK/s3" --out "$WORK/s4" --batch 256 --lr 1.5e-3 \
+    --mix prose=0.18,code=0.34,literature=0.08,reasoning=0.40 --backbone-seconds 250 \
+    --dspark-seconds 190 --dspark-batch 128 --vision-every 3 --vision-batch 256 --vision-workers 6 \
+    --history recipes/tiny/logs/stage4_history.json
+rm -rf "$OUT.new"
+$PY -m recipes.tiny.train --init-from "$WORK/s4" --out "$OUT.new" --backbone-seconds 0 \
+    --dspark-seconds 320 --dspark-batch 128 --dspark-lr 1.5e-3 --vision-workers 1 \
+    --history recipes/tiny/logs/stage5_history.json
 rm -rf "$OUT" && mv "$OUT.new" "$OUT"
 $PY -m recipes.tiny.plot
 $PY -m recipes.tiny.evaluate --model "$OUT" --output recipes/tiny/logs/eval.json
+$PY -m recipes.tiny.vision.accuracy --model "$OUT" --n 100 --json > recipes/tiny/logs/vision_accuracy.json

@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import random
 import shutil
 import sys
 import time
@@ -83,6 +84,39 @@ class WindowSampler:
         return torch.stack(rows)
 
 
+class ImageBatches(torch.utils.data.IterableDataset):
+    """Endless batches of synthetic picture questions (recipes/tiny/vision/data.py) in both V4.1 chat
+    formats, as (ids [B, T], image inputs, reply mask [B, T]); each DataLoader worker draws with its own
+    seed, so drawing and preprocessing (CPU) overlap the GPU step."""
+
+    def __init__(self, tokenizer_dir: Path, args, batch: int, seed: int = 0):
+        self.tokenizer_dir, self.args, self.batch, self.seed = tokenizer_dir, args, batch, seed
+
+    def __iter__(self):
+        from model.tokenizer import load_tokenizer
+        from recipes.tiny.vision.train import make_batch
+
+        info = torch.utils.data.get_worker_info()
+        rng = random.Random(1000 * self.seed + 1 + (info.id if info else 0))
+        tokenizer = load_tokenizer(self.tokenizer_dir)
+        while True:
+            yield make_batch(rng, self.batch, tokenizer, self.args, tokenizer.eos_id)
+
+
+class VisionJob:
+    """What the backbone loop needs for joint image training: the batches, every how many steps an
+    image batch joins the step, and its loss weight. `bias_vl` follows the aux-loss-free rule over
+    image positions only (recipes/tiny/vision/train.py, ImageLoad)."""
+
+    def __init__(self, tokenizer_dir: Path, args, batch: int, every: int, weight: float, seed: int = 0,
+                 workers: int = 4):
+        self.every, self.weight = every, weight
+        loader = torch.utils.data.DataLoader(ImageBatches(tokenizer_dir, args, batch, seed), batch_size=None,
+                                             num_workers=workers, prefetch_factor=4 if workers else None,
+                                             persistent_workers=bool(workers))
+        self.batches = iter(loader)
+
+
 # ------------------------------------------------------------------------------------ model
 class NormedHidden(nn.Module):
     """Stands in for the output head during training: the forward then returns the normalized
@@ -107,18 +141,24 @@ def build_trainable(args, token_map: torch.Tensor, device, seed: int = 0):
     model._hasher = NgramHasher(args, token_map)
     model.to(device)
     model.head = NormedHidden(model.head.weight)
+    model.batch_images = True  # one ViT call per image size
     return model
 
 
 @torch.no_grad()
-def load_into_trainable_(model, ckpt_dir: Path) -> None:
+def load_into_trainable_(model, ckpt_dir: Path) -> bool:
     """Continue training from an exported checkpoint: each master takes the exact real value of its
-    stored weight (FP8/FP4 dequantized, Engram rows unpacked), so QAT resumes on the same grid points."""
+    stored weight (FP8/FP4 dequantized, Engram rows unpacked), so QAT resumes on the same grid points.
+    Returns True when the checkpoint had no vision tower and the model's tower starts fresh."""
     from model import formats
     from model.checkpoint import load_state_dict
 
     state, _ = load_state_dict(ckpt_dir)
+    fresh = []
     for name, (kind, tensor) in _export_targets(model).items():
+        if name not in state and _is_vision_tensor(name):
+            fresh.append(name)  # a text-only checkpoint gains a vision tower: it starts from the random init
+            continue
         w = state[name]
         scale = state.get(name[: -len("weight")] + "scale")
         if kind == "fp8":
@@ -128,6 +168,17 @@ def load_into_trainable_(model, ckpt_dir: Path) -> None:
         elif kind == "engram":
             w = formats.unpack_fp8_ue8m0(w, scale, 32)
         tensor.copy_(w.float().to(tensor.device))
+    for name in fresh:
+        if name.endswith("bias_vl"):  # images start from the text balance
+            model.get_parameter(name).copy_(model.get_parameter(name[: -len("_vl")]))
+    return bool(fresh)
+
+
+VISION_PREFIXES = ("vision.", "aligner.", "image_start", "image_newline", "image_end")
+
+
+def _is_vision_tensor(name: str) -> bool:
+    return name.startswith(VISION_PREFIXES) or name.endswith("bias_vl")
 
 
 def _ce_chunk(h, w, targets):
@@ -178,14 +229,34 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def _backbone_trains(name: str) -> bool:
+    """The optimizer's share of phase 1: not the drafter, not the selection biases (they follow the
+    aux-loss-free rule instead)."""
+    return not name.startswith("mtp.") and not name.endswith(("gate.bias", "gate.bias_vl"))
+
+
+def image_step_loss(model, vision: VisionJob, device) -> torch.Tensor:
+    """Cross-entropy on the replies of one batch of image questions (the prompt is context only)."""
+    ids, images, target = next(vision.batches)
+    ids, target = ids.to(device, non_blocking=True), target.to(device, non_blocking=True)
+    hidden = model(ids, all_logits=True, images=images)
+    return chunked_ce(hidden[target], model.head.weight, ids[:, 1:][target[:, :-1]])
+
+
 def train_backbone(model, sampler, device, seconds: float, batch: int, context: int, lr: float,
-                   kl_weight: float = 0.1, gamma: float = 5e-3, max_steps: int | None = None, log=print):
-    params = [(n, p) for n, p in model.named_parameters()
-              if not n.startswith("mtp.") and not n.endswith("gate.bias")]
+                   kl_weight: float = 0.1, gamma: float = 5e-3, max_steps: int | None = None, log=print,
+                   vision: VisionJob | None = None):
+    params = [(n, p) for n, p in model.named_parameters() if _backbone_trains(n)]
     for n, p in model.named_parameters():
-        p.requires_grad_(not n.startswith("mtp.") and not n.endswith("gate.bias"))
+        p.requires_grad_(_backbone_trains(n))
     opt = make_optimizer(params, lr, 0.05)
     moes = moe_layers(model, "backbone")
+    image_load = None
+    if vision is not None:
+        from recipes.tiny.vision.train import ImageLoad
+
+        image_load = ImageLoad(model)
+    image_loss = None
     history = []
     start, step, tokens = time.time(), 0, 0
     model.train()
@@ -199,6 +270,12 @@ def train_backbone(model, sampler, device, seconds: float, batch: int, context: 
         ids = sampler.sample(batch, context + 1).to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         try:
+            if vision is not None and step % vision.every == 0:
+                # images first: the text forward below leaves `moe.load` for the text balance rule
+                image_loss = image_step_loss(model, vision, device)
+                (vision.weight * image_loss).backward()
+                image_loss = image_loss.detach()
+                image_load.update(gamma)
             aux: dict = {}
             hidden = model(ids[:, :-1], all_logits=True, aux=aux)
             lm = chunked_ce(hidden, model.head.weight, ids[:, 1:])
@@ -227,6 +304,8 @@ def train_backbone(model, sampler, device, seconds: float, batch: int, context: 
                    "indexer_kl": round(float(kl.detach()), 4), "grad_norm": round(float(gnorm), 3),
                    "lr": opt.param_groups[0]["lr"], "tok_per_s": round(tokens / max(t, 1e-9)),
                    "max_over_mean_expert_load": round(imbalance, 3)}
+            if image_loss is not None:
+                rec["image_reply_loss"] = round(float(image_loss), 4)
             history.append(rec)
             log(json.dumps(rec))
     return history
@@ -251,16 +330,30 @@ def _stored_dtypes(args) -> dict[str, torch.dtype]:
     return {n: t.dtype for n, t in ref.state_dict().items()}
 
 
-def dspark_batch(model, ids: torch.Tensor, anchors_per_seq: int, g: torch.Generator):
+@torch.no_grad()
+def greedy_next(hidden: torch.Tensor, weight: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """argmax of head(hidden) [B, T] in row chunks (the full logits would not fit)."""
+    h = hidden.reshape(-1, hidden.size(-1))
+    out = torch.cat([F.linear(h[i:i + chunk], weight).argmax(-1) for i in range(0, h.size(0), chunk)])
+    return out.view(hidden.shape[:-1])
+
+
+def dspark_batch(model, ids: torch.Tensor, anchors_per_seq: int, g: torch.Generator, labels_from: str = "target"):
     """Blocks for many anchors of each sequence: returns (block hidden [N,S,dim], prev tokens [N,S],
-    labels [N,S]). ids [B, T]; the anchor token sits at P+1 and P ranges over [0, T-S-2]."""
+    labels [N,S]). ids [B, T]; the anchor token sits at P+1 and P ranges over [0, T-S-2].
+
+    labels_from "target": the target model's own greedy next tokens at P+1..P+S (self-distillation:
+    verification accepts a draft exactly when it equals the target's greedy token, so that is what the
+    drafter should predict); "data": the data tokens P+2..P+S+1."""
     from model.dspark import block_hidden, main_x
 
     args = model.args
     S, W = args.dspark_block_size, args.window_size
     B, T = ids.shape
     with torch.no_grad():
-        _, taps = model(ids, all_logits=False, return_taps=True)
+        hidden_all, taps = model(ids, all_logits=True, return_taps=True)
+        greedy = greedy_next(hidden_all, model.head.weight) if labels_from == "target" else None
+        del hidden_all
     mx = main_x(model, taps)  # trainable: mtp.0.main_proj / main_norm
     positions = torch.arange(T, device=ids.device)
     P = torch.randint(0, T - S - 1, (B, anchors_per_seq), generator=g).to(ids.device)  # [B, A]
@@ -274,7 +367,10 @@ def dspark_batch(model, ids: torch.Tensor, anchors_per_seq: int, g: torch.Genera
         contexts.append((kv[rows.view(-1, 1), ctx_pos.clamp_min(0)], ctx_idx))
     offs = torch.arange(S, device=ids.device)
     prev = ids[rows.view(-1, 1), P.view(-1, 1) + 1 + offs]  # y_0 = anchor (P+1), then P+2..P+S
-    labels = ids[rows.view(-1, 1), P.view(-1, 1) + 2 + offs]  # P+2..P+S+1
+    if greedy is not None:
+        labels = greedy[rows.view(-1, 1), P.view(-1, 1) + 1 + offs]  # the target's picks for P+2..P+S+1
+    else:
+        labels = ids[rows.view(-1, 1), P.view(-1, 1) + 2 + offs]  # P+2..P+S+1
     hidden = block_hidden(model, prev[:, 0], P + 1, contexts)
     return hidden, prev, labels
 
@@ -309,7 +405,7 @@ def dspark_loss(model, hidden, prev, labels, chunk: int = 8192):
 
 
 def train_dspark(model, sampler, device, seconds: float, batch: int, context: int, anchors: int, lr: float,
-                 gamma: float = 5e-3, max_steps: int | None = None, log=print):
+                 gamma: float = 5e-3, max_steps: int | None = None, log=print, labels_from: str = "target"):
     round_dense_to_bf16_(model)
     model.zero_grad(set_to_none=True)  # the backbone's last gradients are not needed any more
     for n, p in model.named_parameters():
@@ -331,7 +427,7 @@ def train_dspark(model, sampler, device, seconds: float, batch: int, context: in
         ids = sampler.sample(batch, context).to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         try:
-            hidden, prev, labels = dspark_batch(model, ids, anchors, g)
+            hidden, prev, labels = dspark_batch(model, ids, anchors, g, labels_from)
             ce, bce, acc = dspark_loss(model, hidden, prev, labels)
             loss = ce + bce
             loss.backward()
@@ -350,7 +446,7 @@ def train_dspark(model, sampler, device, seconds: float, batch: int, context: in
         if step % 10 == 0 or step == 1:
             _sync(device)
             rec = {"dspark_step": step, "time_s": round(time.time() - start, 1), "ce": round(float(ce.detach()), 4),
-                   "bce": round(float(bce), 4), "teacher_forced_top1": round(float(acc), 4),
+                   "bce": round(float(bce.detach()), 4), "teacher_forced_top1": round(float(acc), 4),
                    "lr": opt.param_groups[0]["lr"]}
             history.append(rec)
             log(json.dumps(rec))
@@ -434,14 +530,17 @@ def write_official(state: dict[str, torch.Tensor], args, out: Path, tokenizer_fi
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("model-*.safetensors"):
         old.unlink()
-    groups, size = [[]], 0
-    for name, t in state.items():
+    groups: list[list[str]] = []
+    sizes: list[int] = []
+    for name, t in state.items():  # first fit: a tensor joins the first shard with room for it
         nbytes = t.numel() * t.element_size()
-        if groups[-1] and size + nbytes > MAX_SHARD_BYTES:
+        room = next((i for i, used in enumerate(sizes) if used + nbytes <= MAX_SHARD_BYTES), None)
+        if room is None:  # (a tensor larger than the cap gets a shard of its own)
             groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
+            sizes.append(0)
+            room = len(groups) - 1
+        groups[room].append(name)
+        sizes[room] += nbytes
     n = len(groups)
     weight_map, files = {}, []
     for i, names in enumerate(groups, 1):
@@ -477,9 +576,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dspark-batch", type=int, default=64)
     ap.add_argument("--dspark-anchors", type=int, default=64)
     ap.add_argument("--dspark-lr", type=float, default=2e-3)
+    ap.add_argument("--dspark-labels", choices=("target", "data"), default="target",
+                    help="drafter labels: the target's greedy tokens (default) or the data tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init-from", type=Path, default=None, help="continue from this exported checkpoint")
     ap.add_argument("--mix", default=None, help="family weights, e.g. prose=0.15,code=0.35,literature=0.08,reasoning=0.42")
+    ap.add_argument("--no-vision", dest="vision", action="store_false",
+                    help="text only (default: the vision tower trains jointly with the backbone)")
+    ap.add_argument("--vision-every", type=int, default=2, help="an image batch joins every k-th backbone step")
+    ap.add_argument("--vision-batch", type=int, default=128)
+    ap.add_argument("--vision-weight", type=float, default=0.5)
+    ap.add_argument("--vision-workers", type=int, default=4, help="CPU processes drawing the pictures")
+    ap.add_argument("--tower-seconds", type=float, default=30.0,
+                    help="a new tower first learns to see through linear probes (recipes/tiny/vision/train.py)")
     ap.add_argument("--log", type=Path, default=None, help="also append log lines to this file")
     ap.add_argument("--history", type=Path, default=None, help="write the loss history (JSON) here")
     a = ap.parse_args(argv)
@@ -497,15 +606,25 @@ def main(argv: list[str] | None = None) -> dict:
             logf.flush()
 
     t0 = time.time()
-    args = tiny_config(trainable=True)
+    args = tiny_config(trainable=True, vision=a.vision)
     streams = load_streams(a.data)
     weights = dict(FAMILY_WEIGHTS)
     if a.mix:
         weights = {k: float(v) for k, v in (kv.split("=") for kv in a.mix.split(","))}
     sampler = WindowSampler(streams, weights, seed=a.seed)
     model = build_trainable(args, load_token_map(a.data), a.device, a.seed)
+    fresh_tower = args.vision_enabled
     if a.init_from:
-        load_into_trainable_(model, a.init_from)
+        fresh_tower = load_into_trainable_(model, a.init_from) and args.vision_enabled
+    tokenizer_files = a.tokenizer_files or (a.data / "tokenizer" if (a.data / "tokenizer").is_dir() else None)
+    vision = None
+    if args.vision_enabled:
+        vision = VisionJob(tokenizer_files, args, a.vision_batch, a.vision_every, a.vision_weight, a.seed,
+                           a.vision_workers)
+        if fresh_tower and a.tower_seconds > 0:
+            from recipes.tiny.vision.train import pretrain_tower
+
+            pretrain_tower(model, args, a.tower_seconds if a.max_steps is None else 1.0, 64, 3e-3, a.seed, log=log)
     n_params = sum(p.numel() for p in model.parameters())
     log(json.dumps({"event": "start", "device": a.device, "params": n_params, "mix": weights,
                     "init_from": str(a.init_from) if a.init_from else None,
@@ -513,13 +632,13 @@ def main(argv: list[str] | None = None) -> dict:
                     "train_tokens": {k: int(v.numel()) for k, v in streams.items()}}))
     t1 = time.time()
     backbone = train_backbone(model, sampler, a.device, a.backbone_seconds, a.batch, a.context, a.lr,
-                              max_steps=a.max_steps, log=log)
+                              max_steps=a.max_steps, log=log, vision=vision)
     t2 = time.time()
     dspark = train_dspark(model, sampler, a.device, a.dspark_seconds, a.dspark_batch, a.context,
-                          a.dspark_anchors, a.dspark_lr, max_steps=a.max_steps, log=log)
+                          a.dspark_anchors, a.dspark_lr, max_steps=a.max_steps, log=log,
+                          labels_from=a.dspark_labels)
     t3 = time.time()
     state = official_state_dict(model, args)
-    tokenizer_files = a.tokenizer_files or (a.data / "tokenizer" if (a.data / "tokenizer").is_dir() else None)
     files = write_official(state, args, a.out, tokenizer_files)
     summary = {"event": "done", "setup_s": round(t1 - t0, 1), "backbone_s": round(t2 - t1, 1),
                "dspark_s": round(t3 - t2, 1), "export_s": round(time.time() - t3, 1),

@@ -42,12 +42,7 @@ from recipes.tiny.vision import data as D
 
 REPO = Path(__file__).resolve().parents[3]
 
-# The bundled model's vision tower: 4 blocks of width 64 (0.49 MB with the aligner in bf16), small images.
-VISION = dict(
-    vision_n_layers=4, vision_dim=64, vision_n_heads=4, vision_inter_dim=128, vision_patch_size=14,
-    vision_rope_theta=10000.0, vision_downsample_ratio=3, vision_min_pixels=56 * 56, vision_max_n_token=64,
-    vision_max_wh_ratio=None, image_token_id=129264,
-)
+from recipes.tiny.config import VISION  # noqa: E402  (the tower's shape lives with the text config)
 TRAINED_PREFIXES = ("vision.", "aligner.", "image_start", "image_newline", "image_end")
 
 
@@ -165,7 +160,8 @@ def pretrain_tower(model, args, seconds: float, batch: int, lr: float, seed: int
     from model.image_processor import preprocess
 
     rng = random.Random(seed + 1)
-    probe = Probe(args.vision_dim)
+    device = model.vision.patch_embed.proj.weight.device
+    probe = Probe(args.vision_dim).to(device)
     params = list(model.vision.parameters()) + list(probe.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     history, start, step, smoothed = [], time.time(), 0, None
@@ -176,17 +172,18 @@ def pretrain_tower(model, args, seconds: float, batch: int, lr: float, seed: int
         examples = [D.make_example(rng, size=size) for _ in range(batch)]
         prepared = [preprocess(e.image, args) for e in examples]
         grid = prepared[0][1]
-        features = model.vision(torch.stack([p for p, _ in prepared]), grid.vit_h, grid.vit_w)
+        features = model.vision(torch.stack([p for p, _ in prepared]).to(device), grid.vit_h, grid.vit_w)
         logits = probe(features)
         targets = [Probe.targets(e) for e in examples]
-        loss = sum(F.cross_entropy(logits[k], torch.tensor([t[k] for t in targets])) for k in Probe.LABELS)
+        labels = {k: torch.tensor([t[k] for t in targets], device=device) for k in Probe.LABELS}
+        loss = sum(F.cross_entropy(logits[k], labels[k]) for k in Probe.LABELS)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         step += 1
         smoothed = loss.item() if smoothed is None else 0.95 * smoothed + 0.05 * loss.item()
         if step % 100 == 0:
-            right = {k: (logits[k].argmax(-1) == torch.tensor([t[k] for t in targets])).float().mean().item()
+            right = {k: (logits[k].argmax(-1) == labels[k]).float().mean().item()
                      for k in Probe.LABELS}
             entry = {"stage": 1, "step": step, "seconds": round(time.time() - start, 1), "loss": round(smoothed, 4),
                      "batch_accuracy": {k: round(v, 2) for k, v in right.items()}}
@@ -209,7 +206,8 @@ class ImageLoad:
     def _hook(self, gate, inputs, output):
         image_mask = inputs[1] if len(inputs) > 1 else None
         if image_mask is not None:
-            self.counts[gate] += torch.bincount(output[1][image_mask].flatten(), minlength=gate.bias.numel()).float()
+            picked = torch.bincount(output[1][image_mask].flatten(), minlength=gate.bias.numel()).float()
+            self.counts[gate] = self.counts[gate].to(picked.device) + picked
 
     @torch.no_grad()
     def update(self, gamma: float) -> None:
