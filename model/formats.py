@@ -71,14 +71,31 @@ _E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIE_GOES_UP = (False, True, False, True, False, True, False)
 
 
+# Small constant tensors, built once per device and then reused (read-only). Building one per call cost
+# several operator calls and, on CUDA, a blocking host-to-device copy in every quantization: the training
+# step of the tiny recipe quantizes hundreds of times (docs/performance.md, "Training step").
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def _constant(values: float | tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (repr(values), dtype, torch.device(device))  # repr: keeps 0.0 and -0.0 apart
+    t = _CONSTANTS.get(key)
+    if t is None:
+        # an ordinary tensor even when the first caller runs under inference_mode (an inference tensor
+        # could not be used later in a forward that records gradients)
+        with torch.inference_mode(False), torch.no_grad():
+            t = torch.tensor(values, dtype=dtype, device=device)
+        _CONSTANTS[key] = t
+    return t
+
+
 def _grid_table(device: torch.device) -> torch.Tensor:
     """The 16 E2M1 values by 4-bit code: codes 8..15 are the negatives of 0..7 (code 8 is -0.0)."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=device)
-    return torch.cat([grid, -grid])
+    return _constant(E2M1_GRID + tuple(-v for v in E2M1_GRID), torch.float32, device)
 
 
 def _fp32_const(value: float, device: torch.device) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float32, device=device)
+    return _constant(float(value), torch.float32, device)
 
 
 def _split_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -189,8 +206,8 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """
     xf = x.float()
     magnitude = xf.abs().unsqueeze(-1)
-    boundaries = torch.tensor(_E2M1_BOUNDARIES, dtype=torch.float32, device=x.device)
-    tie_up = torch.tensor(_E2M1_TIE_GOES_UP, device=x.device)
+    boundaries = _constant(_E2M1_BOUNDARIES, torch.float32, x.device)
+    tie_up = _constant(_E2M1_TIE_GOES_UP, torch.bool, x.device)
     above = (magnitude > boundaries) | ((magnitude == boundaries) & tie_up)
     code = above.sum(dim=-1, dtype=torch.uint8)
     return code | (torch.signbit(xf).to(torch.uint8) << 3)
@@ -397,6 +414,27 @@ def quant_fp8_weight(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torc
     scale = ue8m0_scale(amax, FP8_E4M3_MAX)
     q = to_e4m3(w / _expand_block_scale(scale, out_features, in_features, block))
     return q, float_to_e8m0(scale).view(torch.float8_e8m0fnu)
+
+
+def fp8_weight_fake_quant(weight: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """``dequant_fp8_weight(*quant_fp8_weight(w))`` for weights [..., out, in], fp32, without the byte encoding.
+
+    Quantization-aware training rounds every FP8 master onto its grid in every forward. The stored
+    checkpoint's round trip through UE8M0 bytes is exact for the power-of-two scales that finite weights
+    get, so the tile scale can multiply straight back: the same values with a third of the operators and
+    without `float_to_e8m0`'s validity check (a host sync). Leading dims hold independent weights (the
+    routed experts, stacked). tests/test_train_ops.py compares it with the round trip.
+    """
+    w = weight.float()
+    out_features, in_features = w.shape[-2:]
+    pad_rows, pad_cols = -out_features % block, -in_features % block
+    if pad_rows or pad_cols:
+        w = torch.nn.functional.pad(w, (0, pad_cols, 0, pad_rows))
+    tiles = w.unflatten(-2, (-1, block)).unflatten(-1, (-1, block))  # [..., R, block, C, block]
+    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True).clamp_min(_WEIGHT_AMAX_FLOOR)
+    scale = ue8m0_scale(amax, FP8_E4M3_MAX)
+    values = to_e4m3(tiles / scale).float() * scale
+    return values.flatten(-2).flatten(-3, -2)[..., :out_features, :in_features]
 
 
 def dequant_fp4_weight(

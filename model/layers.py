@@ -41,13 +41,39 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * xf).to(x.dtype)
 
 
+class _StraightThrough(torch.autograd.Function):
+    """y = fake_quant(x, *args) in the forward, dy/dx = identity in the backward.
+
+    One autograd node per rounding: the dozens of operators of a fake quantization run without recording
+    a graph, and no `x + (y - x).detach()` is added. The values are those of that expression: y - x is
+    exact (y is x rounded to a grid whose neighbours are within a factor of 2, so Sterbenz applies, or
+    y = 0) and x + (y - x) == y, except that the old expression turned a -0.0 result into +0.0."""
+
+    @staticmethod
+    def forward(ctx, x, fake_quant, *args):
+        ctx.n_args = len(args)
+        return fake_quant(x, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, None) + (None,) * ctx.n_args
+
+
 def qat(fake_quant, x: torch.Tensor, *args) -> torch.Tensor:
     """Quantization-aware rounding: the forward sees fake_quant(x); the backward passes gradients
     straight through (the rounding has zero derivative almost everywhere)."""
-    y = fake_quant(x, *args)
     if torch.is_grad_enabled() and x.requires_grad:
-        return x + (y - x).detach()
-    return y
+        return _StraightThrough.apply(x, fake_quant, *args)
+    return fake_quant(x, *args)
+
+
+def weight_grid(kind: str, w: torch.Tensor, block: int) -> torch.Tensor:
+    """A trainable master [..., out, in] rounded onto its storage grid, fp32: FP8 with block x block UE8M0
+    tiles, or FP4 E2M1 with one UE8M0 per 32 inputs. The same values as the stored checkpoint's
+    dequantized weight (tests/test_train_ops.py), without its byte encoding."""
+    if kind == "fp8":
+        return formats.fp8_weight_fake_quant(w, block)
+    return formats.mxfp4_fake_quant(w.float(), 32)
 
 
 # How FP8/FP4 GEMMs are evaluated. "fast": exact dequantization of both operands, one fp32 matmul.
@@ -113,10 +139,7 @@ class Linear(nn.Module):
         return q.view(torch.int8), s
 
     def _weight_grid(self, w: torch.Tensor) -> torch.Tensor:
-        q, s = self.quantize(w)
-        if self.kind == "fp8":
-            return formats.dequant_fp8_weight(q, s, self.block)
-        return formats.dequant_fp4_weight(q, s, 32)
+        return weight_grid(self.kind, w, self.block)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as real numbers (exact for FP8/FP4 storage; cached until the weight changes)."""

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import formats
 from model.config import LayerSpec, ModelArgs
 from model.kernels import experts as expert_kernels
-from model.layers import FP4, Linear, storage_dtype
+from model.layers import FP4, Linear, qat, storage_dtype, weight_grid
 
 
 class Gate(nn.Module):
@@ -61,13 +62,27 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = self.w1(x).float(), self.w3(x).float()
+        return self.w2(self._hidden(gate, up, weights).to(x.dtype))
+
+    def _hidden(self, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         if self.limit > 0:
             up = up.clamp(-self.limit, self.limit)
             gate = gate.clamp(max=self.limit)
         h = F.silu(gate) * up
         if weights is not None:
             h = weights * h
-        return self.w2(h.to(x.dtype))
+        return h
+
+    def qat_forward(self, x: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                    w3: torch.Tensor) -> torch.Tensor:
+        """`forward` of trainable (QAT) layers given their weights already on the grid (fp32 [out, in]):
+        what Linear's trainable path computes, with one FP8 rounding of x for both w1 and w3. Only for
+        an x that nothing else uses (a routed expert's rows): then x's gradient is the same two-term sum."""
+        block = self.w1.block
+        xq = qat(formats.fp8_fake_quant, x, block).float()
+        gate, up = F.linear(xq, w1).to(x.dtype).float(), F.linear(xq, w3).to(x.dtype).float()
+        hq = qat(formats.fp8_fake_quant, self._hidden(gate, up, weights).to(x.dtype), block).float()
+        return F.linear(hq, w2).to(x.dtype)
 
 
 class MoE(nn.Module):
@@ -89,8 +104,11 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
-        # tokens per expert: read by training to update the selection bias (aux-loss-free balancing)
-        self.load = torch.bincount(indices.flatten(), minlength=self.n_routed).detach()
+        # tokens per expert: read by training to update the selection bias (aux-loss-free balancing).
+        # (scatter_add, not bincount: on CUDA bincount reads the largest index back to size its output)
+        flat = indices.flatten()
+        self.load = torch.zeros(self.n_routed, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         y = self.routed(x, weights, indices)
         y += self.shared_experts(x).float()
         return y.to(x.dtype).reshape(shape)
@@ -101,6 +119,8 @@ class MoE(nn.Module):
         if expert_kernels.usable(self.experts, x):  # CUDA: grouped GEMMs over expert-sorted tokens
             weights_ = expert_kernels.cached_weights(self, self.experts)
             return expert_kernels.routed_experts(x, weights, indices, weights_, self._swiglu_limit())
+        if self._trainable():
+            return self._routed_trainable(x, weights, indices)
         y = torch.zeros_like(x, dtype=torch.float32)
         # group tokens by expert: each expert runs once on the tokens routed to it
         for e in torch.unique(indices).tolist():
@@ -109,6 +129,53 @@ class MoE(nn.Module):
             rows, slot = torch.where(indices == e)
             y[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()
         return y
+
+    def _trainable(self) -> bool:
+        return any(e is not None and e.w1.trainable for e in self.experts)
+
+    def _routed_trainable(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """`routed` for QAT masters with the loop's exact numbers (forward and gradients, bit for bit) and
+        a fraction of its host work: a training step of the tiny recipe is bound by operator launches and
+        syncs (docs/performance.md, "Training step").
+
+        * One host sync per layer instead of one per expert plus one: the assignments are sorted by expert
+          once (a stable sort, so each expert's rows come in the ascending order torch.where gave) and
+          only the counts are read back.
+        * Each of w1, w2, w3 is rounded to its grid once for all experts in use, stacked (the rounding is
+          per row or per tile, so stacking changes no value). Experts nobody chose stay out of the graph
+          and keep no gradient, as in the loop.
+        * w1 and w3 of an expert share one FP8 rounding of its rows (the gradient reaching the rows is
+          the same two-term sum).
+
+        (Every expert on every token with a dense routing matrix would need no sync at all and still fewer
+        operators, but its gradients differ in the last bits and idle experts get zero gradients, which
+        AdamW treats differently from none; training trajectories then drift apart.)"""
+        k = indices.size(-1)
+        order = torch.argsort(indices.flatten(), stable=True)
+        counts = torch.zeros(self.n_routed, dtype=torch.int64, device=x.device).scatter_add_(
+            0, indices.flatten(), torch.ones_like(order)).tolist()  # the one sync
+        rows_sorted, slot_sorted = order // k, order % k
+        used = [e for e, n in enumerate(counts) if n and self.experts[e] is not None]
+        if not used:
+            return torch.zeros_like(x, dtype=torch.float32)
+        grids = {name: self._stacked_grid(name, used) for name in ("w1", "w2", "w3")}
+        offsets = [0]
+        for n in counts:
+            offsets.append(offsets[-1] + n)
+        y = torch.zeros_like(x, dtype=torch.float32)
+        for i, e in enumerate(used):
+            rows = rows_sorted[offsets[e]:offsets[e + 1]]
+            slot = slot_sorted[offsets[e]:offsets[e + 1]]
+            w1, w2, w3 = grids["w1"][i], grids["w2"][i], grids["w3"][i]
+            y[rows] += self.experts[e].qat_forward(x[rows], weights[rows, slot, None], w1, w2, w3).float()
+        return y
+
+    def _stacked_grid(self, name: str, used: list[int]) -> tuple[torch.Tensor, ...]:
+        """The masters `name` of the experts `used`, rounded to their storage grid in one call, one fp32
+        [out, in] per expert (straight-through to each master)."""
+        lin = getattr(self.experts[used[0]], name)
+        w = torch.stack([getattr(self.experts[e], name).weight for e in used])
+        return qat(lambda v: weight_grid(lin.kind, v, lin.block), w).unbind(0)
 
     def _swiglu_limit(self) -> float:
         return next(e for e in self.experts if e is not None).limit
