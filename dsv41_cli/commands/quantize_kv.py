@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import List, Optional
 
 import typer
@@ -40,8 +41,13 @@ def command(
     net, args, tokenizer = load_on_ranks(model_dir, ctx)  # this rank's part of the model under torchrun
     net.eval().requires_grad_(False)
 
+    started = time.monotonic()
+
     def progress(done: int, total: int) -> None:
-        err.print(f"\rquantize-kv: {done:,}/{total:,} tokens", end="", markup=False)
+        elapsed = time.monotonic() - started
+        eta = elapsed / done * (total - done) if done else 0.0
+        err.print(f"\rquantize-kv: {done:,}/{total:,} tokens, {elapsed:.0f} s, ETA {eta:.0f} s ", end="",
+                  markup=False)
 
     doc = evaluate(net, tokenizer, loaded, names, max_ctx=max_ctx, max_tokens=max_tokens, batch_size=batch_size,
                    model_name=str(model_dir), progress=progress if ctx.is_main else None, ctx=ctx)
