@@ -3,8 +3,9 @@
 Reuse layer launches per decode step and per prefill, counted with the PyTorch profiler (runtime launch
 calls: kernels, memsets and copies issued inside the layer's forward).
 
-What this does NOT measure (see docs/performance.md): full-width V4.1-Flash layers at 8K / 128K / 1M,
-CED replay against full, CUDA graphs, the bundled checkpoint.
+What this does NOT measure (see docs/performance.md): full-width V4.1-Flash layers at 8K / 128K / 1M
+(bench_flash_layers.py), CED replay against full (bench_ced.py), launches at full width and under CUDA
+graphs (bench_launches.py), the bundled checkpoint (device_batch_next.sh runs all of these in one call).
 Usage: python benchmarks/bench_e2e.py [--json F] [--device cuda|cpu]
 """
 

@@ -1,0 +1,198 @@
+"""Decode step and prefill of V4.1-Flash layers at full width with random weights (issue #9, item 5), on
+the 8-layer stack of benchmarks/flash_stack.py (one layer of each CSA2 role per CED part; no Engram, no
+DSpark), batch 1, at 8K, 128K and 1M context.
+
+Cases:
+- "prefill T from empty": one forward of a T-token prompt into an empty cache (T = --prefill-tokens,
+  8K by default), warm-up run of the same shape first.
+- "decode at ctx N": the cache holds N - steps tokens (fill_cache: random packed entries, as if consumed),
+  then --warmup untimed and --steps timed one-token steps (wall clock between two synchronizations,
+  mean per step); the context reaches N.
+- "prefill chunk C at ctx N": the next C tokens appended to a cache of N - C tokens (the marginal cost of
+  prefilling at that depth; a whole 128K or 1M prompt would take far longer than the device call),
+  after one untimed chunk of the same size. C = --chunk (256: at 1M the indexer's [C, 32 heads, 1M]
+  bf16 score tensor takes 16 GB, twice while it is weighted).
+
+Each row: time, tokens/s, the roofline floor of flash_stack.work (bytes and FLOPs counted there) over the
+copy and matmul ceilings measured in this run, x floor, the per-layer times (CUDA events around each
+block), and an estimate for all 40 layers composed from the per-layer times (flash_stack.compose_flash).
+
+Usage (GPU):  python benchmarks/bench_flash_layers.py --json F [--quick]
+      (CPU check of the code paths, tiny widths): python benchmarks/bench_flash_layers.py --tiny --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import flash_stack as fs  # noqa: E402
+
+
+def _ids(model, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.args.vocab_size, (1, n), generator=g).to(model.embed.weight.device)
+
+
+def _layer_ms(timer: fs.LayerTimer, divide: int = 1) -> dict[str, float]:
+    return {f"{i} {fs.REPRESENTS[i]}": t * 1e3 / divide for i, t in sorted(timer.seconds().items())}
+
+
+def _finish(model, case: str, seconds: float, tokens: int, start: int, timer: fs.LayerTimer, divide: int,
+            cuda: bool, **extra) -> dict:
+    b, f = fs.work(model, start, tokens)
+    per_layer = {i: t / divide for i, t in timer.seconds().items()}
+    comp = fs.compose_flash(per_layer, seconds)
+    return fs.row(case, seconds, b, f, cuda, tokens=tokens, tokens_per_s=tokens / seconds,
+                  layer_ms=_layer_ms(timer, divide),
+                  estimate_40_layers_ms=comp["estimate_40_layers_s"] * 1e3,
+                  estimate_40_layers_tokens_per_s=tokens / comp["estimate_40_layers_s"], **extra, **fs.memory_note())
+
+
+@torch.inference_mode()
+def prefill_from_empty(model, tokens: int, cuda: bool) -> dict:
+    dev = model.embed.weight.device
+    ids = _ids(model, tokens, 0)
+    model(ids, 0, model.new_cache(1))  # warm-up: the same shape (Triton compilation, allocator)
+    cache = model.new_cache(1)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    fs.sync(dev)
+    with fs.LayerTimer(model) as timer:
+        t0 = time.perf_counter()
+        model(ids, 0, cache)
+        fs.sync(dev)
+        dt = time.perf_counter() - t0
+    return _finish(model, f"prefill {fs.context_label(tokens)} from empty", dt, tokens, 0, timer, 1, cuda)
+
+
+@torch.inference_mode()
+def decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool) -> dict:
+    dev = model.embed.weight.device
+    start = ctx - steps - warmup
+    cache = fs.fill_cache(model, start)
+    ids = _ids(model, steps + warmup, ctx)
+    for i in range(warmup):
+        model(ids[:, i:i + 1], cache.pos, cache)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    fs.sync(dev)
+    with fs.LayerTimer(model) as timer:
+        t0 = time.perf_counter()
+        for i in range(warmup, warmup + steps):
+            model(ids[:, i:i + 1], cache.pos, cache)
+        fs.sync(dev)
+        dt = (time.perf_counter() - t0) / steps
+    return _finish(model, f"decode step at ctx {fs.context_label(ctx)}", dt, 1, ctx - 1, timer, steps, cuda,
+                   steps=steps)
+
+
+@torch.inference_mode()
+def prefill_chunk_at(model, ctx: int, chunk: int, cuda: bool) -> dict:
+    dev = model.embed.weight.device
+    cache = fs.fill_cache(model, ctx - 2 * chunk)
+    ids = _ids(model, 2 * chunk, ctx + 1)
+    model(ids[:, :chunk], cache.pos, cache)  # warm-up chunk, same shape
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    fs.sync(dev)
+    with fs.LayerTimer(model) as timer:
+        t0 = time.perf_counter()
+        model(ids[:, chunk:], cache.pos, cache)
+        fs.sync(dev)
+        dt = time.perf_counter() - t0
+    return _finish(model, f"prefill chunk {chunk} at ctx {fs.context_label(ctx)}", dt, chunk, ctx - chunk, timer,
+                   1, cuda)
+
+
+def run(json_path=None, device=None, tiny=False, contexts=None, chunk=None, prefill_tokens=None, steps=None,
+        warmup=2, experts=None, quick=False):
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device == "cuda"
+    if tiny:
+        contexts, chunk = contexts or [64, 256, 1024], chunk or 16
+        prefill_tokens, steps = prefill_tokens or 128, steps or 3
+    else:
+        contexts, chunk = contexts or [8192, 131072, 1048576], chunk or 256
+        prefill_tokens, steps = prefill_tokens or 8192, steps or (5 if quick else 20)
+    if cuda:
+        from kernels_common import ceilings, set_quick
+
+        set_quick(quick)
+        c = ceilings()
+        print(f"ceilings: copy {c['copy_GBps']:.0f} GB/s, bf16 matmul {c['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    args = fs.stack_args("tiny" if tiny else "v4.1-flash", experts)
+    t0 = time.perf_counter()
+    model = fs.build(args, device)
+    fs.sync(device)
+    info = {"config": args.name, "layers": {i: fs.REPRESENTS[i] for i in range(args.n_layers)},
+            "routed_experts": args.n_routed_experts, "dim": args.dim, "omitted": fs.OMITTED,
+            "weights_GiB": fs.gib(fs.weight_bytes(model)), "build_s": round(time.perf_counter() - t0, 1),
+            "flash_layer_types": fs.flash_layer_types(), "chunk": chunk, "decode_steps": steps, **fs.memory_note()}
+    print(f"model: {info}", flush=True)
+    rows, failures = [], []
+    cases = [("prefill", prefill_tokens)] + [(kind, n) for n in contexts for kind in ("decode", "chunk")]
+    for kind, n in cases:
+        try:
+            t = time.perf_counter()
+            if kind == "prefill":
+                r = prefill_from_empty(model, n, cuda)
+            elif kind == "decode":
+                r = decode_at(model, n, steps, warmup, cuda)
+            else:
+                r = prefill_chunk_at(model, n, chunk, cuda)
+            r["case_wall_s"] = round(time.perf_counter() - t, 1)
+            rows.append(r)
+            fs.print_rows([r], f"{kind} {fs.context_label(n)} (case took {r['case_wall_s']} s)")
+        except Exception as e:  # one failing case (e.g. out of memory at 1M) keeps the others
+            failures.append({"case": f"{kind} {fs.context_label(n)}", "error": f"{type(e).__name__}: {e}"[:2000],
+                             "oom": fs.is_oom(e)})
+            print(f"!! {kind} {n}: {type(e).__name__}: {str(e)[:500]}", flush=True)
+            traceback.print_exc()
+        if cuda:
+            torch.cuda.empty_cache()
+        if json_path:  # written after every case: a timeout later still leaves these
+            _write(json_path, info, rows, failures)
+    fs.print_rows(rows, f"V4.1-Flash layers at full width, random weights ({args.name}, {args.n_routed_experts} "
+                        f"experts; estimate_40 = composed for all 40 layers, see flash_stack.compose_flash)")
+    for r in rows:
+        print(f"  {r['case']:44s} 40-layer estimate: {r['estimate_40_layers_ms']:.2f} ms, "
+              f"{r['estimate_40_layers_tokens_per_s']:.2f} tokens/s")
+    for f in failures:
+        print(f"  FAILED {f['case']}: {f['error'][:200]}")
+    return rows
+
+
+def _write(path, info, rows, failures):
+    data = {"benchmark": "flash_layers", "model": info, "rows": rows, "failures": failures,
+            "command": " ".join(sys.argv)}
+    if torch.cuda.is_available():
+        from kernels_common import ceilings, machine
+
+        data.update(machine=machine(), ceilings=ceilings())
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json")
+    ap.add_argument("--device")
+    ap.add_argument("--tiny", action="store_true", help="tiny widths (CPU check of the code paths)")
+    ap.add_argument("--contexts", type=int, nargs="*")
+    ap.add_argument("--chunk", type=int)
+    ap.add_argument("--prefill-tokens", type=int)
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--experts", type=int, help="routed experts per layer (default: all of the config)")
+    ap.add_argument("--quick", action="store_true", help="fewer decode steps, short ceiling windows")
+    a = ap.parse_args()
+    run(a.json, a.device, a.tiny, a.contexts, a.chunk, a.prefill_tokens, a.steps, a.warmup, a.experts, a.quick)
