@@ -13,7 +13,9 @@ Runtime layout (what `dsv41 convert --to runtime` writes)
     routed experts in the chosen `--expert-dtype`; `official-scales.safetensors` keeps the dropped
     `wo_a` scales so `--to official` restores the original bytes; `runtime.json` records mp, the
     storage dtypes, each file's size and sha256 (resume verification) and the official shard layout;
-    config.json and the tokenizer files are copied unchanged.
+    config.json and the tokenizer files are copied unchanged. Every other tensor keeps its stored
+    dtype, including the one accepted deviation from the model's dtypes: ViT norm weights stored as
+    BF16 (as in the release) instead of F32 (`accepted_dtypes`).
 
 Everything is verified from the safetensors headers before any tensor data is read: a problem is a
 `CheckpointError` whose one-line message names the file and the tensor. Conversion streams: pass-
@@ -560,6 +562,39 @@ def _inventory(args_json: str) -> tuple:
     return tuple((name, (tuple(shape), st_name(dtype))) for name, shape, dtype in parameter_inventory(args))
 
 
+# Tensors whose stored dtype may differ from the model's: (pattern, model dtype, other accepted dtypes).
+# The ViT RMSNorm weights are fp32 Parameters in S0's vision.py (`torch.ones(dim, dtype=torch.float32)`),
+# but the released V4.1-Flash index's metadata.total_size is exactly 133,120 bytes below an all-F32
+# inventory: its 65 norm vectors of 1024 (32 blocks x norm1/norm2 + the final norm) are stored as BF16.
+# S0 loads that (load_state_dict copies with conversion), and so do we: BF16 is accepted for exactly
+# these tensors, kept as stored by `convert` (so the round trip is byte for byte), and widened
+# losslessly to F32 when loaded into the model. Every other tensor must have the model's dtype.
+_ALSO_ACCEPTED: tuple[tuple[re.Pattern, str, tuple[str, ...]], ...] = (
+    (re.compile(r"vision\.(?:blocks\.\d+\.norm[12]|norm)\.weight"), "F32", ("BF16",)),
+)
+
+
+def accepted_dtypes(name: str, dtype: str) -> tuple[str, ...]:
+    """The safetensors dtypes a checkpoint may store tensor `name` in, when the model holds it as `dtype`
+    (the model's dtype first)."""
+    for pattern, model_dtype, others in _ALSO_ACCEPTED:
+        if dtype == model_dtype and pattern.fullmatch(name):
+            return (dtype,) + others
+    return (dtype,)
+
+
+def to_model_dtypes(state: dict[str, torch.Tensor], expected: Mapping[str, tuple[tuple[int, ...], str]]
+                    ) -> dict[str, torch.Tensor]:
+    """`state` with every tensor stored in an accepted other dtype (BF16 ViT norm weights) widened to
+    the model's dtype, losslessly (BF16 -> F32 is exact); everything else untouched (still mapped)."""
+    for name, t in state.items():
+        if name in expected:
+            want = ST_DTYPES[expected[name][1]]
+            if t.dtype != want and st_name(t.dtype) in accepted_dtypes(name, expected[name][1]):
+                state[name] = t.to(want)
+    return state
+
+
 def runtime_args(args: ModelArgs, expert_dtype: str) -> ModelArgs:
     """The ModelArgs of a runtime-layout checkpoint converted from an official one of `args`."""
     return args.replace(wo_a_dtype="bf16", expert_dtype=expert_dtype)
@@ -757,8 +792,9 @@ def _check_against_config(found: Mapping[str, TensorEntry], expected: Mapping[st
         if entry.shape != shape:
             problems.add(f"{entry.file.name}: tensor {entry.name} has shape {list(entry.shape)}, {where} implies "
                          f"{list(shape)}")
-        elif entry.dtype != dtype:
-            problems.add(f"{entry.file.name}: tensor {entry.name} is {entry.dtype}, {where} implies {dtype}")
+        elif entry.dtype not in accepted_dtypes(name, dtype):
+            problems.add(f"{entry.file.name}: tensor {entry.name} is {entry.dtype}, {where} implies "
+                         f"{' or '.join(accepted_dtypes(name, dtype))}")
     missing = [n for n in expected if n not in found]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -896,6 +932,16 @@ def open_runtime(path: str | os.PathLike, checksums: bool = False) -> RuntimeChe
                               problems, where=f"config.json with mp={mp}", container=rank_file(r, mp))
         ranks.append(header.tensors)
         parts.append({n: p for n, (_, _, p) in want.items()})
+    problems.raise_if_any()
+    # the assembled tensors in their stored dtypes (an accepted other dtype, e.g. BF16 ViT norms, stays
+    # as stored so --to official writes it back unchanged); every rank holding a tensor must agree
+    stored: dict[str, str] = {}
+    for r, tensors in enumerate(ranks):
+        for name, entry in tensors.items():
+            if stored.setdefault(name, entry.dtype) != entry.dtype:
+                problems.add(f"{rank_file(r, mp)}: tensor {name} is {entry.dtype}, another rank file holds it as "
+                             f"{stored[name]}")
+    full = {name: (shape, stored.get(name, dtype)) for name, (shape, dtype) in full.items()}
     scales = {}
     if SCALES_FILE in files:
         scales = read_header(path / SCALES_FILE).tensors
@@ -1020,8 +1066,8 @@ def plan_runtime(ckpt: OfficialCheckpoint, mp: int = 1, expert_dtype: str = "fp4
                 out[name] = OutTensor(name, dtype, shape, _dequant_wo_a(ckpt, name, part, shape, block))
             elif split_of(name) == EXPERTS and expert_dtype != "fp4":
                 out[name] = OutTensor(name, dtype, shape, _convert_expert(ckpt, name, expert_dtype, shape, block))
-            else:
-                out[name] = OutTensor(name, dtype, shape, _slice(ckpt.tensors[name], part))
+            else:  # as stored (the model's dtype, or an accepted other one such as BF16 ViT norms)
+                out[name] = OutTensor(name, ckpt.tensors[name].dtype, shape, _slice(ckpt.tensors[name], part))
         order = _file_order(out, {n: t.dtype for n, t in out.items()})
         files.append(OutFile(rank_file(rank, mp), [out[n] for n in order]))
     scales = [n for n in official if n.endswith(".attn.wo_a.scale")]
@@ -1184,6 +1230,7 @@ def plan_official(ckpt: RuntimeCheckpoint, n_shards: int | None = None) -> Plan:
             data = _expert_to_fp4(ckpt, name, shape, block)
         else:
             data = _assembled(ckpt, name)
+            dtype = ckpt.full[name][1]  # as the rank files store it (BF16 ViT norms stay BF16)
         out[name] = OutTensor(name, dtype, shape, data)
     record = ckpt.manifest.get("official") or {}
     layout = record.get("shards")
@@ -1466,9 +1513,11 @@ def save_official(tensors: Mapping[str, torch.Tensor | Callable[[], torch.Tensor
     out = {}
     for name, (shape, dtype) in expected.items():
         value = tensors[name]
-        if isinstance(value, torch.Tensor) and (tuple(value.shape) != shape or st_name(value.dtype) != dtype):
-            raise CheckpointError(f"tensor {name} is {st_name(value.dtype)} {list(value.shape)}, the model needs "
-                                  f"{dtype} {list(shape)}")
+        if isinstance(value, torch.Tensor):
+            if tuple(value.shape) != shape or st_name(value.dtype) not in accepted_dtypes(name, dtype):
+                raise CheckpointError(f"tensor {name} is {st_name(value.dtype)} {list(value.shape)}, the model "
+                                      f"needs {' or '.join(accepted_dtypes(name, dtype))} {list(shape)}")
+            dtype = st_name(value.dtype)  # an accepted other dtype (BF16 ViT norms) is written as given
         out[name] = OutTensor(name, dtype, shape, InMemory(_checked(value, name, shape, dtype),
                                                            math.prod(shape) * itemsize(dtype)))
     files = _default_shards(out, args, n_shards)
@@ -1518,11 +1567,13 @@ def _checked(value, name, shape, dtype):
 def load_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], ModelArgs]:
     """Every tensor of a checkpoint (either layout), verified, with the ModelArgs that describe it.
     Official: as stored (FP8/FP4 kept), memory-mapped. Runtime: mp 1 memory-mapped; mp N assembled
-    from the rank files (split tensors are concatenated in memory)."""
+    from the rank files (split tensors are concatenated in memory). Tensors stored in an accepted other
+    dtype (BF16 ViT norm weights, `accepted_dtypes`) come back widened to the model's F32."""
     path = Path(path)
     if detect_layout(path) == "official":
         ckpt = open_official(path)
-        return {name: open_tensor(entry) for name, entry in ckpt.tensors.items()}, ckpt.args
+        state = {name: open_tensor(entry) for name, entry in ckpt.tensors.items()}
+        return to_model_dtypes(state, expected_tensors(ckpt.args)), ckpt.args
     ckpt = open_runtime(path)
     reader = _Reader()
     try:
@@ -1530,14 +1581,15 @@ def load_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], M
                  for name, (shape, dtype) in ckpt.full.items()}
     finally:
         reader.close()
-    return state, ckpt.args
+    return to_model_dtypes(state, expected_tensors(ckpt.args)), ckpt.args
 
 
 def load_rank_state(path: str | os.PathLike, rank: int, mp: int) -> dict[str, torch.Tensor]:
     """What rank `rank` of `mp` model-parallel ranks holds, in runtime dtypes and with the split rules
     of `NAME_MAP` (routed experts keep their global index in the name; Engram parts are zero-padded to
     ceil(rows / mp)). From a runtime checkpoint with that mp: its rank file, memory-mapped. From an
-    official checkpoint: split and converted on the fly (wo_a bf16, experts FP4), as `convert` would."""
+    official checkpoint: split and converted on the fly (wo_a bf16, experts FP4), as `convert` would.
+    BF16-stored ViT norm weights come back widened to F32, as the model holds them."""
     path = Path(path)
     if not 0 <= rank < mp:
         raise CheckpointError(f"rank {rank} is not in [0, {mp})")
@@ -1546,21 +1598,25 @@ def load_rank_state(path: str | os.PathLike, rank: int, mp: int) -> dict[str, to
         if ckpt.mp != mp:
             raise CheckpointError(f"{path} is split for mp={ckpt.mp}, not mp={mp}; convert it --to official and "
                                   f"back --to runtime --mp {mp}")
-        return {name: open_tensor(entry) for name, entry in ckpt.ranks[rank].items()}
-    plan = plan_runtime(open_official(path), mp, "fp4")
+        state = {name: open_tensor(entry) for name, entry in ckpt.ranks[rank].items()}
+        return to_model_dtypes(state, expected_tensors(ckpt.args))
+    ckpt = open_official(path)
+    plan = plan_runtime(ckpt, mp, "fp4")
     reader = _Reader()
     try:
-        return {t.name: materialize(t.data, t.dtype, t.shape, reader) for t in plan.files[rank].tensors}
+        state = {t.name: materialize(t.data, t.dtype, t.shape, reader) for t in plan.files[rank].tensors}
     finally:
         reader.close()
+    return to_model_dtypes(state, expected_tensors(runtime_args(ckpt.args, "fp4")))
 
 
 def load_model(path: str | os.PathLike, device: str = "cpu"):
     """(Transformer, ModelArgs, tokenizer) from a checkpoint directory of either layout.
 
     The model is built on the meta device and filled with the checkpoint's tensors as they are stored
-    (official: FP8 linears and FP4 experts; runtime: bf16 wo_a and the converted expert dtype),
-    strictly: a missing or unexpected name is an error. On CPU the weights stay memory-mapped."""
+    (official: FP8 linears and FP4 experts; runtime: bf16 wo_a and the converted expert dtype; BF16
+    ViT norm weights widened to F32), strictly: a missing or unexpected name is an error. On CPU the
+    weights stay memory-mapped."""
     from model.tokenizer import load_tokenizer
     from model.transformer import Transformer
 
