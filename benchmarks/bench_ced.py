@@ -19,7 +19,6 @@ Usage (GPU):  python benchmarks/bench_ced.py --json F
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import traceback
@@ -119,14 +118,10 @@ def run(json_path=None, device=None, tiny=False, tokens=None, chunks=None, exper
 
 
 def _write(path, info, results, comparisons, failures):
-    data = {"benchmark": "ced_replay_vs_full", "model": info, "results": results, "comparisons": comparisons,
-            "failures": failures, "command": " ".join(sys.argv)}
-    if torch.cuda.is_available():
-        from kernels_common import machine
+    from kernels_common import write_record
 
-        data["machine"] = machine()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=1, default=str))
+    write_record(path, {"benchmark": "ced_replay_vs_full", "model": info, "results": results,
+                        "comparisons": comparisons, "failures": failures})
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ Usage (GPU):  python benchmarks/bench_flash_layers.py --json F [--quick]
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import traceback
@@ -172,14 +171,10 @@ def run(json_path=None, device=None, tiny=False, contexts=None, chunk=None, pref
 
 
 def _write(path, info, rows, failures):
-    data = {"benchmark": "flash_layers", "model": info, "rows": rows, "failures": failures,
-            "command": " ".join(sys.argv)}
-    if torch.cuda.is_available():
-        from kernels_common import ceilings, machine
+    from kernels_common import write_record
 
-        data.update(machine=machine(), ceilings=ceilings())
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=1, default=str))
+    write_record(path, {"benchmark": "flash_layers", "model": info, "rows": rows, "failures": failures},
+                 with_ceilings=True)
 
 
 if __name__ == "__main__":

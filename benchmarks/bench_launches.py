@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
 import sys
 import tempfile
@@ -257,14 +256,10 @@ def _print(r):
 
 
 def _write(path, info, results):
-    data = {"benchmark": "launches_per_reuse_layer", "model": info, "results": results,
-            "target_decode_launches": TARGET_DECODE, "command": " ".join(sys.argv)}
-    if torch.cuda.is_available():
-        from kernels_common import machine
+    from kernels_common import write_record
 
-        data["machine"] = machine()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=1, default=str))
+    write_record(path, {"benchmark": "launches_per_reuse_layer", "model": info, "results": results,
+                        "target_decode_launches": TARGET_DECODE})
 
 
 if __name__ == "__main__":

@@ -111,3 +111,15 @@ def write_json(path: str | None, name: str, rows: list[dict]) -> None:
             "command": " ".join(sys.argv)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(data, indent=1))
+
+
+def write_record(path: str, data: dict, with_ceilings: bool = False) -> None:
+    """A model-level benchmark's JSON (written after every case, so a run cut short keeps what it
+    measured): `data` plus the command line, and on a GPU the machine (and the ceilings when asked)."""
+    data = {**data, "command": " ".join(sys.argv)}
+    if torch.cuda.is_available():
+        data["machine"] = machine()
+        if with_ceilings:
+            data["ceilings"] = ceilings()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1, default=str))
