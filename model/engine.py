@@ -9,10 +9,9 @@ one); batched scoring for evaluation uses `score_continuations`, which shares th
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
@@ -239,7 +238,6 @@ class Generator:
         standard speculative rejection sampling, so the output distribution is the target's."""
         args, model = self.args, self.model
         S = args.dspark_block_size
-        win = args.window_size
         history = list(prompt_ids)
         ring_ids = [args.n_layers + k for k in range(len(model.mtp))]  # the drafter's rings live in the cache
         for taps, positions in tap_segments:

@@ -52,7 +52,6 @@ reproduces exactly. Authority: the official V4.1 `engram.py` and the `Engram` /
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import tempfile
 from pathlib import Path

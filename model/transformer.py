@@ -24,7 +24,7 @@ from model import formats, mhc
 from model.attention import Attention
 from model.cache import KVCache
 from model.config import LayerSpec, ModelArgs
-from model.layers import Linear, RMSNorm, storage_dtype
+from model.layers import Linear, RMSNorm
 from model.moe import MoE
 
 

@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[2]
 HELDOUT = Path(__file__).resolve().parent / "heldout"

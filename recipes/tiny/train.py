@@ -33,10 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -380,7 +378,6 @@ def dspark_loss(model, hidden, prev, labels, chunk: int = 8192):
     from model.dspark import base_logits, teacher_forced_logits
 
     head_w = model.head.weight
-    last = model.mtp[-1]
     N, S, _ = hidden.shape
     h, y, lab = hidden.reshape(N * S, -1), prev.reshape(-1), labels.reshape(-1)
     ce_total = hidden.new_zeros((), dtype=torch.float32)
