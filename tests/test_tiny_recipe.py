@@ -106,6 +106,23 @@ def test_chunked_ce_matches_full_cross_entropy():
     assert torch.allclose(gh, rh, atol=1e-6) and torch.allclose(gw, rw, atol=1e-6)
 
 
+def test_weighted_ce_scales_only_the_weighted_tokens():
+    from recipes.tiny.train import chunked_ce, think_start_weights
+
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 5, 16, generator=g)
+    w = torch.randn(50, 16, generator=g)
+    inputs = torch.tensor([[7, 3, 9, 3, 1], [3, 3, 0, 2, 8]])
+    t = torch.randint(0, 50, (2, 5), generator=g)
+    assert think_start_weights(inputs, 3, 1.0) is None  # weight 1: the plain loss
+    tw = think_start_weights(inputs, 3, 10.0)
+    assert tw.tolist() == [[1, 10, 1, 10, 1], [10, 10, 1, 1, 1]]
+    per_token = F.cross_entropy(F.linear(h, w).reshape(-1, 50), t.reshape(-1), reduction="none")
+    got = chunked_ce(h, w, t, chunk=3, token_weights=tw)
+    assert torch.allclose(got, (per_token * tw.reshape(-1)).sum() / 10, atol=1e-6)
+    assert torch.allclose(chunked_ce(h, w, t, chunk=3, token_weights=torch.ones(2, 5)), per_token.mean(), atol=1e-6)
+
+
 def test_selection_bias_rule_moves_toward_balance():
     from recipes.tiny.train import update_selection_bias
 

@@ -183,14 +183,34 @@ def _ce_chunk(h, w, targets):
     return F.cross_entropy(F.linear(h, w), targets, reduction="sum")
 
 
+def _weighted_ce_chunk(h, w, targets, token_weights):
+    return (F.cross_entropy(F.linear(h, w), targets, reduction="none") * token_weights).sum()
+
+
 def chunked_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 8192,
-               bias_fn=None) -> torch.Tensor:
-    """Mean cross-entropy of head(hidden) against targets without materializing all the logits."""
+               token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross-entropy of head(hidden) against targets without materializing all the logits.
+    token_weights (same shape as targets) scale single tokens' terms; the mean still divides by the
+    number of tokens, so unweighted tokens keep their gradient."""
     h, t = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    tw = None if token_weights is None else token_weights.reshape(-1).to(torch.float32)
     total = hidden.new_zeros((), dtype=torch.float32)
     for i in range(0, h.size(0), chunk):
-        total = total + checkpoint(_ce_chunk, h[i:i + chunk], weight, t[i:i + chunk], use_reentrant=False)
+        if tw is None:
+            total = total + checkpoint(_ce_chunk, h[i:i + chunk], weight, t[i:i + chunk], use_reentrant=False)
+        else:
+            total = total + checkpoint(_weighted_ce_chunk, h[i:i + chunk], weight, t[i:i + chunk], tw[i:i + chunk],
+                                       use_reentrant=False)
     return total / h.size(0)
+
+
+def think_start_weights(inputs: torch.Tensor, think_id: int, weight: float) -> torch.Tensor | None:
+    """Loss weights for next-token targets: `weight` where the input token is `<think>`, i.e. for the
+    first reasoning token, which is the one the effort line decides (`</think>` at effort 1-19, a
+    running sum at 20-69, "Numbers" at 70-100: evals/tasks/tiny_reasoning). None when weight is 1."""
+    if weight == 1.0:
+        return None
+    return torch.where(inputs == think_id, weight, 1.0).to(torch.float32)
 
 
 def moe_layers(model, part: str):
@@ -243,7 +263,7 @@ def image_step_loss(model, vision: VisionJob, device) -> torch.Tensor:
 
 def train_backbone(model, sampler, device, seconds: float, batch: int, context: int, lr: float,
                    kl_weight: float = 0.1, gamma: float = 5e-3, max_steps: int | None = None, log=print,
-                   vision: VisionJob | None = None):
+                   vision: VisionJob | None = None, think_weight: float = 1.0, think_id: int | None = None):
     params = [(n, p) for n, p in model.named_parameters() if _backbone_trains(n)]
     for n, p in model.named_parameters():
         p.requires_grad_(_backbone_trains(n))
@@ -276,7 +296,8 @@ def train_backbone(model, sampler, device, seconds: float, batch: int, context: 
                 image_load.update(gamma)
             aux: dict = {}
             hidden = model(ids[:, :-1], all_logits=True, aux=aux)
-            lm = chunked_ce(hidden, model.head.weight, ids[:, 1:])
+            weights = think_start_weights(ids[:, :-1], think_id, think_weight) if think_id is not None else None
+            lm = chunked_ce(hidden, model.head.weight, ids[:, 1:], token_weights=weights)
             kl = torch.stack(aux["indexer_kl"]).mean() if aux.get("indexer_kl") else hidden.new_zeros(())
             loss = lm + kl_weight * kl
             loss.backward()
@@ -586,6 +607,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vision-workers", type=int, default=4, help="CPU processes drawing the pictures")
     ap.add_argument("--tower-seconds", type=float, default=30.0,
                     help="a new tower first learns to see through linear probes (recipes/tiny/vision/train.py)")
+    ap.add_argument("--think-start-weight", type=float, default=1.0,
+                    help="loss weight of the first reasoning token (the one the effort line decides); 1 = off")
     ap.add_argument("--log", type=Path, default=None, help="also append log lines to this file")
     ap.add_argument("--history", type=Path, default=None, help="write the loss history (JSON) here")
     a = ap.parse_args(argv)
@@ -628,8 +651,14 @@ def main(argv: list[str] | None = None) -> dict:
                     "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None,
                     "train_tokens": {k: int(v.numel()) for k, v in streams.items()}}))
     t1 = time.time()
+    think_id = None
+    if a.think_start_weight != 1.0:
+        from model.tokenizer import load_tokenizer
+
+        think_id = load_tokenizer(tokenizer_files).token_to_id("<think>")
     backbone = train_backbone(model, sampler, a.device, a.backbone_seconds, a.batch, a.context, a.lr,
-                              max_steps=a.max_steps, log=log, vision=vision)
+                              max_steps=a.max_steps, log=log, vision=vision, think_weight=a.think_start_weight,
+                              think_id=think_id)
     t2 = time.time()
     dspark = train_dspark(model, sampler, a.device, a.dspark_seconds, a.dspark_batch, a.context,
                           a.dspark_anchors, a.dspark_lr, max_steps=a.max_steps, log=log,
