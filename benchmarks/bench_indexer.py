@@ -4,7 +4,9 @@ Dense (the candidate-source layer, m = 1): N = context entries per sequence.
     bytes = N*68 (keys) + N*4 (scores written) + N*4 (scores read by Top-K) + q; FLOPs = 2*32*128*N per query.
 Deep (a Reindex layer inside the hierarchical pool): C = 2048 blocks x 8 = 16384 candidates per query,
 whatever the context: bytes = C*(68 + 4 + 4 + 4 (candidate id)); the time per query should be flat in context.
-Decode: one query per sequence, B sequences. Usage: python benchmarks/bench_indexer.py [--json F]
+Decode: one query per sequence, B sequences. Each row records the kernel's tiling (indexer.launch_config:
+tokens x heads per program, entries per tile, grid; a program walks tiles p, p + P, ...).
+Usage: python benchmarks/bench_indexer.py [--json F]
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ H, DK, TOPK, POOL = 32, 128, 512, 2048 * 8
 
 def run(json_path=None):
     from model import formats
-    from model.kernels.indexer import indexer_scores, indexer_topk
+    from model.kernels.indexer import indexer_scores, indexer_topk, launch_config
 
     rows = []
     for ctx in (65536, 262144, 1 << 20):
@@ -34,14 +36,16 @@ def run(json_path=None):
         t_s = bench(lambda: indexer_scores(q, w, kc, ks, vis))
         t_k = bench(lambda: indexer_topk(q, w, kc, ks, vis, TOPK))
         flops = 2 * H * DK * N * B
+        dense = launch_config(B, 1, H, N, 0, False, q.device)
         rows.append(record("indexer_scores", f"dense scores B={B} ctx={ctx >> 10}K", t_s, B * N * (68 + 4), flops,
-                           us_per_query=t_s * 1e6 / B))
+                           us_per_query=t_s * 1e6 / B, launch=dense))
         rows.append(record("indexer_topk", f"dense scores+topk B={B} ctx={ctx >> 10}K", t_k, B * N * (68 + 8),
-                           flops, us_per_query=t_k * 1e6 / B))
+                           flops, us_per_query=t_k * 1e6 / B, launch=dense))
         cand = torch.randint(0, N, (B, 1, POOL), device="cuda", dtype=torch.int32)
         t_d = bench(lambda: indexer_topk(q, w, kc, ks, vis, TOPK, candidates=cand))
         rows.append(record("indexer_topk", f"deep pool={POOL} B={B} ctx={ctx >> 10}K", t_d, B * POOL * (68 + 12),
-                           2 * H * DK * POOL * B, us_per_query=t_d * 1e6 / B))
+                           2 * H * DK * POOL * B, us_per_query=t_d * 1e6 / B,
+                           launch=launch_config(B, 1, H, N, POOL, True, q.device)))
         del kc, ks
         torch.cuda.empty_cache()
     print_table(rows, "indexer (MXFP4 keys, 32 heads x 128, Top-512)")

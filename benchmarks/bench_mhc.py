@@ -2,7 +2,8 @@
 
 bytes (floor) per step = M * (X read 2nd + y read 2d + X' written 2nd + collapse written 2d + coefficients
 (n + n + n n) * 4 * 2) + W_fn once (24 * n d * 4); FLOPs = 2 * 24 * n d * M (the projection).
-Compared with the torch path (model/mhc.py functions, as Block.mix runs them).
+Compared with the torch path (model/mhc.py functions, as Block.mix runs them). Each row records the residual
+kernel's tiling (mhc.launch_config: tokens x channels per step, channel blocks per program, grid).
 Usage: python benchmarks/bench_mhc.py [--json F]
 """
 
@@ -19,7 +20,7 @@ N_S, DIM = 4, 5120
 
 def run(json_path=None):
     from model.kernels import reference
-    from model.kernels.mhc import mhc_step
+    from model.kernels.mhc import launch_config, mhc_step
 
     rows = []
     n_mix = (N_S + 2) * N_S
@@ -36,7 +37,7 @@ def run(json_path=None):
         t_ref = bench(lambda: reference.mhc_step(*args), rep_ms=50)
         bytes_ = M * (2 * N_S * DIM * 2 + 2 * DIM * 2 + (2 * N_S + N_S * N_S) * 4 * 2) + n_mix * N_S * DIM * 4
         rows.append(record("mhc_step", f"M={M} tokens", t, bytes_, 2 * n_mix * N_S * DIM * M,
-                           torch_ref_us=t_ref * 1e6))
+                           torch_ref_us=t_ref * 1e6, launch=launch_config(M, DIM, x.device)))
     print_table(rows, "single-pass mHC (n=4, d=5120, bf16 residual)")
     write_json(json_path, "mhc", rows)
     return rows

@@ -151,23 +151,46 @@ def test_sparse_attention_dense_rows_interpreted():
 
 
 @interp
-@pytest.mark.parametrize("shape", [(2, 3, 4, 64, 70, 40), (1, 1, 16, 32, 33, 9)])
+@pytest.mark.parametrize("shape", [(2, 3, 4, 64, 70, 40), (1, 1, 16, 32, 33, 9), (1, 5, 32, 128, 300, 260)])
 def test_indexer_interpreted(shape):
+    # the last shape: V4.1 head width, 3 entry tiles of 128 (the last ragged) walked by one program, two
+    # tokens per program with a padding token in the last block
     check_indexer(indexer_case(*shape, seed=sum(shape)), force=True)
+
+
+@interp
+@pytest.mark.parametrize("programs", [2, 3, 64])
+def test_indexer_tiles_split_over_programs_interpreted(monkeypatch, programs):
+    """Programs stride over the entry tiles (p, p + P, ...): with 2 or 3 programs per sequence over 5 tiles
+    each tile is scored exactly once, and with more programs than tiles the extra ones are not launched."""
+    monkeypatch.setattr(indexer, "_target_programs", lambda device: programs)
+    check_indexer(indexer_case(1, 1, 8, 64, 600, 530, seed=programs), force=True)
 
 
 @interp
 @pytest.mark.parametrize("shape", [(1, 3, 4, 64), (2, 1, 4, 32)])
 def test_mhc_interpreted(shape):
-    # the interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest), hence the looser bound
-    check_mhc(mhc_case(*shape, seed=sum(shape)), force=True, tol_x=1e-2, tol_c=2e-3)
+    # the GPU bounds: the kernel rounds X' and the collapse to bf16 nearest-even under the interpreter too
+    check_mhc(mhc_case(*shape, seed=sum(shape)), force=True, tol_x=2e-3, tol_c=1e-4)
+
+
+@interp
+@pytest.mark.parametrize("programs", [2, 15, 64])
+def test_mhc_channel_ranges_interpreted(monkeypatch, programs):
+    """Channel ranges: d = 80 is 5 blocks of 16. At 260 tokens (5 token blocks of 64, the last ragged) they are
+    walked by one program per token block, by ranges of 2, 2, 1 blocks, or one block per program; at one
+    token (the decode tiles) by ranges of 3, 2 blocks or one block per program. Each range adds its partials
+    once: a block walked twice or skipped changes the result."""
+    monkeypatch.setattr(mhc, "_target_programs", lambda device: programs)
+    check_mhc(mhc_case(1, 260, 4, 80, seed=programs), force=True, tol_x=2e-3, tol_c=1e-4)
+    check_mhc(mhc_case(1, 1, 4, 80, seed=programs), force=True, tol_x=2e-3, tol_c=1e-4)
 
 
 @interp
 def test_mhc_new_weight_at_a_reused_address_interpreted():
     """The W_fn split cache must not serve a freed tensor's split to a new tensor (same address)."""
     for seed in range(3):
-        check_mhc(mhc_case(1, 2, 4, 32, seed=seed), force=True, tol_x=1e-2, tol_c=2e-3)
+        check_mhc(mhc_case(1, 2, 4, 32, seed=seed), force=True, tol_x=2e-3, tol_c=1e-4)
 
 
 @interp
@@ -200,7 +223,7 @@ def test_indexer_gpu(shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 1, 4, 5120), (2, 333, 4, 5120), (1, 17, 4, 64)])
+@pytest.mark.parametrize("shape", [(1, 1, 4, 5120), (2, 333, 4, 5120), (1, 17, 4, 64), (1, 4096, 4, 5120)])
 def test_mhc_gpu(shape):
     check_mhc(mhc_case(*shape, seed=2), force=False, tol_x=2e-3, tol_c=1e-4)
 

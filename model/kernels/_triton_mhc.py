@@ -5,57 +5,88 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from model.kernels._triton_formats import as_mma
+from model.kernels._triton_formats import as_mma, round_cast
+
+
+@triton.jit
+def residual_block(part, sq, x_rows, y_rows, x_new_rows, collapsed_rows, fn_hi_ptr, fn_lo_ptr, fn_t,
+                   post_ptr, comb_ptr, pre_ptr, r64, rmask, ch0, d,
+                   N: tl.constexpr, NMP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                   HAS_Y: tl.constexpr, INTERPRET: tl.constexpr):
+    """Channels ch0 .. ch0+BD-1 of the program's tokens: write X' and the collapse, and return the
+    projection and sum-of-squares partials with this block's share added.
+
+    One stream at a time, in [BM, BD] tiles: the per-token coefficients are [BM] vectors (L1-resident after
+    the first block) and the W_fn tile of stream k is [BD, NMP], so little is live across the loop. The
+    residual update adds post_k y then comb_jk X_j in j order, as the [BM, N, BD] form did."""
+    m2 = rmask[:, None]
+    collapsed = tl.zeros((BM, BD), dtype=tl.float32)
+    if HAS_Y:
+        y = tl.load(y_rows + ch0, mask=m2, other=0.0).to(tl.float32)
+    for k in tl.static_range(N):
+        if HAS_Y:
+            acc = tl.load(post_ptr + r64 * N + k, mask=rmask, other=0.0)[:, None] * y
+            for j in tl.static_range(N):
+                xj = tl.load(x_rows + j * d + ch0, mask=m2, other=0.0).to(tl.float32)
+                acc += tl.load(comb_ptr + r64 * (N * N) + j * N + k, mask=rmask, other=0.0)[:, None] * xj
+            x_new = round_cast(acc, x_new_rows.dtype.element_ty, INTERPRET)  # nearest-even, as the GPU casts
+            tl.store(x_new_rows + k * d + ch0, x_new, mask=m2)
+            xk = x_new.to(tl.float32)
+        else:
+            xk = tl.load(x_rows + k * d + ch0, mask=m2, other=0.0).to(tl.float32)
+        collapsed += tl.load(pre_ptr + r64 * N + k, mask=rmask, other=0.0)[:, None] * xk
+        sq += tl.sum(xk * xk, axis=1)
+        xm = as_mma(xk, INTERPRET)
+        part += tl.dot(xm, as_mma(tl.load(fn_hi_ptr + k * d + ch0 + fn_t).to(tl.float32), INTERPRET))
+        part += tl.dot(xm, as_mma(tl.load(fn_lo_ptr + k * d + ch0 + fn_t).to(tl.float32), INTERPRET))
+    tl.store(collapsed_rows + ch0, round_cast(collapsed, collapsed_rows.dtype.element_ty, INTERPRET), mask=m2)
+    return part, sq
 
 
 @triton.jit
 def residual_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_hi_ptr, fn_lo_ptr,
-                    x_new_ptr, collapsed_ptr, acc_ptr, M, d,
+                    x_new_ptr, collapsed_ptr, acc_ptr, M, d, blocks_per_range,
                     N: tl.constexpr, NMP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                     HAS_Y: tl.constexpr, INTERPRET: tl.constexpr):
-    """Program (block of BM tokens, block of BD residual channels), every stream:
+    """Program (block of BM tokens, range of channel blocks), every stream; it walks its range BD channels
+    at a time:
 
         X'_k = post_k y + sum_j comb_jk X_j       (HAS_Y; else X' = X), rounded to the residual dtype
         collapsed = sum_j pre_j X'_j               (the next sub-layer's input)
-        acc[:, :NMP] += X' . W_fn^T over these channels, acc[:, NMP] += sum X'^2   (split-K partials)
+        acc[:, :NMP] += X' . W_fn^T over the range, acc[:, NMP] += sum X'^2   (split-K partials)
 
-    The projection runs on the matrix units as X' (exact in bf16) times W_fn = hi + lo (two bf16 parts),
-    which keeps fp32 accuracy. x [M, N, d], y / collapsed [M, d], post / pre [M, N], comb [M, N, N]."""
+    The partials stay in registers across the range and go out with one atomic add per token and range
+    (NMP + 1 values), and each program reads its range's slice of W_fn once per BM tokens. The projection
+    runs on the matrix units as X' (exact in bf16) times W_fn = hi + lo (two bf16 parts), which keeps fp32
+    accuracy. x [M, N, d], y / collapsed [M, d], post / pre [M, N], comb [M, N, N]. The CPU interpreter
+    cannot take a runtime bound in range() with NumPy 2, so there the blocks are walked with a while loop."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    ch = tl.program_id(1) * BD + tl.arange(0, BD)
-    streams = tl.arange(0, N)
     rmask = rows < M
     r64 = rows.to(tl.int64)
-    m2 = rmask[:, None]
-    m3 = rmask[:, None, None]
-    x_offs = r64[:, None, None] * (N * d) + streams[None, :, None] * d + ch[None, None, :]  # [BM, N, BD]
-    if HAS_Y:
-        post = tl.load(post_ptr + r64[:, None] * N + streams[None, :], mask=m2, other=0.0)
-        y = tl.load(y_ptr + r64[:, None] * d + ch[None, :], mask=m2, other=0.0).to(tl.float32)
-        acc = post[:, :, None] * y[:, None, :]
-        for j in tl.static_range(N):
-            xj = tl.load(x_ptr + r64[:, None] * (N * d) + j * d + ch[None, :], mask=m2, other=0.0).to(tl.float32)
-            cj = tl.load(comb_ptr + r64[:, None] * (N * N) + j * N + streams[None, :], mask=m2, other=0.0)
-            acc += cj[:, :, None] * xj[:, None, :]
-        x_new = acc.to(x_new_ptr.dtype.element_ty)
-        tl.store(x_new_ptr + x_offs, x_new, mask=m3)
-        xr = x_new.to(tl.float32)
+    c = tl.arange(0, BD)
+    x_rows = x_ptr + r64[:, None] * (N * d) + c[None, :]  # + stream * d + ch0
+    x_new_rows = x_new_ptr + r64[:, None] * (N * d) + c[None, :]
+    y_rows = y_ptr + r64[:, None] * d + c[None, :]
+    collapsed_rows = collapsed_ptr + r64[:, None] * d + c[None, :]
+    fn_t = c[:, None] + tl.arange(0, NMP)[None, :] * (N * d)  # [BD, NMP]: W_fn^T, + stream * d + ch0
+    part = tl.zeros((BM, NMP), dtype=tl.float32)
+    sq = tl.zeros((BM,), dtype=tl.float32)
+    first = tl.program_id(1) * blocks_per_range
+    last = tl.minimum(first + blocks_per_range, d // BD)
+    if INTERPRET:
+        blk = first
+        while blk < last:
+            part, sq = residual_block(part, sq, x_rows, y_rows, x_new_rows, collapsed_rows, fn_hi_ptr, fn_lo_ptr,
+                                      fn_t, post_ptr, comb_ptr, pre_ptr, r64, rmask, blk * BD, d,
+                                      N, NMP, BM, BD, HAS_Y, INTERPRET)
+            blk += 1
     else:
-        xr = tl.load(x_ptr + x_offs, mask=m3, other=0.0).to(tl.float32)
-    pre = tl.load(pre_ptr + r64[:, None] * N + streams[None, :], mask=m2, other=0.0)
-    collapsed = tl.sum(pre[:, :, None] * xr, axis=1)
-    tl.store(collapsed_ptr + r64[:, None] * d + ch[None, :], collapsed.to(collapsed_ptr.dtype.element_ty), mask=m2)
-
-    flat = tl.reshape(xr, (BM, N * BD))  # column k*BD + c <-> W_fn column k*d + ch0 + c
-    kc = tl.arange(0, N * BD)
-    fn_cols = (kc // BD) * d + tl.program_id(1) * BD + (kc % BD)
-    mix_rows = tl.arange(0, NMP)
-    fn_offs = mix_rows[:, None].to(tl.int64) * (N * d) + fn_cols[None, :]
-    xm = as_mma(flat, INTERPRET)
-    part = tl.dot(xm, tl.trans(as_mma(tl.load(fn_hi_ptr + fn_offs).to(tl.float32), INTERPRET)))
-    part += tl.dot(xm, tl.trans(as_mma(tl.load(fn_lo_ptr + fn_offs).to(tl.float32), INTERPRET)))
-    tl.atomic_add(acc_ptr + r64[:, None] * (NMP + 1) + mix_rows[None, :], part, mask=m2)
-    tl.atomic_add(acc_ptr + r64 * (NMP + 1) + NMP, tl.sum(tl.sum(xr * xr, axis=2), axis=1), mask=rmask)
+        for blk in range(first, last):
+            part, sq = residual_block(part, sq, x_rows, y_rows, x_new_rows, collapsed_rows, fn_hi_ptr, fn_lo_ptr,
+                                      fn_t, post_ptr, comb_ptr, pre_ptr, r64, rmask, blk * BD, d,
+                                      N, NMP, BM, BD, HAS_Y, INTERPRET)
+    tl.atomic_add(acc_ptr + r64[:, None] * (NMP + 1) + tl.arange(0, NMP)[None, :], part, mask=rmask[:, None])
+    tl.atomic_add(acc_ptr + r64 * (NMP + 1) + NMP, sq, mask=rmask)
 
 
 @triton.jit

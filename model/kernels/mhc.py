@@ -8,9 +8,10 @@ From the residual streams X [.., n, d] and the finished sub-layer's output y:
     pre, post, comb = sinkhorn_split(mu, ...)
 
 The residual is read once and written once: one kernel walks X in tiles of (tokens x channels) over all
-n streams, writes X' and the collapse, and adds each tile's share of W_fn X' and of sum X'^2 into a small
-per-token accumulator (split over the channels, so a decode step of one token still spreads over the
-machine); a second, tiny kernel turns the accumulator into pre / post / comb (20 Sinkhorn iterations in
+n streams, writes X' and the collapse, and keeps the tile's share of W_fn X' and of sum X'^2 in registers
+while its program walks a range of channels; at the end of the range it adds them into a small per-token
+accumulator (one atomic add per token and range; the channels are split into as many ranges as filling the
+machine needs, so a decode step of one token still spreads over it); a second, tiny kernel turns the accumulator into pre / post / comb (20 Sinkhorn iterations in
 registers). Three launches per step (zeroing the accumulator, the two kernels).
 """
 
@@ -43,6 +44,33 @@ def _split_fn(fn: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
+def _target_programs(device: torch.device) -> int:
+    """Residual-kernel programs to aim for: 4 per SM on a GPU (what fits at 128 registers x 4 warps); 2 under
+    the CPU interpreter, so its tests walk several channel blocks per program."""
+    if device.type != "cuda":
+        return 2
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_config(M: int, d: int, device: torch.device) -> dict:
+    """The residual kernel's tiling for M tokens of width d (also recorded by benchmarks/bench_mhc.py):
+    BM tokens x BD channels per step, and a grid (token blocks, channel ranges) in which each program walks
+    blocks_per_range channel blocks. Below 256 tokens: 16 tokens x 32 channels (more token blocks, so fewer
+    channel ranges and atomics are needed to fill the machine); from 256: 64 x 16, so one W_fn slice serves
+    4x more tokens at the same 128 registers (no spills; benchmarks/compile_kernels.py, sm_90)."""
+    import triton
+
+    BM, BD, stages = (16, 32 if d % 32 == 0 else 16, 3) if M < 256 else (64, 16, 2)
+    # the ranges are as long as filling the machine allows (fewer atomics and W_fn re-reads); a decode
+    # step of one token gets one block per program
+    token_blocks = triton.cdiv(M, BM)
+    n_blocks = d // BD
+    ranges = max(1, min(n_blocks, triton.cdiv(_target_programs(device), token_blocks)))
+    blocks_per_range = triton.cdiv(n_blocks, ranges)
+    return dict(BM=BM, BD=BD, blocks_per_range=blocks_per_range,
+                grid=(token_blocks, triton.cdiv(n_blocks, blocks_per_range)), num_warps=4, num_stages=stages)
+
+
 def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              iters: int, hc_eps: float, norm_eps: float, y: torch.Tensor | None = None,
              post: torch.Tensor | None = None, comb: torch.Tensor | None = None, force_triton: bool = False):
@@ -70,11 +98,10 @@ def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: t
     yc = y.contiguous() if has_y else xc
     postc = f32(post) if has_y else acc
     combc = f32(comb) if has_y else acc
-    BM = 16
-    BD = 64 if d % 64 == 0 else 16
-    grid = (triton.cdiv(M, BM), d // BD)
-    residual_kernel[grid](xc, yc, postc, combc, f32(pre_prev), fn_hi, fn_lo, x_new, collapsed, acc, M, d,
-                          N=n, NMP=NMP, BM=BM, BD=BD, HAS_Y=has_y, INTERPRET=interpreting(), num_warps=4)
+    cfg = launch_config(M, d, x.device)
+    residual_kernel[cfg["grid"]](xc, yc, postc, combc, f32(pre_prev), fn_hi, fn_lo, x_new, collapsed, acc, M, d,
+                                 cfg["blocks_per_range"], N=n, NMP=NMP, BM=cfg["BM"], BD=cfg["BD"], HAS_Y=has_y,
+                                 INTERPRET=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     pre_n = torch.empty(*lead, n, dtype=torch.float32, device=x.device)
     post_n = torch.empty_like(pre_n)
     comb_n = torch.empty(*lead, n, n, dtype=torch.float32, device=x.device)
