@@ -3,7 +3,13 @@
 Per query token: H = 64 heads of D = 512, Kw = 128 window rows (528 B each), Km = 512 Top-K rows (288 B each).
 Bytes (floor): q and o (2 * H D * 2), indices (4 (Kw + Km)), and the rows: decode reads Kw*528 + Km*288 per
 sequence (every sequence has its own cache); prefill reads at least the whole stores once (W*528 + N*288).
-FLOPs: 4 H D (Kw + Km) per token (two products). Usage: python benchmarks/bench_sparse_attention.py [--json F]
+FLOPs: 4 H D (Kw + Km) per token (two products). The floor leaves out the split kernel's fp32 partial outputs
+(written and read back once: 2 * splits * H * D * 4 bytes per token), which are the price of the split.
+
+Decode cases are timed for both kernels on the same inputs: "split" (flash-decoding: split kernel per segment
++ combine, the default at T = 1) and "tiles" (the first kernel, one program per (token, 16 heads), still the
+prefill path), plus the split path replayed from a CUDA graph (its three launches without CPU cost).
+Usage: python benchmarks/bench_sparse_attention.py [--json F] [--variant auto|split|tiles|both]
 """
 
 from __future__ import annotations
@@ -12,10 +18,15 @@ import argparse
 
 import torch
 
-from kernels_common import bench, print_table, record, write_json
+from kernels_common import bench, graph_bench, print_table, record, write_json
 
 H, D, KW, KM = 64, 512, 128, 512
 WROW, MROW = 528, 288
+CASES = [("decode B=64 ctx=8K (N=4K)", 64, 1, 4096),
+         ("decode B=64 ctx=128K (N=64K)", 64, 1, 65536),
+         ("decode B=8 ctx=1M (N=1M, m=1)", 8, 1, 1 << 20),
+         ("decode B=1 ctx=128K", 1, 1, 65536),
+         ("prefill T=4096 N=4096", 1, 4096, 4096)]
 
 
 def make(B, T, N, device="cuda"):
@@ -31,30 +42,37 @@ def make(B, T, N, device="cuda"):
     return q, wc, ws, mc, ms, sink, widx, midx
 
 
-def run(json_path=None):
+def run(json_path=None, variant="both"):
     from model.kernels import reference
-    from model.kernels.sparse_attention import sparse_attention_packed
+    from model.kernels import sparse_attention as sa
 
     rows = []
-    for label, B, T, N in [("decode B=64 ctx=8K (N=4K)", 64, 1, 4096),
-                           ("decode B=64 ctx=128K (N=64K)", 64, 1, 65536),
-                           ("decode B=8 ctx=1M (N=1M, m=1)", 8, 1, 1 << 20),
-                           ("decode B=1 ctx=128K", 1, 1, 65536),
-                           ("prefill T=4096 N=4096", 1, 4096, 4096)]:
+    for label, B, T, N in CASES:
         q, wc, ws, mc, ms, sink, widx, midx = make(B, T, N)
-        fn = lambda: sparse_attention_packed(q, wc, ws, mc, ms, sink, widx, midx, D ** -0.5)  # noqa: E731
-        t = bench(fn)
+        args = (q, wc, ws, mc, ms, sink, widx, midx, D ** -0.5)
         flops = 4 * H * D * (KW + KM) * B * T
         io = B * T * (2 * H * D * 2 + 4 * (KW + KM))
         if T == 1:
             kv_bytes = B * (KW * WROW + KM * MROW)
         else:
             kv_bytes = B * (KW * WROW + N * MROW)
-        extra = {}
+        variants = [variant] if variant != "both" else (["split", "tiles"] if T == 1 else ["auto"])
+        ref_us = None
         if B * T * N <= 64 * 65536:  # the torch reference (unpack everything, gather) on the same inputs
-            extra["torch_ref_us"] = bench(lambda: reference.sparse_attention_packed(
-                q, wc, ws, mc, ms, sink, widx, midx, D ** -0.5), rep_ms=50) * 1e6
-        rows.append(record("sparse_attention_packed", label, t, io + kv_bytes, flops, **extra))
+            ref_us = bench(lambda: reference.sparse_attention_packed(*args), rep_ms=50) * 1e6
+        for v in variants:
+            fn = lambda: sa.sparse_attention_packed(*args, variant=v)  # noqa: E731
+            extra = {"variant": v}
+            if v == "split" or (v == "auto" and T == 1):
+                _, tiles, seg_splits = sa.split_config(B * T, [KW, KM], D, sa._sm_count(q.device))
+                extra.update(splits=sum(seg_splits), tiles_per_split=tiles,
+                             partial_bytes=2 * B * T * sum(seg_splits) * H * D * 4,
+                             graph_us=graph_bench(fn) * 1e6)
+            if ref_us is not None:
+                extra["torch_ref_us"] = ref_us
+            name = "sparse_attention_packed" if v in ("auto", "split") or T > 1 else "sparse_attention_packed[tiles]"
+            rows.append(record(name, label, bench(fn), io + kv_bytes, flops, **extra))
+        args = None  # free the case's tensors before the next one
         del q, wc, ws, mc, ms
         torch.cuda.empty_cache()
     print_table(rows, "sparse attention (packed FP8 window + FP4 main, H=64, D=512, Kw=128, Km=512)")
@@ -65,4 +83,7 @@ def run(json_path=None):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    run(ap.parse_args().json)
+    ap.add_argument("--variant", choices=("auto", "split", "tiles", "both"), default="both",
+                    help="kernel(s) to time; both = split and tiles for decode, the default kernel for prefill")
+    a = ap.parse_args()
+    run(a.json, a.variant)

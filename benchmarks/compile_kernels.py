@@ -1,14 +1,15 @@
-"""Compile the quantized-GEMM and expert kernels for an H100/H200-class GPU (sm_90) on a machine without one,
-and report what the compiler made of each launch configuration: registers, spills (local memory), shared
-memory, whether the products use wgmma, and the widest vector the weight loads got.
+"""Compile the quantized-GEMM, expert and sparse-attention kernels for an H100/H200-class GPU (sm_90) on a
+machine without one, and report what the compiler made of each launch configuration: registers, spills (the
+stack frame and ptxas's spill bytes), shared memory, whether the products use wgmma, and the widest vector the
+weight loads got.
 
 Triton's NVIDIA backend (its bundled ptxas) compiles to a cubin with no device present, so a kernel that does
 not lower, or that spills, shows up before any GPU time is spent. Usage (not under TRITON_INTERPRET=1):
 
-    python benchmarks/compile_kernels.py [--quick]
+    python benchmarks/compile_kernels.py [--quick] [--only gemm|sparse_attention]
 
-Exit status 1 if a configuration fails to compile or spills; prints "no NVIDIA backend" and exits 0 when
-Triton has no CUDA backend here.
+Exit status 1 if a launched configuration fails to compile or spills (alternatives and KNOWN_SPILLS are
+printed "SPILL*" and do not count); prints "no NVIDIA backend" and exits 0 when Triton has no CUDA backend here.
 """
 
 from __future__ import annotations
@@ -38,18 +39,27 @@ def compile_one(fn, types, consts, divisible, num_warps, num_stages, target):
     attrs = {(fn.arg_names.index(a),): D16 for a in divisible}
     k = triton.compile(ASTSource(fn, sig, consts, attrs), target=target,
                        options=dict(num_warps=num_warps, num_stages=num_stages))
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    try:
-        usage = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
-    m = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage)
-    regs, _, local = (int(v) for v in m.groups()) if m else (-1, -1, -1)
+    # Spills: the cubin's STACK size (cuobjdump -res-usage; spilled registers live in the stack frame, and
+    # its LOCAL field stays 0, so reading LOCAL alone misses them) and ptxas -v's spill-store/-load bytes
+    # for the same PTX with the bundled ptxas.
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin, ptx = Path(tmp) / "k.cubin", Path(tmp) / "k.ptx"
+        cubin.write_bytes(k.asm["cubin"])
+        ptx.write_text(k.asm["ptx"])
+        usage = subprocess.run([str(bin_dir / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True,
+                               text=True).stdout
+        arch = f"sm_{target.arch}a" if target.arch >= 90 else f"sm_{target.arch}"
+        verbose = subprocess.run([str(bin_dir / "ptxas"), "-v", "--gpu-name", arch, str(ptx), "-o",
+                                  str(Path(tmp) / "v.cubin")], capture_output=True, text=True).stderr
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    regs, stack, _, local = (int(v) for v in m.groups()) if m else (-1, -1, -1, -1)
+    sp = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", verbose)
+    stores, loads = (int(v) for v in sp.groups()) if sp else (-1, -1)
     ttgir = k.asm["ttgir"]
     vec = max((int(v) for v in re.findall(r"contiguity = (\d+)", ttgir)), default=0)
-    return dict(regs=regs, spill_bytes=local, shared=k.metadata.shared, wgmma="warp_group_dot" in ttgir,
+    return dict(regs=regs, spill_bytes=max(stack, local, stores), spill_stores=stores, spill_loads=loads,
+                shared=k.metadata.shared, wgmma="warp_group_dot" in ttgir,
                 max_contiguity=vec)
 
 
@@ -94,10 +104,53 @@ def cases(quick: bool):
                ("h_ptr", "base_ptr", "out_ptr", "K", "KP", "N", "stride_h", "stride_o", "stride_wn"), w, 3)
 
 
+def sparse_attention_cases(quick: bool):
+    """The decode split kernel (all 64 heads, D=512, FP8 window + FP4 main) and its combine kernel, at the
+    configuration model/kernels/sparse_attention.py launches, and the tile kernel it replaces for decode."""
+    from model.kernels import _triton_sparse_attention as S
+    from model.kernels import sparse_attention as sa
+
+    seg_types = dict(codes_ptr="*u8", scales_ptr="*u8", stride_cb="i32", stride_cr="i32", stride_sb="i32",
+                     stride_sr="i32", idx_ptr="*i32", stride_ib="i32", stride_it="i32", K="i32")
+    split_types = dict(seg_types, q_ptr="*bf16", sink_ptr="*fp32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32",
+                       stride_qb="i32", stride_qt="i32", stride_qh="i32", T="i32", H="i32", scale="fp32",
+                       TILES="i32", SPLIT0="i32", SPLITS="i32")
+    split_div = ("codes_ptr", "scales_ptr", "idx_ptr", "stride_cb", "stride_cr", "stride_sb", "stride_sr", "q_ptr",
+                 "po_ptr", "stride_qb", "stride_qt", "stride_qh")
+    launched = (64, sa.SPLIT_BK, sa.SPLIT_WARPS, sa.SPLIT_STAGES)
+    configs = [launched] if quick else [launched, (64, 32, 8, 1), (64, 16, 8, 1)]
+    for i, (BH, BK, w, st) in enumerate(configs):
+        for fmt in (sa.FP8, sa.FP4) + ((sa.DENSE,) if i == 0 else ()):  # DENSE: the model's bf16-row decode
+            yield ("sparse split" if i == 0 else "sparse split alt", S.split_kernel,
+                   dict(split_types, codes_ptr="*bf16", scales_ptr="*bf16") if fmt == sa.DENSE else split_types,
+                   dict(D=512, BH=BH, BK=BK, FMT=fmt, INTERPRET=False), split_div, w, st)
+    yield ("sparse combine", S.combine_kernel,
+           dict(po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", sink_ptr="*fp32", o_ptr="*bf16", stride_ob="i32",
+                stride_ot="i32", stride_oh="i32", T="i32", H="i32"),
+           dict(SPLITS=5, D=512, BH=16, BD=128, INTERPRET=False), ("po_ptr", "o_ptr", "stride_ob", "stride_oh"), 4, 3)
+    if not quick:
+        seg = {f"{p}_{k}": v for p in "ab" for k, v in
+               dict(codes="*u8", scales="*u8", cb="i32", cr="i32", sb="i32", sr="i32", idx="*i32", ib="i32",
+                    it="i32", K="i32").items()}
+        tile_types = dict(seg, q_ptr="*bf16", o_ptr="*bf16", sink_ptr="*fp32", stride_qb="i32", stride_qt="i32",
+                          stride_qh="i32", T="i32", H="i32", scale="fp32")
+        tile_div = tuple(f"{p}_{k}" for p in "ab" for k in ("codes", "scales", "idx", "cr", "sr")) + (
+            "q_ptr", "o_ptr", "stride_qb", "stride_qt", "stride_qh")
+        yield ("sparse tiles", S.kernel, tile_types,
+               dict(D2=256, BH=16, BK=32, FMT_A=sa.FP8, FMT_B=sa.FP4, INTERPRET=False), tile_div, 4, 3)
+
+
+# Kernels whose spills are known and documented (docs/performance.md), printed "SPILL*" without failing the run:
+# the sparse-attention tile kernel (the prefill path; decode moved to the split kernel).
+KNOWN_SPILLS = {"sparse tiles"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one decode and one prefill configuration per kernel")
-    quick = ap.parse_args().quick
+    ap.add_argument("--only", choices=("gemm", "sparse_attention"), help="one kernel family")
+    args = ap.parse_args()
+    quick = args.quick
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: interpreted functions cannot be compiled")
         return 2
@@ -109,7 +162,9 @@ def main() -> int:
         return 0
     target = GPUTarget("cuda", 90, 32)
     bad = 0
-    for name, fn, types, consts, div, warps, stages in cases(quick):
+    families = {"gemm": cases, "sparse_attention": sparse_attention_cases}
+    chosen = [families[args.only]] if args.only else list(families.values())
+    for name, fn, types, consts, div, warps, stages in (c for f in chosen for c in f(quick)):
         shown = {k: v for k, v in consts.items() if k != "INTERPRET"}
         try:
             info = compile_one(fn, types, consts, div, warps, stages, target)
@@ -117,9 +172,12 @@ def main() -> int:
             print(f"FAIL {name} {shown}: {type(e).__name__}: {str(e)[:400]}")
             bad += 1
             continue
-        ok = info["spill_bytes"] == 0
-        bad += not ok
-        print(f"{'ok  ' if ok else 'SPILL'} {name:12s} warps={warps} stages={stages} {shown}: {info}")
+        ok = info["spill_bytes"] == 0 and info["spill_stores"] >= 0
+        # alternatives not launched, and the prefill tile kernel's known spills, are reported, not failed
+        informational = name.endswith(" alt") or name in KNOWN_SPILLS
+        bad += not ok and not informational
+        tag = ("ok  " if ok else "SPILL") + ("*" if informational and not ok else "")
+        print(f"{tag} {name:12s} warps={warps} stages={stages} {shown}: {info}")
     return 1 if bad else 0
 
 

@@ -139,6 +139,65 @@ def test_sparse_attention_interpreted(shape):
 
 
 @interp
+@pytest.mark.parametrize("shape", [(2, 1, 4, 64, 8, 20, 5, 7), (3, 1, 5, 64, 40, 300, 70, 150),
+                                   (2, 1, 16, 256, 20, 90, 19, 45)])
+def test_sparse_attention_split_decode_interpreted(shape):
+    """Decode (T=1) takes the split kernel + combine by default: several splits per token (the last shape
+    uses the D>=256 tile of 16 rows, with splits that hold only window or only main rows), -1 holes, a
+    token that sees nothing, a batch row whose window is all -1 (splits with no valid row: l = 0), and a
+    sink large enough to matter. Same reference and bound as the tile kernel."""
+    q, wc, ws, mc, ms, sink, widx, midx = attention_case(*shape, seed=sum(shape))
+    if shape[0] > 2:
+        widx[2] = -1
+    sink = sink * 3
+    B, _, H, D = q.shape
+    from model.kernels.sparse_attention import split_config
+
+    _, _, seg_splits = split_config(B, [widx.size(-1), midx.size(-1)], D, 132)
+    assert sum(seg_splits) > 1  # the merge is exercised
+    calls = []
+    launch = sparse_attention._launch_split
+    sparse_attention._launch_split = lambda *a: calls.append(1) or launch(*a)
+    try:
+        check_attention((q, wc, ws, mc, ms, sink, widx, midx), force=True, tol=6e-3)  # measured ~2e-3
+    finally:
+        sparse_attention._launch_split = launch
+    assert len(calls) == 2  # both calls (with and without the main store) took the split path
+
+
+@interp
+def test_sparse_attention_split_matches_tiles_interpreted():
+    """variant="split" on a multi-token batch (rows = B*T) agrees with the tile kernel and the reference."""
+    q, wc, ws, mc, ms, sink, widx, midx = attention_case(2, 3, 4, 64, 8, 20, 5, 70, seed=11)
+    args = (q, wc, ws, mc, ms, sink, widx, midx, 0.125)
+    split = sparse_attention.sparse_attention_packed(*args, force_triton=True, variant="split")
+    tiles = sparse_attention.sparse_attention_packed(*args, force_triton=True, variant="tiles")
+    ref = reference.sparse_attention_packed(*args)
+    assert rel_err(split, ref) < 6e-3 and rel_err(tiles, ref) < 2e-2
+    assert rel_err(split, tiles) < 2e-2
+    with pytest.raises(ValueError, match="variant"):
+        sparse_attention.sparse_attention_packed(*args, force_triton=True, variant="nope")
+
+
+def test_sparse_attention_split_config():
+    """Splits: about 2 x SMs programs, at least one tile each, none empty, every tile covered; B=1 gets one
+    split per tile of its lists."""
+    from model.kernels.sparse_attention import split_config
+
+    for rows, counts, D in [(1, [128, 512], 512), (8, [128, 512], 512), (64, [128, 512], 512),
+                            (4096, [128, 512], 512), (3, [70, 150], 64), (1, [5], 64), (2, [0, 33], 512)]:
+        BK, tiles, seg_splits = split_config(rows, counts, D, 132)
+        assert BK == (16 if D >= 256 else 64) and tiles >= 1
+        for k, n in zip(counts, seg_splits):
+            n_tiles = -(-k // BK)
+            assert n * tiles >= n_tiles and (n - 1) * tiles < n_tiles  # covered, no empty split
+        total = sum(-(-k // BK) for k in counts)
+        assert rows * sum(seg_splits) >= min(132, rows * total)  # the SMs are filled at least once
+    assert split_config(1, [128, 512], 512, 132)[1:] == (1, [8, 32])
+    assert split_config(4096, [128, 512], 512, 132)[1:] == (40, [1, 1])
+
+
+@interp
 def test_sparse_attention_dense_rows_interpreted():
     q, *_ = attention_case(1, 2, 4, 64, 4, 4, 2, 2, seed=3)
     kv = torch.randn(1, 30, 64).bfloat16()
@@ -148,6 +207,14 @@ def test_sparse_attention_dense_rows_interpreted():
     sink = torch.randn(4)
     out = sparse_attention.sparse_attention(q, kv, sink, idx, 0.125, force_triton=True)
     assert rel_err(out, model_ref(q, kv, sink, idx, 0.125)) < 2e-2
+    # decode (T=1) over bf16 rows takes the split kernel, several splits, one batch row all -1
+    q, *_ = attention_case(3, 1, 4, 64, 4, 4, 2, 2, seed=4)
+    kv = torch.randn(3, 300, 64).bfloat16()
+    idx = torch.randint(-1, 300, (3, 1, 200))
+    idx[1] = -1
+    out = sparse_attention.sparse_attention(q, kv, sink, idx, 0.125, force_triton=True)
+    assert rel_err(out, model_ref(q, kv, sink, idx, 0.125)) < 6e-3
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
 @interp
@@ -214,6 +281,24 @@ def test_dispatch_keeps_cpu_on_reference():
 def test_sparse_attention_gpu(shape):
     for seed in range(2):
         check_attention(attention_case(*shape, seed=seed), force=False, tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 1, 64, 512, 128, 70000, 128, 512), (64, 1, 64, 512, 128, 4096, 128, 512),
+                                   (3, 1, 16, 128, 16, 50, 9, 61), (2, 4, 64, 512, 128, 900, 100, 333)])
+def test_sparse_attention_split_gpu(shape):
+    """The decode split kernel (the default at T=1; forced for T>1) against the reference and the tile kernel,
+    at V4.1-Flash width with B=2 (one split per 16-row tile) and B=64, -1 holes and an empty query."""
+    for seed in range(2):
+        q, wc, ws, mc, ms, sink, widx, midx = attention_case(*shape, seed=seed)
+        args = (q, wc, ws, mc, ms, sink, widx, midx, q.size(-1) ** -0.5)
+        split = sparse_attention.sparse_attention_packed(*args, variant="split")
+        tiles = sparse_attention.sparse_attention_packed(*args, variant="tiles")
+        ref = reference.sparse_attention_packed(*args)
+        assert rel_err(split, ref) < 1e-2 and rel_err(split, tiles) < 1e-2
+        assert torch.equal(split[0, 0], torch.zeros_like(split[0, 0]))
+        if shape[1] == 1:
+            check_attention((q, wc, ws, mc, ms, sink, widx, midx), force=False, tol=1e-2)
 
 
 @pytest.mark.gpu

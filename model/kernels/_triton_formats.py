@@ -106,3 +106,36 @@ def round_cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
         return bits.to(tl.float32, bitcast=True).to(dtype)
     else:
         return x.to(dtype)
+
+
+@triton.jit
+def e2m1_to_bf16(c):
+    """4-bit E2M1 codes (int32 0..15, bit 3 = sign) -> bf16, exact, from bits (no fp32 on the way, to keep
+    registers low where a whole tile is decoded): magnitude code k = 2..7 (1, 1.5, 2, 3, 4, 6) is bf16 bits
+    0x3F00 + 0x40 k, k = 1 (0.5) is 0x3F00, k = 0 is 0; the sign goes to bit 15."""
+    k = c & 7
+    mag = tl.where(k >= 2, 0x3F00 + k * 0x40, k * 0x3F00)
+    return (mag | ((c & 8) << 12)).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e4m3_to_bf16(b):
+    """E4M3 bytes (uint8) -> bf16 by the hardware conversion (exact: every E4M3 value is a bf16 value).
+    (0x7F/0xFF, the NaN codes, never occur in the cache.)"""
+    return b.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def e8m0_to_bf16(b):
+    """UE8M0 bytes (uint8 1..254) -> 2^(b-127) as bf16 (exponent bits only; byte 0 reads as 0)."""
+    return (b.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def mul_exact(v, s, INTERPRET: tl.constexpr):
+    """v * s for bf16 v and s whose product is exactly a bf16 value: in bf16 on the GPU; in fp32 under the
+    CPU interpreter, whose bf16 arithmetic is wrong (Triton 3.6 multiplies the raw bit patterns)."""
+    if INTERPRET:
+        return v.to(tl.float32) * s.to(tl.float32)
+    else:
+        return v * s

@@ -5,7 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from model.kernels._triton_formats import as_mma, e2m1_to_f32, e4m3_to_f32, e8m0_to_f32
+from model.kernels._triton_formats import (as_mma, e2m1_to_bf16, e2m1_to_f32, e4m3_to_bf16, e4m3_to_f32,
+                                           e8m0_to_bf16, e8m0_to_f32, mul_exact, round_cast)
 
 
 @triton.jit
@@ -114,3 +115,145 @@ def kernel(q_ptr, o_ptr, sink_ptr, stride_qb, stride_qt, stride_qh, T, H, scale,
     tl.store(o_row + 2 * cols[None, :] + 1, (acc_o / l_i[:, None]).to(o_ptr.dtype.element_ty),
              mask=hmask[:, None])
 
+
+
+# ------------------------------------------------------------------------- decode: split-K (flash-decoding)
+@triton.jit
+def load_rows_natural(codes_ptr, scales_ptr, b, stride_cb, stride_cr, stride_sb, stride_sr, rows, valid,
+                      D: tl.constexpr, FMT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows `rows` [BK] of one store -> [BK, D] in element order (exact values), each row read as contiguous
+    bytes (FP4: the byte tile's low and high nibbles are decoded apart and interleaved with join + reshape,
+    element 2i = low nibble of byte i). The packed formats decode straight to bf16 (hardware E4M3
+    conversion, E2M1 and UE8M0 from bits) and the power-of-two (FP8) or E4M3 (FP4) scale multiplies in
+    bf16, exact since the products have at most 6 significant bits and stay bf16 normals for every cache
+    value (the quantizers' amax floors); decoding through fp32 costs registers and spills on sm_90."""
+    mask = valid[:, None]
+    row_c = codes_ptr + b.to(tl.int64) * stride_cb + rows[:, None].to(tl.int64) * stride_cr  # stores > 2 GB
+    row_s = scales_ptr + b.to(tl.int64) * stride_sb + rows[:, None].to(tl.int64) * stride_sr
+    if FMT == 0:  # bf16 rows
+        cols = tl.arange(0, D)
+        kv = tl.load(row_c + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    elif FMT == 1:  # E4M3 bytes, one UE8M0 per 32 values
+        cols = tl.arange(0, D)
+        s = e8m0_to_bf16(tl.load(row_s + cols[None, :] // 32, mask=mask, other=127))
+        kv = mul_exact(e4m3_to_bf16(tl.load(row_c + cols[None, :], mask=mask, other=0)), s, INTERPRET)
+    else:  # E2M1 pairs, one E4M3 per 16 values: byte i holds elements 2i (low), 2i+1 (high), scale i // 8
+        cols = tl.arange(0, D // 2)
+        s = e4m3_to_bf16(tl.load(row_s + cols[None, :] // 8, mask=mask, other=0))
+        byte = tl.load(row_c + cols[None, :], mask=mask, other=0).to(tl.int32)
+        lo = mul_exact(e2m1_to_bf16(byte & 15), s, INTERPRET)
+        hi = mul_exact(e2m1_to_bf16(byte >> 4), s, INTERPRET)
+        kv = tl.reshape(tl.join(lo, hi), (valid.shape[0], D))
+    return kv
+
+
+@triton.jit
+def split_tile(acc, m_i, l_i, q, scale, b, t, k0,
+               codes_ptr, scales_ptr, stride_cb, stride_cr, stride_sb, stride_sr,
+               idx_ptr, stride_ib, stride_it, K,
+               D: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Fold the rows of indices k0..k0+BK-1 of one segment into the online-softmax state of all heads:
+    each row is decoded once and serves every head (one [BH, D] x [D, BK] and one [BH, BK] x [BK, D] product)."""
+    offs = k0 + tl.arange(0, BK)
+    idx = tl.load(idx_ptr + b * stride_ib + t * stride_it + offs, mask=offs < K, other=-1)
+    valid = idx >= 0
+    rows = tl.where(valid, idx, 0)
+    kv = load_rows_natural(codes_ptr, scales_ptr, b, stride_cb, stride_cr, stride_sb, stride_sr, rows, valid, D, FMT,
+                           INTERPRET)
+    kv = as_mma(kv, INTERPRET)
+    logits = tl.dot(q, tl.trans(kv))
+    logits = tl.where(valid[None, :], logits * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(logits - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(as_mma(p, INTERPRET), kv)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def split_range(acc, m_i, l_i, q, scale, b, t, k_lo, k_hi,
+                codes_ptr, scales_ptr, stride_cb, stride_cr, stride_sb, stride_sr,
+                idx_ptr, stride_ib, stride_it, K,
+                D: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Indices k_lo..k_hi-1 (k_lo a multiple of BK) of one segment, tile by tile (while loop under the
+    interpreter, for the reason given in `attend`)."""
+    if INTERPRET:
+        k0 = k_lo
+        while k0 < k_hi:
+            acc, m_i, l_i = split_tile(acc, m_i, l_i, q, scale, b, t, k0, codes_ptr, scales_ptr, stride_cb,
+                                       stride_cr, stride_sb, stride_sr, idx_ptr, stride_ib, stride_it, K,
+                                       D, BK, FMT, INTERPRET)
+            k0 += BK
+    else:
+        for k0 in range(k_lo, k_hi, BK):
+            acc, m_i, l_i = split_tile(acc, m_i, l_i, q, scale, b, t, k0, codes_ptr, scales_ptr, stride_cb,
+                                       stride_cr, stride_sb, stride_sr, idx_ptr, stride_ib, stride_it, K,
+                                       D, BK, FMT, INTERPRET)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def split_kernel(q_ptr, sink_ptr, po_ptr, pm_ptr, pl_ptr, stride_qb, stride_qt, stride_qh, T, H, scale,
+                 TILES, SPLIT0, SPLITS,
+                 codes_ptr, scales_ptr, stride_cb, stride_cr, stride_sb, stride_sr, idx_ptr, stride_ib, stride_it, K,
+                 D: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr, INTERPRET: tl.constexpr):
+    """One program per (token, split) of one segment (one launch per segment: the two segments' loops in
+    one program spill on sm_90, each alone does not): all heads over TILES tiles of BK indices. Writes the
+    split's normalised partial output po [R, SPLITS, H, D] (fp32), its max pm and sum pl [R, SPLITS, H] at
+    split SPLIT0 + program_id(1). The running max starts at the sink (finite), so a split with no valid row
+    ends with l = 0, o = 0 and no NaN; the sink itself is added once, by the combine kernel."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    b = row // T
+    t = row % T
+    heads = tl.arange(0, BH)
+    hmask = heads < H
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + t * stride_qt + heads[:, None] * stride_qh + cols[None, :],
+                mask=hmask[:, None], other=0.0)
+    q = as_mma(q, INTERPRET)
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+    m_i = sink
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, D], dtype=tl.float32)
+    lo = split * TILES * BK
+    acc, m_i, l_i = split_range(acc, m_i, l_i, q, scale, b, t, lo, tl.minimum(lo + TILES * BK, K),
+                                codes_ptr, scales_ptr, stride_cb, stride_cr, stride_sb, stride_sr,
+                                idx_ptr, stride_ib, stride_it, K, D, BK, FMT, INTERPRET)
+    part = row * SPLITS + SPLIT0 + split
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(po_ptr + (part * H + heads[:, None]).to(tl.int64) * D + cols[None, :], o, mask=hmask[:, None])
+    tl.store(pm_ptr + part * H + heads, m_i, mask=hmask)
+    tl.store(pl_ptr + part * H + heads, l_i, mask=hmask)
+
+
+@triton.jit
+def combine_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, o_ptr, stride_ob, stride_ot, stride_oh, T, H,
+                   SPLITS: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """Log-sum-exp merge of the splits of one token, for BH heads x BD columns, with the sink:
+    M = max(sink, m_s), o = sum_s l_s e^(m_s - M) o_s / (e^(sink - M) + sum_s l_s e^(m_s - M))."""
+    row = tl.program_id(0)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    cols = tl.program_id(2) * BD + tl.arange(0, BD)
+    hmask = heads < H
+    b = row // T
+    t = row % T
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+    m = sink
+    for s in range(SPLITS):
+        m = tl.maximum(m, tl.load(pm_ptr + (row * SPLITS + s) * H + heads, mask=hmask, other=0.0))
+    den = tl.exp(sink - m)
+    acc = tl.zeros([BH, BD], dtype=tl.float32)
+    for s in range(SPLITS):
+        part = row * SPLITS + s
+        w = tl.load(pl_ptr + part * H + heads, mask=hmask, other=0.0) * \
+            tl.exp(tl.load(pm_ptr + part * H + heads, mask=hmask, other=0.0) - m)
+        den += w
+        o_s = tl.load(po_ptr + (part * H + heads[:, None]).to(tl.int64) * D + cols[None, :], mask=hmask[:, None],
+                      other=0.0)
+        acc += w[:, None] * o_s
+    out = acc / den[:, None]
+    tl.store(o_ptr + b * stride_ob + t * stride_ot + heads[:, None] * stride_oh + cols[None, :],
+             round_cast(out, o_ptr.dtype.element_ty, INTERPRET), mask=hmask[:, None])

@@ -7,17 +7,25 @@ over j in window_idx[t] (rows of the window store) and main_idx[t] (rows of the 
 by all query heads), so each row is read and dequantized once per block of heads and used for both
 products.
 
-Kernel layout. One program per (token, block of BH heads); it walks the window indices and then the
-compressed indices in tiles of BK rows with the online softmax (running max m, running sum l, starting
-from m = sink so an empty row ends as 0). The FP4 format packs element 2i in the low nibble and 2i+1 in
-the high nibble of byte i, so the kernel keeps every D-vector as its even half and odd half
-(q.kv = q_even.kv_even + q_odd.kv_odd) and never interleaves nibbles: a byte tile [BK, D/2] decodes straight
-into the two halves, each with the E4M3 scale of byte i // 8. Row formats (constexpr per segment):
-DENSE (bf16 rows), FP8 (E4M3 bytes + UE8M0 per 32), FP4 (E2M1 pairs + E4M3 per 16).
+Two kernels. Decode (one query token per sequence, T = 1, H <= 64; `variant="split"` forces it for any T):
+flash-decoding. The token's index list, [window ; main] cut into tiles of BK rows (each segment padded to whole
+tiles), is split across programs (split_config: about 2 x SMs programs in all, so B = 1 gets one split per
+tile); each split_kernel program takes ALL heads of its (token, split), so every gathered row is decoded once
+and used by every head ([H, D] x [D, BK] then [H, BK] x [BK, D]), loads each row as contiguous bytes (the
+FP4 nibbles are decoded apart and interleaved with join + reshape), and writes a normalised fp32 partial
+output with its max and sum; one launch per segment (the two loops in one program spill on sm_90). Then
+combine_kernel merges the splits by log-sum-exp with the sink. Otherwise (prefill, or `variant="tiles"`):
+the tile kernel, one program per (token, block of BH heads) walking the window indices and then the
+compressed indices in tiles of BK rows with the online softmax. Both start the running max at the sink (so
+an empty row ends as 0, and an empty split has l = 0 and no NaN). The tile kernel keeps every D-vector as
+its even and odd halves (q.kv = q_even.kv_even + q_odd.kv_odd) so the FP4 nibbles never interleave; it
+loads FP8 and bf16 rows with stride 2. Row formats (constexpr per segment): DENSE (bf16 rows), FP8 (E4M3
+bytes + UE8M0 per 32), FP4 (E2M1 pairs + E4M3 per 16).
 
 Numerics: the dequantized values are exact in bf16 (at most 5 significant bits), q enters the matrix
 units as bf16 (the model's q is bf16), the logits and the accumulator are fp32, the probabilities enter
-the second product as bf16 (as flash attention does); the output is rounded to q's dtype.
+the second product as bf16 (as flash attention does); the output is rounded to q's dtype. The split path
+decodes the packed rows straight to bf16 (exact) and keeps its partial outputs, maxima and sums in fp32.
 """
 
 from __future__ import annotations
@@ -32,25 +40,26 @@ DENSE, FP8, FP4, NONE = 0, 1, 2, 3
 def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
                             main_codes: torch.Tensor | None, main_scales: torch.Tensor | None,
                             sink: torch.Tensor, window_idx: torch.Tensor, main_idx: torch.Tensor | None,
-                            scale: float, force_triton: bool = False) -> torch.Tensor:
-    """See reference.sparse_attention_packed (same signature, same result within bf16 rounding)."""
+                            scale: float, force_triton: bool = False, variant: str = "auto") -> torch.Tensor:
+    """See reference.sparse_attention_packed (same signature, same result within bf16 rounding). `variant`
+    picks the kernel ("auto": split for decode, tiles otherwise; "tiles" or "split" to compare them)."""
     if not use_triton(q, window_codes, main_codes, force=force_triton):
         return reference.sparse_attention_packed(q, window_codes, window_scales, main_codes, main_scales, sink,
                                                  window_idx, main_idx, scale)
     segments = [(FP8, window_codes, window_scales, window_idx)]
     if main_codes is not None and main_idx is not None:
         segments.append((FP4, main_codes, main_scales, main_idx))
-    return _launch(q, sink, scale, segments)
+    return _launch(q, sink, scale, segments, variant)
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
-                     force_triton: bool = False) -> torch.Tensor:
+                     force_triton: bool = False, variant: str = "auto") -> torch.Tensor:
     """model.attention.sparse_attention (unpacked bf16 rows kv [B,N,D]) through the same kernel."""
     if not use_triton(q, kv, force=force_triton) or kv.dtype != torch.bfloat16:
         from model.attention import sparse_attention as ref
 
         return ref(q, kv, sink, idx, scale)
-    return _launch(q, sink, scale, [(DENSE, kv, None, idx)])
+    return _launch(q, sink, scale, [(DENSE, kv, None, idx)], variant)
 
 
 def supported(q: torch.Tensor, head_dim: int) -> bool:
@@ -58,15 +67,27 @@ def supported(q: torch.Tensor, head_dim: int) -> bool:
     return head_dim >= 32 and head_dim & (head_dim - 1) == 0 and q.size(-1) == head_dim
 
 
-def _launch(q, sink, scale, segments):
-    import triton
+VARIANTS = ("auto", "tiles", "split")
+SPLIT_MAX_HEADS = 64  # the split kernel keeps every head of a token in one program: [H, D] fp32 accumulator
+SPLIT_WARPS = 8  # 64 x 512 fp32 accumulator over 256 threads: 128 registers each
+SPLIT_STAGES = 2  # the tile loop software-pipelined once; 254 registers, no spills at BK=16 (compile_kernels.py)
+SPLIT_BK = 16  # rows per tile at D >= 256 (32 spills more on sm_90)
 
+
+def _launch(q, sink, scale, segments, variant="auto"):
     B, T, H, D = q.shape
     if not supported(q, D):
         raise ValueError(f"sparse attention kernel needs a power-of-two head dim >= 32, got {D}")
-    q = q.contiguous()
-    o = torch.empty_like(q)
-    sink = sink.float().contiguous()
+    if variant not in VARIANTS:
+        raise ValueError(f"sparse attention variant must be one of {VARIANTS}, got {variant!r}")
+    if variant == "split" or (variant == "auto" and T == 1 and H <= SPLIT_MAX_HEADS):
+        return _launch_split(q, sink, scale, segments)
+    return _launch_tiles(q, sink, scale, segments)
+
+
+def _segment_args(q, segments):
+    """Kernel arguments of the two segment slots (an absent second segment gets NONE and dummies)."""
+    B, T = q.shape[:2]
     args = []
     fmts = []
     for fmt, codes, scales, idx in segments + [(NONE, None, None, None)] * (2 - len(segments)):
@@ -80,6 +101,78 @@ def _launch(q, sink, scale, segments):
         idx = idx.to(torch.int32).expand(B, T, -1).contiguous()
         args += [codes, scales, codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
                  idx, idx.stride(0), idx.stride(1), idx.size(2)]
+    return args, fmts
+
+
+def split_config(rows: int, counts: list[int], D: int, sms: int) -> tuple[int, int, list[int]]:
+    """(BK, tiles per split, splits of each segment) for `rows` query tokens whose index lists hold `counts`
+    indices per segment: enough programs to fill the GPU about twice (rows x splits ~ 2 x SMs), at least one
+    tile per split, never an empty split. B=1 gets as many splits as its lists have tiles."""
+    BK = SPLIT_BK if D >= 256 else 64
+    seg_tiles = [-(-k // BK) for k in counts]
+    n_tiles = max(sum(seg_tiles), 1)
+    want = max(1, -(-2 * sms // max(rows, 1)))
+    tiles = -(-n_tiles // min(want, n_tiles))
+    return BK, tiles, [-(-n // tiles) for n in seg_tiles]
+
+
+def _sm_count(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter: an H100/H200's count, so the CPU tests take the same split choices
+
+
+def _launch_split(q, sink, scale, segments):
+    """Flash-decoding: split_kernel over (token, split) for each segment, all heads per program, then
+    combine_kernel merges the splits with the sink."""
+    import triton
+
+    from model.kernels._triton_sparse_attention import combine_kernel, split_kernel
+
+    B, T, H, D = q.shape
+    q = q.contiguous()
+    o = torch.empty_like(q)
+    sink = sink.float().contiguous()
+    R = B * T
+    BK, tiles, seg_splits = split_config(R, [idx.size(-1) for _, _, _, idx in segments], D, _sm_count(q.device))
+    splits = max(sum(seg_splits), 1)
+    BH = max(16, triton.next_power_of_2(H))
+    po = torch.empty(R, splits, H, D, dtype=torch.float32, device=q.device)
+    pm = torch.empty(R, splits, H, dtype=torch.float32, device=q.device)
+    pl = torch.empty(R, splits, H, dtype=torch.float32, device=q.device)
+    if sum(seg_splits) == 0:  # no index at all: every query sees only its sink, o = 0
+        pm.fill_(float("-inf"))
+        pl.zero_()
+        po.zero_()
+    split0 = 0
+    for (fmt, codes, scales, idx), n in zip(segments, seg_splits):
+        if n == 0:
+            continue
+        codes = codes.contiguous()
+        scales = codes if scales is None else scales.contiguous()
+        idx = idx.to(torch.int32).expand(B, T, -1).contiguous()
+        split_kernel[(R, n)](q, sink, po, pm, pl, q.stride(0), q.stride(1), q.stride(2), T, H, float(scale),
+                             tiles, split0, splits, codes, scales, codes.stride(0), codes.stride(1),
+                             scales.stride(0), scales.stride(1), idx, idx.stride(0), idx.stride(1), idx.size(2),
+                             D=D, BH=BH, BK=BK, FMT=fmt, INTERPRET=interpreting(), num_warps=SPLIT_WARPS,
+                             num_stages=SPLIT_STAGES)
+        split0 += n
+    BHC, BD = 16, min(D, 128)
+    combine_kernel[(R, triton.cdiv(H, BHC), D // BD)](po, pm, pl, sink, o, o.stride(0), o.stride(1), o.stride(2),
+                                                       T, H, SPLITS=splits, D=D, BH=BHC, BD=BD,
+                                                       INTERPRET=interpreting(), num_warps=4)
+    return o
+
+
+def _launch_tiles(q, sink, scale, segments):
+    """The first kernel: one program per (token, block of BH heads) walking the whole list (prefill)."""
+    import triton
+
+    B, T, H, D = q.shape
+    q = q.contiguous()
+    o = torch.empty_like(q)
+    sink = sink.float().contiguous()
+    args, fmts = _segment_args(q, segments)
     BH = min(max(16, triton.next_power_of_2(H)), 16 if D >= 256 else 64)
     BK = 32 if D >= 256 else 64
     grid = (B * T, triton.cdiv(H, BH))
