@@ -179,6 +179,21 @@ def test_sparse_attention_split_matches_tiles_interpreted():
         sparse_attention.sparse_attention_packed(*args, force_triton=True, variant="nope")
 
 
+@interp
+def test_sparse_attention_split_empty_segments_interpreted():
+    """Decode with an empty window list, an empty main list, or both (no launch of that segment; with none,
+    the partials are set to 'nothing seen' and the output is 0)."""
+    q, wc, ws, mc, ms, sink, widx, midx = attention_case(2, 1, 4, 64, 8, 20, 5, 7, seed=1)
+    for w, m in [(widx[..., :0], midx), (widx, midx[..., :0]), (widx[..., :0], midx[..., :0])]:
+        out = sparse_attention.sparse_attention_packed(q, wc, ws, mc, ms, sink, w, m, 0.125, force_triton=True)
+        ref = reference.sparse_attention_packed(q, wc, ws, mc, ms, sink, w, m, 0.125)
+        assert rel_err(out, ref) < 6e-3
+        if w.size(-1) + m.size(-1) == 0:
+            assert torch.equal(out, torch.zeros_like(out))
+        else:
+            assert out.abs().amax() > 0
+
+
 def test_sparse_attention_split_config():
     """Splits: about 2 x SMs programs, at least one tile each, none empty, every tile covered; B=1 gets one
     split per tile of its lists."""
