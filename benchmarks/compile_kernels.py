@@ -6,7 +6,7 @@ weight loads got.
 Triton's NVIDIA backend (its bundled ptxas) compiles to a cubin with no device present, so a kernel that does
 not lower, or that spills, shows up before any GPU time is spent. Usage (not under TRITON_INTERPRET=1):
 
-    python benchmarks/compile_kernels.py [--quick] [--only gemm|sparse_attention]
+    python benchmarks/compile_kernels.py [--quick] [--only gemm|sparse_attention|indexer_mhc]
 
 Exit status 1 if a launched configuration fails to compile or spills (alternatives and KNOWN_SPILLS are
 printed "SPILL*" and do not count); prints "no NVIDIA backend" and exits 0 when Triton has no CUDA backend here.
@@ -140,6 +140,32 @@ def sparse_attention_cases(quick: bool):
                dict(D2=256, BH=16, BK=32, FMT_A=sa.FP8, FMT_B=sa.FP4, INTERPRET=False), tile_div, 4, 3)
 
 
+def indexer_mhc_cases(quick: bool):
+    """The indexer and mHC residual kernels at the configurations indexer.launch_config / mhc.launch_config
+    pick for V4.1-Flash (32 heads x 128; n = 4, d = 5120, bf16 residual)."""
+    from model.kernels import _triton_indexer as I
+    from model.kernels import _triton_mhc as Mh
+
+    i_types = dict(q_ptr="*fp32", w_ptr="*fp32", codes_ptr="*u8", scales_ptr="*u8", cand_ptr="*i32", vis_ptr="*i32",
+                   out_ptr="*fp32", T="i32", H="i32", N="i32", C="i32", stride_qb="i32", stride_qt="i32",
+                   stride_qh="i32", stride_wb="i32", stride_wt="i32", stride_cb="i32", stride_cr="i32",
+                   stride_sb="i32", stride_sr="i32", stride_ib="i32", stride_it="i32", stride_ob="i32", stride_ot="i32")
+    i_div = ("q_ptr", "w_ptr", "codes_ptr", "scales_ptr", "cand_ptr", "vis_ptr", "out_ptr", "stride_qb", "stride_qt",
+             "stride_qh", "stride_cb", "stride_cr", "stride_ob", "stride_ot")
+    for gather, BT in ((False, 1),) if quick else ((False, 1), (False, 2), (True, 1)):
+        yield ("indexer gather" if gather else "indexer dense", I.kernel, i_types,
+               dict(DK2=64, HP=32, BT=BT, BN=128, GATHER=gather, MASK_VISIBLE=True, INTERPRET=False), i_div, 8, 3)
+    m_types = dict(x_ptr="*bf16", y_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", pre_ptr="*fp32",
+                   fn_hi_ptr="*bf16", fn_lo_ptr="*bf16", x_new_ptr="*bf16", collapsed_ptr="*bf16", acc_ptr="*fp32",
+                   M="i32", d="i32", blocks_per_range="i32")
+    m_div = ("x_ptr", "y_ptr", "post_ptr", "comb_ptr", "pre_ptr", "fn_hi_ptr", "fn_lo_ptr", "x_new_ptr",
+             "collapsed_ptr", "acc_ptr", "d")
+    for BM, BD, stages in ((64, 16, 2),) if quick else ((16, 32, 3), (64, 16, 2)):
+        for has_y in (True,) if quick else (True, False):
+            yield ("mhc residual", Mh.residual_kernel, m_types,
+                   dict(N=4, NMP=32, BM=BM, BD=BD, HAS_Y=has_y, INTERPRET=False), m_div, 4, stages)
+
+
 # Kernels whose spills are known and documented (docs/performance.md), printed "SPILL*" without failing the run:
 # the sparse-attention tile kernel (the prefill path; decode moved to the split kernel).
 KNOWN_SPILLS = {"sparse tiles"}
@@ -148,7 +174,7 @@ KNOWN_SPILLS = {"sparse tiles"}
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one decode and one prefill configuration per kernel")
-    ap.add_argument("--only", choices=("gemm", "sparse_attention"), help="one kernel family")
+    ap.add_argument("--only", choices=("gemm", "sparse_attention", "indexer_mhc"), help="one kernel family")
     args = ap.parse_args()
     quick = args.quick
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -162,7 +188,7 @@ def main() -> int:
         return 0
     target = GPUTarget("cuda", 90, 32)
     bad = 0
-    families = {"gemm": cases, "sparse_attention": sparse_attention_cases}
+    families = {"gemm": cases, "sparse_attention": sparse_attention_cases, "indexer_mhc": indexer_mhc_cases}
     chosen = [families[args.only]] if args.only else list(families.values())
     for name, fn, types, consts, div, warps, stages in (c for f in chosen for c in f(quick)):
         shown = {k: v for k, v in consts.items() if k != "INTERPRET"}
