@@ -35,19 +35,11 @@ TARGET = 1.8
 
 
 @torch.inference_mode()
-def prefill_time(model, ids: torch.Tensor, chunk: int, mode: str, cuda: bool) -> dict:
-    dev = model.embed.weight.device
+def prefill_time(model, ids: torch.Tensor, chunk: int, mode: str) -> dict:
     gen = Generator(model)
     gen.prefill(model.new_cache(1), ids[:, :chunk], chunk, ced=mode)  # warm-up: one chunk of this mode
     cache = model.new_cache(1)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    fs.sync(dev)
-    with fs.LayerTimer(model) as timer:
-        t0 = time.perf_counter()
-        gen.prefill(cache, ids, chunk, ced=mode)
-        fs.sync(dev)
-        dt = time.perf_counter() - t0
+    dt, timer = fs.timed(model, lambda: gen.prefill(cache, ids, chunk, ced=mode))
     layers = timer.seconds()
     comp = fs.compose_flash(layers, dt)
     T = ids.size(1)
@@ -80,7 +72,7 @@ def run(json_path=None, device=None, tiny=False, tokens=None, chunks=None, exper
         got = {}
         for mode in ("full", "replay"):
             try:
-                r = prefill_time(model, ids, chunk, mode, cuda)
+                r = prefill_time(model, ids, chunk, mode)
                 got[mode] = r
                 results.append(r)
                 print(f"{mode:7s} chunk {chunk}: {r['seconds']:.3f} s ({r['tokens_per_s']:.0f} tokens/s), "

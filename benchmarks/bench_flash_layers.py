@@ -58,56 +58,37 @@ def _finish(model, case: str, seconds: float, tokens: int, start: int, timer: fs
 
 @torch.inference_mode()
 def prefill_from_empty(model, tokens: int, cuda: bool) -> dict:
-    dev = model.embed.weight.device
     ids = _ids(model, tokens, 0)
     model(ids, 0, model.new_cache(1))  # warm-up: the same shape (Triton compilation, allocator)
     cache = model.new_cache(1)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    fs.sync(dev)
-    with fs.LayerTimer(model) as timer:
-        t0 = time.perf_counter()
-        model(ids, 0, cache)
-        fs.sync(dev)
-        dt = time.perf_counter() - t0
+    dt, timer = fs.timed(model, lambda: model(ids, 0, cache))
     return _finish(model, f"prefill {fs.context_label(tokens)} from empty", dt, tokens, 0, timer, 1, cuda)
 
 
 @torch.inference_mode()
 def decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool) -> dict:
-    dev = model.embed.weight.device
     start = ctx - steps - warmup
     cache = fs.fill_cache(model, start)
     ids = _ids(model, steps + warmup, ctx)
     for i in range(warmup):
         model(ids[:, i:i + 1], cache.pos, cache)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    fs.sync(dev)
-    with fs.LayerTimer(model) as timer:
-        t0 = time.perf_counter()
+
+    def decode_steps():
         for i in range(warmup, warmup + steps):
             model(ids[:, i:i + 1], cache.pos, cache)
-        fs.sync(dev)
-        dt = (time.perf_counter() - t0) / steps
+
+    dt, timer = fs.timed(model, decode_steps)
+    dt /= steps
     return _finish(model, f"decode step at ctx {fs.context_label(ctx)}", dt, 1, ctx - 1, timer, steps, cuda,
                    steps=steps)
 
 
 @torch.inference_mode()
 def prefill_chunk_at(model, ctx: int, chunk: int, cuda: bool) -> dict:
-    dev = model.embed.weight.device
     cache = fs.fill_cache(model, ctx - 2 * chunk)
     ids = _ids(model, 2 * chunk, ctx + 1)
     model(ids[:, :chunk], cache.pos, cache)  # warm-up chunk, same shape
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    fs.sync(dev)
-    with fs.LayerTimer(model) as timer:
-        t0 = time.perf_counter()
-        model(ids[:, chunk:], cache.pos, cache)
-        fs.sync(dev)
-        dt = time.perf_counter() - t0
+    dt, timer = fs.timed(model, lambda: model(ids[:, chunk:], cache.pos, cache))
     return _finish(model, f"prefill chunk {chunk} at ctx {fs.context_label(ctx)}", dt, chunk, ctx - chunk, timer,
                    1, cuda)
 

@@ -43,7 +43,7 @@ from model import formats  # noqa: E402
 from model.cache import INDEX_KEY_CODEC, KVCache, Rows  # noqa: E402
 from model.config import ModelArgs, preset  # noqa: E402
 from model.layers import Linear  # noqa: E402
-from model.transformer import Transformer  # noqa: E402
+from model.transformer import Transformer, init_random_param_  # noqa: E402
 
 STACK_RATIOS = (0, 2, 2, 2, 1, 1, 1, 1)
 STACK_KV_SOURCES = (1, 4)
@@ -113,24 +113,7 @@ def init_weights_(model: Transformer, seed: int = 0, std: float = 0.02) -> None:
                 m.bias.copy_(normal(m.bias.shape, std).to(m.bias.dtype))
     linear_params = {id(p) for m in model.modules() if isinstance(m, Linear) for p in m.parameters()}
     for name, p in model.named_parameters():
-        if id(p) in linear_params:
-            continue
-        leaf = name.rsplit(".", 1)[-1]
-        if name.endswith("norm.weight"):
-            p.copy_(1.0 + normal(p.shape, 0.1))
-        elif "_fn" in leaf:
-            p.copy_(normal(p.shape, 0.5 / p.shape[1] ** 0.5))
-        elif leaf.startswith("hc_") and leaf.endswith("_scale"):
-            p.fill_(0.5)
-        elif leaf.endswith("_base"):
-            p.copy_(normal(p.shape, 0.5))
-        elif leaf == "attn_sink":
-            p.copy_(normal(p.shape, 1.0))
-        elif leaf in ("bias", "bias_vl") and p.dtype == torch.float32:
-            p.copy_(normal(p.shape, 0.1))
-        elif p.dtype in (torch.bfloat16, torch.float32):
-            p.copy_(normal(p.shape, 1.0 if "embed" in name else std).to(p.dtype))
-        else:
+        if id(p) not in linear_params and not init_random_param_(model, name, p, normal, std):
             raise RuntimeError(f"no random init for {name} ({p.dtype})")
 
 
@@ -240,6 +223,20 @@ class LayerTimer:
                 out[i] = sum(b - a for a, b in pairs)
         return out
 
+
+
+def timed(model: Transformer, run) -> tuple[float, LayerTimer]:
+    """Wall seconds of run() between two device syncs, and its per-layer times; the CUDA peak-memory
+    counter is reset first, so memory_note() speaks of this run."""
+    dev = model.embed.weight.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    sync(dev)
+    with LayerTimer(model) as timer:
+        t0 = time.perf_counter()
+        run()
+        sync(dev)
+        return time.perf_counter() - t0, timer
 
 # ---------------------------------------------------------------------------------------- floors
 def _linear_flops(model: Transformer, layer: int) -> tuple[float, float, int]:
@@ -360,7 +357,7 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-__all__ = ["stack_args", "build", "fill_cache", "LayerTimer", "work", "row", "print_rows", "flash_layer_types",
+__all__ = ["stack_args", "build", "fill_cache", "LayerTimer", "timed", "work", "row", "print_rows", "flash_layer_types",
            "REPRESENTS", "OMITTED", "context_label", "weight_bytes", "memory_note", "sync", "is_oom", "gib"]
 
 

@@ -1625,15 +1625,31 @@ def load_model(path: str | os.PathLike, device: str = "cpu"):
     tokenizer = load_tokenizer(path)
     with torch.device("meta"):
         model = Transformer(args, tokenizer=tokenizer)
-    names = set(model.state_dict())
-    missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
+    check_state_matches(model, state, f"{path}: the checkpoint")
+    return fill_meta_model(model, state, device), args, tokenizer
+
+
+def check_state_matches(model: torch.nn.Module, state: Mapping[str, torch.Tensor], holder: str) -> None:
+    """Names and shapes of `state` against the model built for it (whole, or one rank's split): say
+    which tensor is missing, unexpected or of another shape. `holder` opens the message."""
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
         what = f"lacks {missing[0]}" if missing else f"has unexpected tensor {unexpected[0]}"
-        raise CheckpointError(f"{path}: the checkpoint {what} ({len(missing)} missing, {len(unexpected)} unexpected)")
+        raise CheckpointError(f"{holder} {what} ({len(missing)} missing, {len(unexpected)} unexpected)")
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(own[name].shape):
+            raise CheckpointError(f"{holder}: {name} is {list(t.shape)} in the checkpoint, the model needs "
+                                  f"{list(own[name].shape)}")
+
+
+def fill_meta_model(model: torch.nn.Module, state: Mapping[str, torch.Tensor], device: str = "cpu"):
+    """A model built on the meta device, given `state`'s tensors themselves (no copy: on CPU they stay
+    memory-mapped), moved to `device`, in eval mode."""
     model.load_state_dict(state, strict=True, assign=True)
     leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if leftover:
-        raise CheckpointError(f"internal: {leftover[0]} was not loaded")
+        raise RuntimeError(f"internal: {leftover[0]} was not loaded")
     if device != "cpu":
         model = model.to(device)
-    return model.eval(), args, tokenizer
+    return model.eval()

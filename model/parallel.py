@@ -485,8 +485,10 @@ def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -
         model.head = VocabParallelHead(args.vocab_size, args.dim, world, group)
 
     if has_weights:
+        from model.checkpoint import check_state_matches
+
         local = shard_state(full, args, rank, world)
-        check_state_matches(model, local, f"rank {rank} of {world}")
+        check_state_matches(model, local, f"rank {rank} of {world}: the rank's tensors")
         model.load_state_dict(local, strict=True, assign=True)
     model.tensor_parallel = (rank, world)
     return model
@@ -512,22 +514,6 @@ def shard_state(full: dict[str, torch.Tensor], args, rank: int, world: int) -> d
     return out
 
 
-def check_state_matches(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
-    """Names and shapes of `state` against the (split) model: a mismatch means the model's split and
-    the checkpoint's rules disagree; say which tensor."""
-    from model.checkpoint import CheckpointError
-
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        what = f"lacks {missing[0]}" if missing else f"has unexpected tensor {unexpected[0]}"
-        raise CheckpointError(f"{where}: the rank's tensors {what} ({len(missing)} missing, {len(unexpected)} unexpected)")
-    for name, t in state.items():
-        if tuple(t.shape) != tuple(own[name].shape):
-            raise CheckpointError(f"{where}: {name} is {list(t.shape)} in the checkpoint, the split model needs "
-                                  f"{list(own[name].shape)}")
-
-
 # ====================================================================================================
 # Loading
 # ====================================================================================================
@@ -550,7 +536,7 @@ def load_model_parallel(path: str | os.PathLike, device: str | None = None, ctx:
     """(model, args, tokenizer) for this process: the whole model in one process, else this rank's part
     of it (`apply_tensor_parallel` on the meta device, then this rank's tensors). Same contract as
     `model.checkpoint.load_model`; every rank of a model copy must call it."""
-    from model.checkpoint import load_args, load_model
+    from model.checkpoint import check_state_matches, fill_meta_model, load_args, load_model
     from model.tokenizer import load_tokenizer
     from model.transformer import Transformer
 
@@ -565,14 +551,8 @@ def load_model_parallel(path: str | os.PathLike, device: str | None = None, ctx:
         model = Transformer(args, tokenizer=tokenizer)
     apply_tensor_parallel(model, ctx.tp_rank, ctx.tp, ctx.tp_group)
     state = load_rank_weights(path, ctx.tp_rank, ctx.tp)
-    check_state_matches(model, state, f"{path} (rank {ctx.tp_rank} of {ctx.tp})")
-    model.load_state_dict(state, strict=True, assign=True)
-    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if leftover:
-        raise RuntimeError(f"internal: {leftover[0]} was not loaded")
-    if device != "cpu":
-        model = model.to(device)
-    return model.eval(), args, tokenizer
+    check_state_matches(model, state, f"{path} (rank {ctx.tp_rank} of {ctx.tp}): the rank's tensors")
+    return fill_meta_model(model, state, device), args, tokenizer
 
 
 # ====================================================================================================

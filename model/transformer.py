@@ -288,34 +288,44 @@ def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modul
             if module.bias is not None:
                 module.bias.copy_(normal(module.bias.shape).to(module.bias.dtype))
     for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
         if p.dtype in (torch.int8, torch.float8_e4m3fn, torch.float8_e8m0fnu) and "engram.embed" not in name:
             continue  # quantized linears were filled above
-        if name.endswith("norm.weight") or name.endswith(("norm1.weight", "norm2.weight")):
-            p.copy_(1.0 + normal(p.shape, 0.1))
-        elif "_fn" in leaf:
-            p.copy_(normal(p.shape, 0.5 / p.shape[1] ** 0.5))
-        elif leaf.endswith("_scale") and leaf.startswith("hc_"):
-            p.copy_(torch.ones(3) * 0.5)
-        elif leaf.endswith("_base"):
-            p.copy_(normal(p.shape, 0.5))
-        elif leaf == "attn_sink":
-            p.copy_(normal(p.shape, 1.0))
-        elif leaf in ("bias", "bias_vl") and p.dtype == torch.float32:
-            p.copy_(normal(p.shape, 0.1))
-        elif "engram.embed" in name:
-            if leaf == "weight" and p.dtype == torch.float32:  # trainable master copy
-                p.copy_(normal(p.shape, 1.0))
-            elif leaf == "weight":
-                rows = normal(p.shape, 1.0)
-                q, s = _quant_rows_fp8(rows)
-                p.copy_(q)
-                model.get_parameter(name[: -len("weight")] + "scale").copy_(s)
-        elif leaf in ("q_weight", "k_weight"):
-            p.copy_(1.0 + normal(p.shape, 0.1))
-        elif p.dtype in (torch.bfloat16, torch.float32) and not _is_linear_param(model, name):
-            p.copy_(normal(p.shape, 1.0 if "embed" in name or "image_" in name else std).to(p.dtype))
+        init_random_param_(model, name, p, normal, std)
     return model
+
+
+@torch.no_grad()
+def init_random_param_(model: nn.Module, name: str, p: torch.Tensor, normal, std: float) -> bool:
+    """The random value of one parameter that is not a Linear's weight (norms, mHC, sinks, biases,
+    Engram rows, embeddings, ...), drawn with `normal(shape, scale)`. False when no rule applies (a
+    Linear's own parameter, or one this function does not know)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("norm.weight") or name.endswith(("norm1.weight", "norm2.weight")):
+        p.copy_(1.0 + normal(p.shape, 0.1))
+    elif "_fn" in leaf:
+        p.copy_(normal(p.shape, 0.5 / p.shape[1] ** 0.5))
+    elif leaf.endswith("_scale") and leaf.startswith("hc_"):
+        p.fill_(0.5)
+    elif leaf.endswith("_base"):
+        p.copy_(normal(p.shape, 0.5))
+    elif leaf == "attn_sink":
+        p.copy_(normal(p.shape, 1.0))
+    elif leaf in ("bias", "bias_vl") and p.dtype == torch.float32:
+        p.copy_(normal(p.shape, 0.1))
+    elif "engram.embed" in name:
+        if leaf == "weight" and p.dtype == torch.float32:  # trainable master copy
+            p.copy_(normal(p.shape, 1.0))
+        elif leaf == "weight":
+            q, s = _quant_rows_fp8(normal(p.shape, 1.0))
+            p.copy_(q)
+            model.get_parameter(name[: -len("weight")] + "scale").copy_(s)
+    elif leaf in ("q_weight", "k_weight"):
+        p.copy_(1.0 + normal(p.shape, 0.1))
+    elif p.dtype in (torch.bfloat16, torch.float32) and not _is_linear_param(model, name):
+        p.copy_(normal(p.shape, 1.0 if "embed" in name or "image_" in name else std).to(p.dtype))
+    else:
+        return False
+    return True
 
 
 def _quant_rows_fp8(rows: torch.Tensor, block: int = 32):

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
 import os
-
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+# lm-eval and datasets read these once, at import: no network (conftest runs before any test module), and a throwaway cache, not the user's
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+if not os.environ.get("HF_HOME", "").startswith(tempfile.gettempdir()):
+    os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="dsv41-hf-")
+    atexit.register(shutil.rmtree, os.environ["HF_HOME"], True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/checkpoints.py
 

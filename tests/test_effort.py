@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import atexit
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,12 +16,7 @@ import torch
 from evals import effort
 from evals.effort import GenRequest, generate, wilson_interval
 
-# lm-eval and datasets read these once, at import: no network, and a throwaway cache, not the user's
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-if not os.environ.get("HF_HOME", "").startswith(tempfile.gettempdir()):
-    os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="dsv41-hf-")
-    atexit.register(shutil.rmtree, os.environ["HF_HOME"], True)
+# offline lm-eval and datasets, a throwaway HF_HOME: set up in conftest.py, before any import
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,24 +5,16 @@ directory, task data are local JSONL files or ship with installed packages."""
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-# lm-eval and datasets read these once, at import: no network, and a throwaway cache, not the user's
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-if not os.environ.get("HF_HOME", "").startswith(tempfile.gettempdir()):
-    os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="dsv41-hf-")
-    atexit.register(shutil.rmtree, os.environ["HF_HOME"], True)
+# offline lm-eval and datasets, a throwaway HF_HOME: set up in conftest.py, before any import
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("datasets")

@@ -12,23 +12,14 @@ directory; the tasks are lm-eval YAMLs over local JSONL files."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-# lm-eval and datasets read these once, at import: no network, and a throwaway cache, not the user's
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-if not os.environ.get("HF_HOME", "").startswith(tempfile.gettempdir()):
-    os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="dsv41-hf-")
-    atexit.register(shutil.rmtree, os.environ["HF_HOME"], True)
+# offline lm-eval and datasets, a throwaway HF_HOME: set up in conftest.py, before any import
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("datasets")

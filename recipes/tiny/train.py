@@ -235,6 +235,15 @@ def lr_at(frac: float, peak: float, warmup: float = 0.03, floor: float = 0.1) ->
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def budget_spent(start: float, seconds: float, step: int, max_steps: int | None) -> float | None:
+    """The fraction of a phase's budget spent (wall clock, or steps when capped), None once it is
+    used up: the schedules follow it, so a run fits its time slot on any machine."""
+    elapsed = time.time() - start
+    if elapsed >= seconds or (max_steps is not None and step >= max_steps):
+        return None
+    return max(elapsed / seconds, step / max_steps if max_steps else 0.0)
+
+
 def make_optimizer(params: list[tuple[str, nn.Parameter]], lr: float, weight_decay: float):
     decay = [p for n, p in params if p.dim() >= 2 and "embed" not in n]
     other = [p for n, p in params if not (p.dim() >= 2 and "embed" not in n)]
@@ -278,11 +287,7 @@ def train_backbone(model, sampler, device, seconds: float, batch: int, context: 
     history = []
     start, step, tokens = time.time(), 0, 0
     model.train()
-    while True:
-        elapsed = time.time() - start
-        if elapsed >= seconds or (max_steps is not None and step >= max_steps):
-            break
-        frac = max(elapsed / seconds, step / max_steps if max_steps else 0.0)
+    while (frac := budget_spent(start, seconds, step, max_steps)) is not None:
         for group in opt.param_groups:
             group["lr"] = lr_at(frac, lr)
         ids = sampler.sample(batch, context + 1).to(device, non_blocking=True)
@@ -435,11 +440,7 @@ def train_dspark(model, sampler, device, seconds: float, batch: int, context: in
     history = []
     start, step = time.time(), 0
     model.train()
-    while True:
-        elapsed = time.time() - start
-        if elapsed >= seconds or (max_steps is not None and step >= max_steps):
-            break
-        frac = max(elapsed / seconds, step / max_steps if max_steps else 0.0)
+    while (frac := budget_spent(start, seconds, step, max_steps)) is not None:
         for group in opt.param_groups:
             group["lr"] = lr_at(frac, lr, warmup=0.05)
         ids = sampler.sample(batch, context).to(device, non_blocking=True)
