@@ -25,7 +25,7 @@ from torch import nn
 from model import formats
 from model.config import LayerSpec, ModelArgs
 from model.indexer import Indexer
-from model.layers import Linear, RMSNorm, qat, rope_frequencies, rope_tail, storage_dtype
+from model.layers import Linear, RMSNorm, qat, rope_frequencies_on, rope_tail, storage_dtype
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
@@ -147,15 +147,20 @@ class Attention(nn.Module):
         self.rope = (args.rope_head_dim, args.max_position_embeddings, rope[0], rope[1], rope[2],
                      args.beta_fast, args.beta_slow)
 
-    def freqs(self, positions: slice | torch.Tensor, device) -> torch.Tensor:
+    def freqs(self, positions: slice | torch.Tensor, device, stop: int | None = None) -> torch.Tensor:
+        """RoPE rows of `positions` on `device`. For a tensor of positions `stop` (> their maximum)
+        saves reading the maximum back from the device."""
         rd, _, base, orig, factor, bf, bs = self.rope
         # a table as long as the positions in use, grown in powers of two (1M rows would be 256 MB)
-        stop = positions.stop if isinstance(positions, slice) else int(positions.max()) + 1
+        if isinstance(positions, slice):
+            stop = positions.stop
+        elif stop is None:
+            stop = int(positions.max()) + 1
         length = 1 << max(stop - 1, 1).bit_length()
-        table = rope_frequencies(rd, max(length, 64), base, orig, factor, bf, bs)
+        table = rope_frequencies_on(device, rd, max(length, 64), base, orig, factor, bf, bs)
         if isinstance(positions, torch.Tensor) and positions.device != table.device:
-            table = table.to(positions.device)  # the cached table lives on the CPU; CUDA indices need it on the GPU
-        return table[positions].to(device)
+            positions = positions.to(table.device)
+        return table[positions]
 
     # ---------------------------------------------------------------- pieces of the forward
     def query(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +184,7 @@ class Attention(nn.Module):
         m = self.spec.compress_ratio
         first = layer.n_compressed
         positions = torch.arange(first, first + latent.size(1), device=x.device) * m  # each group at its first token
-        freqs = self.freqs(positions, x.device)
+        freqs = self.freqs(positions, x.device, stop=(first + latent.size(1) - 1) * m + 1)
         # The cache rounds both to their storage grids and attention reads them back from it: the keys
         # to MXFP4, the main entries to C_g = FP4(RoPE(c_g)) (cache.quantize_main: FP8 or bf16 in a
         # comparison cache). Handing over unrounded values keeps packed == fake-quantized, bit for bit.

@@ -201,6 +201,24 @@ def rope_frequencies(rope_dim: int, max_len: int, base: float, original_seq_len:
         return _rope_table(rope_dim, max_len, base, original_seq_len, factor, beta_fast, beta_slow)
 
 
+_DEVICE_ROPE: dict[tuple, torch.Tensor] = {}
+
+
+def rope_frequencies_on(device, *table_args) -> torch.Tensor:
+    """`rope_frequencies(*table_args)` held on `device`: moved there once, not sliced on the CPU and
+    copied in every forward (a pageable host-to-device copy per layer and step, which also forbids
+    capturing a decode step in a CUDA graph)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return rope_frequencies(*table_args)
+    key = (device, *table_args)
+    t = _DEVICE_ROPE.get(key)
+    if t is None:
+        with torch.inference_mode(False), torch.no_grad():  # an ordinary tensor, as rope_frequencies'
+            t = _DEVICE_ROPE[key] = rope_frequencies(*table_args).to(device)
+    return t
+
+
 def _rope_table(rope_dim, max_len, base, original_seq_len, factor, beta_fast, beta_slow) -> torch.Tensor:
     theta = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
     if original_seq_len > 0:
