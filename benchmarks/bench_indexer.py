@@ -4,6 +4,8 @@ Dense (the candidate-source layer, m = 1): N = context entries per sequence.
     bytes = N*68 (keys) + N*4 (scores written) + N*4 (scores read by Top-K) + q; FLOPs = 2*32*128*N per query.
 Deep (a Reindex layer inside the hierarchical pool): C = 2048 blocks x 8 = 16384 candidates per query,
 whatever the context: bytes = C*(68 + 4 + 4 + 4 (candidate id)); the time per query should be flat in context.
+The candidates come as the pool makes them, 2048 blocks of 8 consecutive entries ("blocks", the target's
+case), and as 16384 random single entries ("random": a harder access pattern than the model produces).
 Decode: one query per sequence, B sequences. Each row records the kernel's tiling (indexer.launch_config:
 tokens x heads per program, entries per tile, grid; a program walks tiles p, p + P, ...).
 Usage: python benchmarks/bench_indexer.py [--json F]
@@ -18,6 +20,14 @@ import torch
 from kernels_common import bench, print_table, record, write_json
 
 H, DK, TOPK, POOL = 32, 128, 512, 2048 * 8
+
+
+def pool_blocks(B: int, N: int, block: int = 8) -> torch.Tensor:
+    """A deep layer's candidates as the hierarchical pool makes them: POOL / block distinct blocks of
+    `block` consecutive entries, ascending [B, 1, POOL] (model/indexer.py select_candidate_blocks)."""
+    starts = torch.stack([torch.randperm(N // block, device="cuda")[:POOL // block] for _ in range(B)]) * block
+    ids = starts.sort(-1).values[..., None] + torch.arange(block, device="cuda")
+    return ids.reshape(B, 1, POOL).to(torch.int32).contiguous()
 
 
 def run(json_path=None):
@@ -41,11 +51,12 @@ def run(json_path=None):
                            us_per_query=t_s * 1e6 / B, launch=dense))
         rows.append(record("indexer_topk", f"dense scores+topk B={B} ctx={ctx >> 10}K", t_k, B * N * (68 + 8),
                            flops, us_per_query=t_k * 1e6 / B, launch=dense))
-        cand = torch.randint(0, N, (B, 1, POOL), device="cuda", dtype=torch.int32)
-        t_d = bench(lambda: indexer_topk(q, w, kc, ks, vis, TOPK, candidates=cand))
-        rows.append(record("indexer_topk", f"deep pool={POOL} B={B} ctx={ctx >> 10}K", t_d, B * POOL * (68 + 12),
-                           2 * H * DK * POOL * B, us_per_query=t_d * 1e6 / B,
-                           launch=launch_config(B, 1, H, N, POOL, True, q.device)))
+        for shape, cand in (("blocks", pool_blocks(B, N)),
+                            ("random", torch.randint(0, N, (B, 1, POOL), device="cuda", dtype=torch.int32))):
+            t_d = bench(lambda: indexer_topk(q, w, kc, ks, vis, TOPK, candidates=cand))
+            rows.append(record("indexer_topk", f"deep pool={POOL} ({shape}) B={B} ctx={ctx >> 10}K", t_d,
+                               B * POOL * (68 + 12), 2 * H * DK * POOL * B, us_per_query=t_d * 1e6 / B,
+                               launch=launch_config(B, 1, H, N, POOL, True, q.device)))
         del kc, ks
         torch.cuda.empty_cache()
     print_table(rows, "indexer (MXFP4 keys, 32 heads x 128, Top-512)")
