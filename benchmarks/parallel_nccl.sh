@@ -39,3 +39,6 @@ report = {"greedy_tokens_identical": [a["output_ids"] == b["output_ids"] for a, 
 (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
 print(json.dumps(report, indent=1))
 PY
+# where a pair of greedy runs parts: the first differing token and its log-probability gap (CPU rescoring)
+$PY benchmarks/greedy_divergence.py "$OUT/generate_1gpu.jsonl" "$OUT/generate_2gpu.jsonl" --prompts "$PROMPTS" \
+    > "$OUT/divergence.jsonl" || true
