@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 pytest.importorskip("PIL.Image")
 
@@ -66,3 +67,22 @@ def test_training_sequences_match_the_cli_prompt():
     assert tok.decode(ids[reply_at:]) == f"{ex.reasoning}</think>{ex.answer}<｜end▁of▁sentence｜>"
     # 84x84 -> 6x6 patches -> 2x2 tokens -> 8 positions
     assert n == 8 and types[inputs[0].start: inputs[0].end] == [0, 1, 1, 2, 1, 1, 2, 3]
+
+
+def test_continuing_a_tower_trains_only_the_image_path(tmp_path):
+    """`recipes.tiny.vision.train --continue-tower`: the checkpoint's own tower, aligner and span embeddings
+    become fp32 masters with gradients; every language-model tensor stays frozen as stored."""
+    from pathlib import Path
+
+    from tests.checkpoints import make_small_checkpoint
+    from recipes.tiny.vision.train import TRAINED_PREFIXES, build
+
+    bundled = Path(__file__).resolve().parents[1] / "model" / "assets" / "dsv41-tiny"
+    model, args, _, names = build(bundled, keep_tower=True)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(n.startswith(TRAINED_PREFIXES) for n in trained)
+    assert {"image_start", "image_newline", "image_end"} <= trained
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if n in trained)
+    assert any(n.startswith("layers.") for n in names) and not any(n.startswith("layers.") for n in trained)
+    with pytest.raises(SystemExit, match="no vision tower"):
+        build(make_small_checkpoint(tmp_path / "text"), keep_tower=True)

@@ -47,14 +47,19 @@ TRAINED_PREFIXES = ("vision.", "aligner.", "image_start", "image_newline", "imag
 
 
 # ------------------------------------------------------------------------------------ model
-def build(base: Path):
+def build(base: Path, keep_tower: bool = False):
     """(model, args, tokenizer, names from the checkpoint): the text checkpoint at `base` plus a fresh
-    vision tower, the trained parts as fp32 masters, everything else frozen as stored."""
+    vision tower (or, with keep_tower, the tower `base` already has), the trained parts as fp32 masters,
+    everything else frozen as stored."""
     from model.checkpoint import load_state_dict
     from model.tokenizer import load_tokenizer
     from model.transformer import Transformer
 
     state, text_args = load_state_dict(base)
+    if keep_tower:
+        if not text_args.vision_enabled:
+            raise SystemExit(f"{base} has no vision tower to continue from")
+        return _trainable_tower(base, state, text_args)
     if text_args.vision_enabled:
         raise SystemExit(f"{base} already has a vision tower (vision_n_layers = {text_args.vision_n_layers})")
     args = text_args.replace(**VISION)
@@ -75,12 +80,29 @@ def build(base: Path):
             gate = getattr(module, "gate", None)
             if gate is not None and getattr(gate, "bias_vl", None) is not None:
                 gate.bias_vl.copy_(gate.bias)  # images start from the text balance
+    _tower_trains(model)
+    return model, args, tokenizer, set(state)
+
+
+def _tower_trains(model) -> None:
+    """Freeze everything, then make the vision tower, the aligner and the span embeddings fp32 masters."""
     model.requires_grad_(False).eval()
     model.vision.float().requires_grad_(True)
     model.aligner.float().requires_grad_(True)
     for name in ("image_start", "image_newline", "image_end"):
         setattr(model, name, nn.Parameter(getattr(model, name).detach().float()))
     model.batch_images = True
+
+
+def _trainable_tower(base: Path, state: dict, args):
+    """`build` for a checkpoint that has its tower already: every tensor as stored, the tower trainable."""
+    from model.tokenizer import load_tokenizer
+    from model.transformer import Transformer
+
+    tokenizer = load_tokenizer(base)
+    model = Transformer(args, tokenizer)
+    model.load_state_dict(state, strict=True)
+    _tower_trains(model)
     return model, args, tokenizer, set(state)
 
 
@@ -318,15 +340,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (a small model runs best on one)")
     ap.add_argument("--eval-examples", type=int, default=60, help="per question type, after training")
     ap.add_argument("--install", action="store_true", help="replace --base with the result")
+    ap.add_argument("--continue-tower", action="store_true",
+                    help="train the tower --base already has further (stage 2 only; stage 1 is skipped)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.out.exists():
         raise SystemExit(f"{a.out} already exists")
-    model, args, tokenizer, _ = build(a.base)
+    model, args, tokenizer, _ = build(a.base, keep_tower=a.continue_tower)
     n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(json.dumps({"trained_parameters": n_trained, "vision": VISION}), flush=True)
-    history = pretrain_tower(model, args, a.tower_seconds, a.tower_batch, a.tower_lr, a.seed) if a.tower_seconds else []
+    pretrain = a.tower_seconds and not a.continue_tower
+    history = pretrain_tower(model, args, a.tower_seconds, a.tower_batch, a.tower_lr, a.seed) if pretrain else []
     history += train(model, args, tokenizer, a.seconds, a.batch, a.lr, a.gamma, a.seed, a.max_steps)
     files = export(model, args, a.base, a.out)
     from recipes.tiny.vision.accuracy import evaluate
