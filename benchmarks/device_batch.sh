@@ -12,17 +12,8 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET DSV41_DISABLE_TRITON
-start=$(date +%s)
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv 2>&1
-  "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)" 2>&1
-  git rev-parse HEAD 2>/dev/null
-  git status --short 2>/dev/null | head -20
-} > "$OUT/env.txt"
+source benchmarks/device_lib.sh
+record_env
 
 if "$PY" -c "import pytest" 2>/dev/null; then
   timeout 150 "$PY" -m pytest -q -m gpu tests/test_kernels.py tests/test_kernels_gemm.py -p no:cacheprovider --durations=5 \

