@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> Path:
             offset_steps += ds[-1]["dspark_step"]
     ax.set_xlabel("training tokens (M)")
     ax.set_ylabel("nats / token")
-    ax.set_title("dsv41-tiny backbone (stages 1-4; grey lines: stage boundaries)")
+    ax.set_title("dsv41-tiny backbone (all stages; grey lines: stage boundaries)")
     ax.legend(fontsize=8)
     ax2.set_xlabel("drafter steps (backbone frozen)")
     ax2.set_title("DSpark drafter")

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Rebuild the bundled dsv41-tiny checkpoint from scratch on one CUDA GPU (an H200 here), exactly the
-# five stages the shipped checkpoint went through (recipes/tiny/README.md):
+# stages the shipped checkpoint went through (recipes/tiny/README.md):
 #   1-2  text only (drafter labels = data tokens), batch 128         (session 1, 7.9 min of training)
 #   3-4  + the vision tower, trained jointly; batch 256                (session 2)
 #   5    the DSpark drafter alone, labels = the target's greedy tokens (session 2)
+#   6-7  an image batch in every step, 70% reasoning text, the first reasoning token weighted x4;
+#        stage 7 ends with the drafter again                          (session 3)
 #   bash recipes/tiny/reproduce.sh [OUT_DIR]      (default: model/assets/dsv41-tiny)
 set -euo pipefail
 OUT=${1:-model/assets/dsv41-tiny}
@@ -23,10 +25,17 @@ $PY -m recipes.tiny.train --init-from "$WORK/s3" --out "$WORK/s4" --batch 256 --
     --mix prose=0.18,code=0.34,literature=0.08,reasoning=0.40 --backbone-seconds 250 \
     --dspark-seconds 190 --dspark-batch 128 --vision-every 3 --vision-batch 256 --vision-workers 6 \
     --history recipes/tiny/logs/stage4_history.json
-rm -rf "$OUT.new"
-$PY -m recipes.tiny.train --init-from "$WORK/s4" --out "$OUT.new" --backbone-seconds 0 \
+$PY -m recipes.tiny.train --init-from "$WORK/s4" --out "$WORK/s5" --backbone-seconds 0 \
     --dspark-seconds 320 --dspark-batch 128 --dspark-lr 1.5e-3 --vision-workers 1 \
     --history recipes/tiny/logs/stage5_history.json
+FOCUS=(--batch 96 --mix prose=0.12,code=0.12,literature=0.06,reasoning=0.7 --vision-every 1 --vision-batch 256
+       --think-start-weight 4 --vision-workers 6)
+$PY -m recipes.tiny.train --init-from "$WORK/s5" --out "$WORK/s6" "${FOCUS[@]}" --lr 1e-3 \
+    --backbone-seconds 349 --dspark-seconds 0 --history recipes/tiny/logs/stage6_history.json
+rm -rf "$OUT.new"
+$PY -m recipes.tiny.train --init-from "$WORK/s6" --out "$OUT.new" "${FOCUS[@]}" --lr 6e-4 \
+    --backbone-seconds 250 --dspark-seconds 190 --dspark-batch 128 --dspark-lr 1.5e-3 \
+    --history recipes/tiny/logs/stage7_history.json
 rm -rf "$OUT" && mv "$OUT.new" "$OUT"
 $PY -m recipes.tiny.plot
 $PY -m recipes.tiny.evaluate --model "$OUT" --output recipes/tiny/logs/eval.json
