@@ -436,7 +436,7 @@ def fuzz_nested(rng):
         text, _, _ = render(outer_calls, "v41", rng)
     else:
         text, _, _ = render(outer_calls, "v41", rng)
-        text = text.replace(f'name="zqouter">', f'name="zqouter">\n{inner}', 1)
+        text = text.replace('name="zqouter">', f'name="zqouter">\n{inner}', 1)
     mode = rng.choice(["thinking", "chat"])
     parsed = parse_completion(("r" + THINK_END if mode == "thinking" else "") + "c\n\n" + text + EOS, mode)
     check_invariants(parsed)

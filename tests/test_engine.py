@@ -50,7 +50,6 @@ def test_dspark_rollback_with_an_oracle_drafter(gen, monkeypatch):
 
     def oracle(model, U, hidden, anchors, sample):
         tokens, logits, conf = real_draft(model, U, hidden, anchors, sample)
-        anchor = int(anchors[0])
         # position of the anchor in the true output: the drafts should be the tokens after it
         done = oracle.committed
         good = truth[done + 1: done + 1 + tokens.size(1)]

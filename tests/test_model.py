@@ -8,7 +8,6 @@ import torch
 from model import mhc
 from model.attention import Compressor, sparse_attention, window_indices
 from model.cache import CompressorState
-from model.config import preset
 from model.indexer import select_candidate_blocks, visible_counts
 from model.layers import apply_rope, rope_frequencies
 
@@ -158,8 +157,6 @@ def test_causality_every_mode(tiny_model, tiny_args):
 
 def test_attention_is_really_sparse(tiny_model, tiny_args):
     """With 48 tokens the decoder has 48 entries but attends to Top-4 plus the window."""
-    from model.transformer import SharedState
-
     ids = torch.randint(0, tiny_args.vocab_size, (1, 48))
     cache = tiny_model.new_cache(1)
     tiny_model(ids, cache=cache)

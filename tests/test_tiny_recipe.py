@@ -284,7 +284,6 @@ def test_export_is_the_official_layout_and_computes_what_training_computed(train
 
 # ------------------------------------------------------------------------------------ evaluation
 def test_strided_bits_score_every_token_once(tiny_model):
-    from model.tokenizer import load_tokenizer
     from recipes.tiny.evaluate import document_bits
 
     class SmallVocab:  # the tiny preset has 512 ids: map text to ids below that
