@@ -82,10 +82,12 @@ def sparse_attention() -> None:
 
 
 def indexer() -> None:
+    from bench_indexer import POOL, pool_blocks
+
     from model import formats
     from model.kernels.indexer import indexer_scores, indexer_topk
 
-    H, DK, B, POOL = 32, 128, 4, 2048 * 8
+    H, DK, B = 32, 128, 4
     q = formats.mxfp4_fake_quant(torch.randn(B, 1, H, DK, device="cuda"))
     w = torch.randn(B, 1, H, device="cuda") * (H * DK) ** -0.5
     for ctx in (65536, 1 << 20):
@@ -96,9 +98,7 @@ def indexer() -> None:
         note("indexer", f"dense scores {label}", lambda: indexer_scores(q, w, kc, ks, vis))
         note("indexer", f"dense scores + top-512 {label}", lambda: indexer_topk(q, w, kc, ks, vis, 512))
         single = torch.randint(0, ctx, (B, 1, POOL), device="cuda", dtype=torch.int32)
-        starts = torch.stack([torch.randperm(ctx // 8, device="cuda")[:POOL // 8] for _ in range(B)]) * 8
-        blocks = (starts.sort(-1).values[..., None] + torch.arange(8, device="cuda")).reshape(B, 1, POOL)
-        blocks = blocks.to(torch.int32).contiguous()
+        blocks = pool_blocks(B, ctx)
         for name, cand in (("random single entries", single), ("2048 blocks of 8 (the pool's shape)", blocks)):
             note("indexer", f"deep scores, {name}, {label}", lambda c=cand: indexer_scores(q, w, kc, ks, vis, c))
             note("indexer", f"deep scores + top-512, {name}, {label}",
@@ -120,18 +120,11 @@ def mhc() -> None:
         step = lambda: mk.mhc_step(x, pre, fn, sc, base, 20, 1e-6, 1e-6, y, post, comb)  # noqa: E731
         note("mhc", f"M={M} as launched", step, config=original(M, d, torch.device("cuda")))
         try:
-            for BM, BD, stages in ((64, 32, 2), (32, 64, 2), (16, 128, 2), (128, 16, 2)):
-                def forced(M_, d_, device, BM=BM, BD=BD, stages=stages):
-                    cfg = original(M_, d_, device)
-                    import triton
-                    blocks = d_ // BD
-                    token_blocks = triton.cdiv(M_, BM)
-                    ranges = max(1, min(blocks, triton.cdiv(4 * 132, token_blocks)))
-                    per = triton.cdiv(blocks, ranges)
-                    cfg.update(BM=BM, BD=BD, blocks_per_range=per, grid=(token_blocks, triton.cdiv(blocks, per)),
-                               num_stages=stages)
-                    return cfg
+            for tile in ((64, 32, 2), (32, 64, 2), (16, 128, 2), (128, 16, 2)):
+                def forced(M_, d_, device, tile=tile):
+                    return original(M_, d_, device, tile=tile)
                 mk.launch_config = forced
+                BM, BD, _ = tile
                 note("mhc", f"M={M} BM={BM} BD={BD}", step, config=forced(M, d, torch.device("cuda")))
         finally:
             mk.launch_config = original

@@ -13,19 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels_common import bench  # noqa: E402
-
-
-def graph_time(fn):
-    fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench(lambda: g.replay())
+from kernels_common import graph_bench as graph_time  # noqa: E402
 
 
 def compiled_info(jit_fn):

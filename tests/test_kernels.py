@@ -269,6 +269,18 @@ def test_mhc_channel_ranges_interpreted(monkeypatch, programs):
 
 
 @interp
+def test_mhc_forced_tile_interpreted(monkeypatch):
+    """`launch_config(..., tile=)` (the tile sweep of benchmarks/diagnose_gaps.py): the forced tile is the one
+    launched, with the grid still covering every channel block, and the result still the reference's."""
+    cfg = mhc.launch_config(260, 80, torch.device("cpu"), tile=(32, 16, 2))
+    assert (cfg["BM"], cfg["BD"], cfg["num_stages"]) == (32, 16, 2)
+    assert cfg["grid"][0] == 9 and cfg["grid"][1] * cfg["blocks_per_range"] >= 5
+    original = mhc.launch_config
+    monkeypatch.setattr(mhc, "launch_config", lambda M, d, device: original(M, d, device, tile=(32, 16, 2)))
+    check_mhc(mhc_case(1, 260, 4, 80, seed=5), force=True, tol_x=2e-3, tol_c=1e-4)
+
+
+@interp
 def test_mhc_new_weight_at_a_reused_address_interpreted():
     """The W_fn split cache must not serve a freed tensor's split to a new tensor (same address)."""
     for seed in range(3):

@@ -344,21 +344,15 @@ def test_act_quant_gpu_bit_exact(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_fp8_block_gemm_gpu(shape):
+def test_quantized_gemm_gpu(shape, fmt):
+    """The FP8 block GEMM and the FP4 GEMM against their references."""
     M, N, K = shape
-    w, s = fp8_weight(N, K, seed=M)
+    make_weight, name = (fp8_weight, "fp8_block_gemm") if fmt == "fp8" else (fp4_weight, "fp4_gemm")
+    w, s = make_weight(N, K, seed=M)
     x = activations(M, K, torch.bfloat16, seed=N)
-    assert_gemm_close(gemm.fp8_block_gemm(x, w, s), reference.fp8_block_gemm(x, w, s), abs_bound(x, w, s, "fp8"))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES)
-def test_fp4_gemm_gpu(shape):
-    M, N, K = shape
-    w, s = fp4_weight(N, K, seed=M)
-    x = activations(M, K, torch.bfloat16, seed=N)
-    assert_gemm_close(gemm.fp4_gemm(x, w, s), reference.fp4_gemm(x, w, s), abs_bound(x, w, s, "fp4"))
+    assert_gemm_close(getattr(gemm, name)(x, w, s), getattr(reference, name)(x, w, s), abs_bound(x, w, s, fmt))
 
 
 @pytest.mark.gpu

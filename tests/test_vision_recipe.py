@@ -86,3 +86,5 @@ def test_continuing_a_tower_trains_only_the_image_path(tmp_path):
     assert any(n.startswith("layers.") for n in names) and not any(n.startswith("layers.") for n in trained)
     with pytest.raises(SystemExit, match="no vision tower"):
         build(make_small_checkpoint(tmp_path / "text"), keep_tower=True)
+    with pytest.raises(SystemExit, match="already has a vision tower"):
+        build(bundled)

@@ -52,15 +52,16 @@ def _target_programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch_config(M: int, d: int, device: torch.device) -> dict:
+def launch_config(M: int, d: int, device: torch.device, tile: tuple[int, int, int] | None = None) -> dict:
     """The residual kernel's tiling for M tokens of width d (also recorded by benchmarks/bench_mhc.py):
     BM tokens x BD channels per step, and a grid (token blocks, channel ranges) in which each program walks
     blocks_per_range channel blocks. Below 256 tokens: 16 tokens x 32 channels (more token blocks, so fewer
     channel ranges and atomics are needed to fill the machine); from 256: 64 x 16, so one W_fn slice serves
-    4x more tokens at the same 128 registers (no spills; benchmarks/compile_kernels.py, sm_90)."""
+    4x more tokens at the same 128 registers (no spills; benchmarks/compile_kernels.py, sm_90). `tile`
+    = (BM, BD, stages) replaces that rule (benchmarks/diagnose_gaps.py times other tiles)."""
     import triton
 
-    BM, BD, stages = (16, 32 if d % 32 == 0 else 16, 3) if M < 256 else (64, 16, 2)
+    BM, BD, stages = tile or ((16, 32 if d % 32 == 0 else 16, 3) if M < 256 else (64, 16, 2))
     # the ranges are as long as filling the machine allows (fewer atomics and W_fn re-reads); a decode
     # step of one token gets one block per program
     token_blocks = triton.cdiv(M, BM)

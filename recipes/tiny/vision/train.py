@@ -55,54 +55,37 @@ def build(base: Path, keep_tower: bool = False):
     from model.tokenizer import load_tokenizer
     from model.transformer import Transformer
 
-    state, text_args = load_state_dict(base)
-    if keep_tower:
-        if not text_args.vision_enabled:
-            raise SystemExit(f"{base} has no vision tower to continue from")
-        return _trainable_tower(base, state, text_args)
-    if text_args.vision_enabled:
-        raise SystemExit(f"{base} already has a vision tower (vision_n_layers = {text_args.vision_n_layers})")
-    args = text_args.replace(**VISION)
+    state, args = load_state_dict(base)
+    if keep_tower and not args.vision_enabled:
+        raise SystemExit(f"{base} has no vision tower to continue from")
+    if not keep_tower and args.vision_enabled:
+        raise SystemExit(f"{base} already has a vision tower (vision_n_layers = {args.vision_n_layers})")
+    if not keep_tower:
+        args = args.replace(**VISION)
     tokenizer = load_tokenizer(base)
     placeholder = tokenizer.token_to_id("<｜deepseek_image｜>")
     if placeholder != args.image_token_id:
         raise SystemExit(f"the tokenizer's image placeholder is id {placeholder}, not {args.image_token_id}")
     torch.manual_seed(0)
     model = Transformer(args, tokenizer)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=keep_tower)
     if unexpected or any(not (n.startswith(TRAINED_PREFIXES) or n.endswith("bias_vl")) for n in missing):
         raise SystemExit(f"the text checkpoint does not fit: unexpected {unexpected[:3]}, missing {missing[:3]}")
-    with torch.no_grad():
-        scale = model.embed.weight.float().std()
-        for name in ("image_start", "image_newline", "image_end"):
-            getattr(model, name).copy_(torch.randn(args.dim) * scale)
-        for module in model.modules():
-            gate = getattr(module, "gate", None)
-            if gate is not None and getattr(gate, "bias_vl", None) is not None:
-                gate.bias_vl.copy_(gate.bias)  # images start from the text balance
-    _tower_trains(model)
-    return model, args, tokenizer, set(state)
-
-
-def _tower_trains(model) -> None:
-    """Freeze everything, then make the vision tower, the aligner and the span embeddings fp32 masters."""
+    if not keep_tower:  # a fresh tower: span embeddings at the token embeddings' scale, images balanced as text
+        with torch.no_grad():
+            scale = model.embed.weight.float().std()
+            for name in ("image_start", "image_newline", "image_end"):
+                getattr(model, name).copy_(torch.randn(args.dim) * scale)
+            for module in model.modules():
+                gate = getattr(module, "gate", None)
+                if gate is not None and getattr(gate, "bias_vl", None) is not None:
+                    gate.bias_vl.copy_(gate.bias)  # images start from the text balance
     model.requires_grad_(False).eval()
     model.vision.float().requires_grad_(True)
     model.aligner.float().requires_grad_(True)
     for name in ("image_start", "image_newline", "image_end"):
         setattr(model, name, nn.Parameter(getattr(model, name).detach().float()))
     model.batch_images = True
-
-
-def _trainable_tower(base: Path, state: dict, args):
-    """`build` for a checkpoint that has its tower already: every tensor as stored, the tower trainable."""
-    from model.tokenizer import load_tokenizer
-    from model.transformer import Transformer
-
-    tokenizer = load_tokenizer(base)
-    model = Transformer(args, tokenizer)
-    model.load_state_dict(state, strict=True)
-    _tower_trains(model)
     return model, args, tokenizer, set(state)
 
 
