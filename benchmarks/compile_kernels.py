@@ -152,9 +152,13 @@ def indexer_mhc_cases(quick: bool):
                    stride_sb="i32", stride_sr="i32", stride_ib="i32", stride_it="i32", stride_ob="i32", stride_ot="i32")
     i_div = ("q_ptr", "w_ptr", "codes_ptr", "scales_ptr", "cand_ptr", "vis_ptr", "out_ptr", "stride_qb", "stride_qt",
              "stride_qh", "stride_cb", "stride_cr", "stride_ob", "stride_ot")
-    for gather, BT in ((False, 1),) if quick else ((False, 1), (False, 2), (True, 1)):
-        yield ("indexer gather" if gather else "indexer dense", I.kernel, i_types,
-               dict(DK2=64, HP=32, BT=BT, BN=128, GATHER=gather, MASK_VISIBLE=True, INTERPRET=False), i_div, 8, 3)
+    # the model's own call (model/indexer.py): bf16 q, REF's bf16 score rounding; then the fp32 variants
+    cases = ((False, 1, True),) if quick else ((False, 1, True), (False, 1, False), (False, 2, False), (True, 1, False))
+    for gather, BT, bf16 in cases:
+        yield (("indexer gather" if gather else "indexer dense") + (" bf16 scores" if bf16 else ""), I.kernel,
+               dict(i_types, q_ptr="*bf16" if bf16 else "*fp32"),
+               dict(DK2=64, HP=32, BT=BT, BN=128, GATHER=gather, MASK_VISIBLE=True, BF16_SCORES=bf16, INTERPRET=False),
+               i_div, 8, 3)
     m_types = dict(x_ptr="*bf16", y_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", pre_ptr="*fp32",
                    fn_hi_ptr="*bf16", fn_lo_ptr="*bf16", x_new_ptr="*bf16", collapsed_ptr="*bf16", acc_ptr="*fp32",
                    M="i32", d="i32", blocks_per_range="i32")

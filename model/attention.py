@@ -23,8 +23,10 @@ import torch
 from torch import nn
 
 from model import formats
+from model.cache import WINDOW_CODEC
 from model.config import LayerSpec, ModelArgs
 from model.indexer import Indexer
+from model.kernels import sparse_attention as kernels_attention
 from model.layers import Linear, RMSNorm, qat, rope_frequencies_on, rope_tail, storage_dtype
 
 
@@ -230,36 +232,56 @@ class Attention(nn.Module):
         return (target * (torch.log(target.clamp_min(1e-30)) - log_p.clamp_min(-1e4))).sum(-1).mean()
 
     def forward(self, x: torch.Tensor, start_pos: int, cache, shared) -> torch.Tensor:
-        """x [B,T,dim] normalized sub-layer input at positions start_pos..start_pos+T-1."""
+        """x [B,T,dim] normalized sub-layer input at positions start_pos..start_pos+T-1.
+
+        Inference reads the cache's stored bytes (FP8 window rows, FP4 main entries, MXFP4 index keys) and
+        hands them to model/kernels/ (decoded in the Triton kernels on CUDA; unpacked to the same values by
+        their references elsewhere). Training, and the comparison main formats, read values."""
         B, T, _ = x.shape
         freqs = self.freqs(slice(start_pos, start_pos + T), x.device)
         qr, q = self.query(x, freqs)
         window_latent = self.window_latent(x, freqs)
-        new_kv = qat(formats.fp8_fake_quant, window_latent, 32)  # = what the FP8 ring returns for it
-        prev = cache.window_before(self.spec.id, start_pos)  # [B, n_prev, D] in position order
-        kv = torch.cat([prev, new_kv], dim=1)
-        idx = window_indices(start_pos, T, prev.size(1), self.window, x.device).expand(B, -1, -1)
+        packed = cache.reads_packed(self.spec.id, window_latent)
+        if packed:  # [cached ring rows ; these tokens], FP8 bytes; the fused packer runs once for both uses
+            new_rows = WINDOW_CODEC.pack(window_latent)
+            window = tuple(torch.cat(pair, dim=1) for pair in zip(cache.window_bytes_before(self.spec.id, start_pos),
+                                                                    new_rows))
+            n_window = window[0].size(1)
+        else:  # = what the FP8 ring returns for them
+            new_rows = None
+            window = torch.cat([cache.window_before(self.spec.id, start_pos),
+                                qat(formats.fp8_fake_quant, window_latent, 32)], dim=1)
+            n_window = window.size(1)
+        idx = window_indices(start_pos, T, n_window - T, self.window, x.device).expand(B, -1, -1)
         if shared.image_window is not None:  # image spans also see their later positions (vision.py)
             idx = torch.cat([idx, shared.image_window], dim=-1)
-        cache.write_window(self.spec.id, window_latent, start_pos)
+        cache.write_window(self.spec.id, window_latent, start_pos, new_rows)
 
+        top = None
         if self.spec.compress_ratio:
             if self.spec.owns_kv and self.spec.id not in shared.precompressed:
                 self.compress(x, start_pos, cache)
             src = self.spec.kv_source
-            compressed = cache.compressed(src)
             if self.spec.owns_index:
-                if compressed.size(1) == 0:
-                    top = torch.full((B, T, 0), -1, dtype=torch.long, device=x.device)
+                if cache.layer(src).n_compressed == 0:
+                    shared.topk = torch.full((B, T, 0), -1, dtype=torch.long, device=x.device)
                 else:
-                    top, scores = self.indexer(x, qr, cache.index_keys_for(src), freqs, start_pos, shared)
+                    keys = cache.index_key_bytes(src) if packed else cache.index_keys_for(src)
+                    shared.topk, scores = self.indexer(x, qr, keys, freqs, start_pos, shared)
                     if shared.aux is not None:
-                        shared.aux.setdefault("indexer_kl", []).append(self.indexer_kl(q, compressed, scores))
-                shared.topk = top
+                        shared.aux.setdefault("indexer_kl", []).append(
+                            self.indexer_kl(q, cache.compressed(src), scores))
             top = shared.topk
-            offset = kv.size(1)
-            idx = torch.cat([idx, torch.where(top >= 0, top + offset, -1)], dim=-1)
-            kv = torch.cat([kv, compressed.to(kv.dtype)], dim=1)
 
-        o = sparse_attention(q, kv, self.attn_sink, idx, self.scale)
+        if packed:
+            main = cache.main_bytes(src) if top is not None and top.size(-1) else None
+            main_codes, main_scales = main if main is not None else (None, None)
+            o = kernels_attention.sparse_attention_packed(q, *window, main_codes, main_scales, self.attn_sink, idx,
+                                                          top if main is not None else None, self.scale)
+        else:
+            kv = window
+            if top is not None:
+                idx = torch.cat([idx, torch.where(top >= 0, top + kv.size(1), -1)], dim=-1)
+                kv = torch.cat([kv, cache.compressed(src).to(kv.dtype)], dim=1)
+            o = sparse_attention(q, kv, self.attn_sink, idx, self.scale)
         return self.output(o, freqs)

@@ -15,9 +15,10 @@ Storage formats (model/formats.py), bytes per entry for the V4.1-Flash shapes (D
 
 The write methods take the values *before* storage rounding (the post-RoPE latent, the index key,
 the window KV) and pack them; the read methods (`compressed`, `index_keys_for`, `window_before`)
-unpack to the dtype that was written. Because formats guarantees unpack(pack(x)) == fake_quant(x) bit
-for bit, attention reading a packed entry sees exactly the fake-quantized value the QAT forward
-computes. Packing the already fake-quantized values instead would not always be exact, because
+unpack to the dtype that was written, and their `*_bytes` forms hand over the stored bytes (an inference
+forward's attention and indexer read those, decoding them in their kernels on CUDA). Because formats
+guarantees unpack(pack(x)) == fake_quant(x) bit for bit, attention reading a packed entry sees exactly the
+fake-quantized value the QAT forward computes. Packing the already fake-quantized values instead would not always be exact, because
 rounding twice is not rounding once: an FP4 block whose subnormal E4M3 scale rounded up (block amax
 below 6 * 2^-6) gets a smaller scale the second time and its largest values saturate. So callers hand
 over the unrounded values.
@@ -36,6 +37,7 @@ import torch
 
 from model import formats
 from model.config import ModelArgs
+from model.kernels import quant as kernels_quant
 from model.layers import qat
 
 
@@ -55,11 +57,13 @@ def _bf16_round(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
 
 
+# The main and window packers are model/kernels/quant.py's: one fused Triton pass on CUDA, bit-exact with
+# model/formats.py's packers, which they call everywhere else.
 FP4_E4M3 = Codec("fp4", lambda x: formats.fp4_e4m3_fake_quant(x, formats.FP4_E4M3_BLOCK),
-                 lambda x: formats.pack_fp4_e4m3(x, formats.FP4_E4M3_BLOCK),
+                 lambda x: kernels_quant.pack_fp4_e4m3(x),
                  lambda p, dtype: formats.unpack_fp4_e4m3(p[0], p[1], formats.FP4_E4M3_BLOCK, dtype))
 FP8_UE8M0 = Codec("fp8", lambda x: formats.fp8_fake_quant(x, formats.FP8_BLOCK),
-                  lambda x: formats.pack_fp8_ue8m0(x, formats.FP8_BLOCK),
+                  lambda x: kernels_quant.pack_fp8_ue8m0(x),
                   lambda p, dtype: formats.unpack_fp8_ue8m0(p[0], p[1], formats.FP8_BLOCK, dtype))
 BF16 = Codec("bf16", _bf16_round, lambda x: (x.to(torch.bfloat16),), lambda p, dtype: p[0].to(dtype))
 MXFP4 = Codec("mxfp4", lambda x: formats.mxfp4_fake_quant(x, formats.MXFP4_BLOCK),
@@ -135,12 +139,16 @@ class Ring:
         self.dtype: torch.dtype | None = None
         self.differentiable = False
 
-    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, x: torch.Tensor, packed: tuple[torch.Tensor, ...] | None = None) -> None:
+        """x [B, n, D] at ring `slots` [n]; `packed`: codec.pack(x), when the caller has packed it already."""
         if self.parts is None:
             self.dtype, self.differentiable = x.dtype, _differentiable(x)
         elif _differentiable(x) and not self.differentiable:
             raise RuntimeError("this cache was filled without gradients; start a new cache for a training forward")
-        new = (qat(self.codec.fake_quant, x),) if self.differentiable else self.codec.pack(x.detach())
+        if self.differentiable:
+            new = (qat(self.codec.fake_quant, x),)
+        else:
+            new = packed if packed is not None else self.codec.pack(x.detach())
         if self.parts is None:
             self.parts = tuple(n.new_zeros(n.size(0), self.window, *n.shape[2:]) for n in new)
         for part, n in zip(self.parts, new):
@@ -149,7 +157,11 @@ class Ring:
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         if self.differentiable:
             return self.parts[0][:, slots]
-        return self.codec.unpack(tuple(p[:, slots] for p in self.parts), self.dtype)
+        return self.codec.unpack(self.stored(slots), self.dtype)
+
+    def stored(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The stored tensors of `slots`, in that order (a gather, so a copy)."""
+        return tuple(p[:, slots] for p in self.parts)
 
     def snapshot(self) -> tuple[torch.Tensor, ...]:
         return tuple(p.clone() for p in self.parts)
@@ -236,31 +248,58 @@ class KVCache:
         return qat(self.main_codec.fake_quant, x)
 
     # ------------------------------------------------------------------ window ring
-    def window_before(self, layer_id: int, start_pos: int) -> torch.Tensor:
-        """Window KV of the positions max(0, start_pos-window)..start_pos-1, oldest first."""
+    def _window_slots(self, layer_id: int, start_pos: int) -> torch.Tensor | None:
+        """Ring slots of the positions max(0, start_pos-window)..start_pos-1, oldest first (None: none)."""
         ring = self.layer(layer_id).window
         # a window floor (SWA Bounded Replay) hides positions before a replay segment's start
         n_prev = min(start_pos - self.window_floor.get(layer_id, 0), self.window_size)
         if ring is None or n_prev <= 0:
+            return None
+        return torch.arange(start_pos - n_prev, start_pos, device=ring.parts[0].device) % self.window_size
+
+    def window_before(self, layer_id: int, start_pos: int) -> torch.Tensor:
+        """Window KV of the positions max(0, start_pos-window)..start_pos-1, oldest first."""
+        slots = self._window_slots(layer_id, start_pos)
+        if slots is None:
             shape = (self.batch_size, 0, self.args.head_dim)
             return torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
-        slots = torch.arange(start_pos - n_prev, start_pos, device=ring.parts[0].device) % self.window_size
-        return ring.read(slots)
+        return self.layer(layer_id).window.read(slots)
+
+    def window_bytes_before(self, layer_id: int, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`window_before` as the stored FP8 bytes: (E4M3 codes [B, n, D], UE8M0 scales [B, n, D/32])."""
+        slots = self._window_slots(layer_id, start_pos)
+        if slots is None:
+            D = self.args.head_dim
+            return (torch.zeros(self.batch_size, 0, D, dtype=torch.uint8, device=self.device),
+                    torch.zeros(self.batch_size, 0, D // formats.FP8_BLOCK, dtype=torch.uint8, device=self.device))
+        return self.layer(layer_id).window.stored(slots)
+
+    def reads_packed(self, layer_id: int, x: torch.Tensor) -> bool:
+        """Whether attention reads this layer's KV as the stored bytes (model/kernels/sparse_attention.py
+        decodes them in the kernel on CUDA; its reference unpacks them to the same values): an inference
+        forward (x wants no gradient, the stores hold bytes) with the official main format. A training
+        forward, or a comparison main format (fp8, bf16), reads values."""
+        ring = self.layer(layer_id).window
+        return (self.main_codec is FP4_E4M3 and not _differentiable(x)
+                and not (ring is not None and ring.differentiable))
 
     def set_window_floor(self, layer_id: int, position: int) -> None:
         """Truncated SWA (spec §4.5, Bounded Replay): from now on this layer's window never reaches
         before `position`, the start of a replay segment; older ring contents are ignored."""
         self.window_floor[layer_id] = position
 
-    def write_window(self, layer_id: int, kv: torch.Tensor, start_pos: int) -> None:
+    def write_window(self, layer_id: int, kv: torch.Tensor, start_pos: int,
+                     packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """kv [B, T, D]: window KV of positions start_pos.. *before* FP8 rounding (the post-RoPE
-        latent); the ring stores it as FP8 + UE8M0 and reads give fp8_fake_quant(kv)."""
+        latent); the ring stores it as FP8 + UE8M0 and reads give fp8_fake_quant(kv). `packed`: the
+        caller's WINDOW_CODEC.pack(kv), stored as is (not packed twice)."""
         lc = self.layer(layer_id)
         if lc.window is None:
             lc.window = Ring(WINDOW_CODEC, self.window_size)
         keep = min(kv.size(1), self.window_size)
         positions = torch.arange(start_pos + kv.size(1) - keep, start_pos + kv.size(1), device=kv.device)
-        lc.window.write(positions % self.window_size, kv[:, -keep:])
+        tail = None if packed is None else tuple(p[:, -keep:] for p in packed)
+        lc.window.write(positions % self.window_size, kv[:, -keep:], tail)
 
     # ------------------------------------------------------------------ compressed KV
     def write_compressed(self, layer_id: int, entries: torch.Tensor) -> None:
@@ -287,10 +326,25 @@ class KVCache:
             return torch.zeros(self.batch_size, 0, self.args.head_dim, dtype=torch.bfloat16, device=self.device)
         return lc.main.read(lc.n_compressed)
 
-    def index_keys_for(self, source: int) -> torch.Tensor:
+    def main_bytes(self, source: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`compressed` as the stored FP4 bytes (E2M1 codes [B, n, D/2], E4M3 scales [B, n, D/16]), views;
+        None while the source has no entry."""
+        lc = self.layer(source)
+        return None if lc.main is None or lc.n_compressed == 0 else lc.main.stored(0, lc.n_compressed)
+
+    def _index_key_rows(self, source: int) -> tuple[Rows, int]:
         n = self.layer(source).n_compressed
         owner = self._published_keys if (self.ref_index_quirk and self._published_keys is not None) else source
-        return self.layer(owner).index_keys.read(n)
+        return self.layer(owner).index_keys, n
+
+    def index_keys_for(self, source: int) -> torch.Tensor:
+        rows, n = self._index_key_rows(source)
+        return rows.read(n)
+
+    def index_key_bytes(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`index_keys_for` as the stored MXFP4 bytes (codes [B, n, Dk/2], UE8M0 scales [B, n, Dk/32]), views."""
+        rows, n = self._index_key_rows(source)
+        return rows.stored(0, n)
 
     # ------------------------------------------------------------------ measured sizes
     def storage_bytes(self) -> dict[str, int]:

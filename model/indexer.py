@@ -21,6 +21,8 @@ from torch import nn
 
 from model import formats
 from model.config import LayerSpec, ModelArgs
+from model.kernels import indexer as kernels_indexer
+from model.kernels import use_triton
 from model.layers import Linear, RMSNorm, qat, rope_tail, storage_dtype
 
 
@@ -31,12 +33,13 @@ def visible_counts(start_pos: int, seqlen: int, ratio: int, device) -> torch.Ten
 
 
 def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int,
-                            block_size: int) -> torch.Tensor:
+                            block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Level one of the two-level Top-K. scores [..., T, N] (invisible = -inf), visible [T].
 
     A block's score is its best entry; the block holding the newest visible entry is always kept
     (it is only partly filled, so an older full block could outscore it); blocks with no visible
-    entry are never kept. Returns a bool mask over entries, shaped like scores."""
+    entry are never kept. Returns the pool twice: a bool mask over entries, shaped like scores, and
+    the list of its entries [..., T, kept blocks * block_size] (-1 = none; the kernel's gather mode)."""
     n = scores.size(-1)
     padded = F.pad(scores, (0, -n % block_size), value=-torch.inf)
     block_scores = padded.unflatten(-1, (-1, block_size)).amax(dim=-1)
@@ -44,8 +47,11 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     newest = torch.div(visible - 1, block_size, rounding_mode="floor").unsqueeze(-1)
     block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, torch.inf)
     top = block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :n]
+    kept = top.values > -torch.inf
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, kept)
+    entries = (top.indices.unsqueeze(-1) * block_size + torch.arange(block_size, device=scores.device))
+    entries = torch.where(kept.unsqueeze(-1) & (entries < n), entries, -1).flatten(-2)
+    return keep.repeat_interleave(block_size, dim=-1)[..., :n], entries
 
 
 class Indexer(nn.Module):
@@ -77,33 +83,58 @@ class Indexer(nn.Module):
         """Index keys of new compressed entries as the scores use them: MXFP4(key_latent)."""
         return qat(formats.mxfp4_fake_quant, self.key_latent(latent, freqs), 32)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, freqs: torch.Tensor,
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, keys, freqs: torch.Tensor,
                 start_pos: int, shared) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-K compressed positions per query, ascending, -1 where fewer are visible: [B, T, K];
         and the scores they were chosen from, [B, T, N] (-inf where invisible or outside the pool).
 
-        keys [B, N, index_head_dim] are the index keys of every compressed entry written so far."""
+        keys: the index keys of every compressed entry written so far, as values [B, N, index_head_dim]
+        (training) or as the cache's packed MXFP4 bytes (codes, scales) (inference: the kernel decodes them)."""
         B, T, _ = x.shape
-        scores = self.head_scores(x, qr, keys, freqs)  # [B, T, N]
         visible = visible_counts(start_pos, T, self.ratio, x.device)
-        n = keys.size(1)
+        if self.spec.uses_candidates and isinstance(keys, tuple) and use_triton(keys[0]):
+            # on the kernel, a Reindex layer scores its pool only. The references keep the masked full
+            # scan below: Top-K over the whole row breaks ties between equal bf16 scores as REF does
+            return self.pool_topk(x, qr, keys, freqs, visible, shared.candidate_entries)
+        scores = self.head_scores(x, qr, keys, freqs)  # [B, T, N]
+        n = scores.size(-1)
         scores = scores.masked_fill(torch.arange(n, device=x.device) >= visible.unsqueeze(-1), -torch.inf)
         if self.spec.builds_candidates:
-            shared.candidates = select_candidate_blocks(scores, visible, self.topk_blocks, self.block_size)
+            shared.candidates, shared.candidate_entries = select_candidate_blocks(scores, visible, self.topk_blocks,
+                                                                                  self.block_size)
         elif self.spec.uses_candidates:
             scores = scores.masked_fill(~shared.candidates, -torch.inf)
         k = min(self.topk, n)
         idx = scores.detach().topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
         return torch.where(idx < visible.view(1, T, 1), idx, -1), scores
 
-    def head_scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        """sum_h w_h ReLU(q_h . k_g) over the index heads held here, [B, T, N] fp32, before any masking.
+    def pool_topk(self, x: torch.Tensor, qr: torch.Tensor, keys: tuple, freqs: torch.Tensor, visible: torch.Tensor,
+                  pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Reindex layer over packed keys: score only the candidate pool's entries (pool [B, T, C], -1 =
+        none), so its work per query is the pool size whatever the context length. The same Top-K as the
+        masked full scan (ascending ids, then -1s), returned with the scores over the pool [B, T, C]."""
+        scores = self.head_scores(x, qr, keys, freqs, candidates=pool)
+        scores = scores.masked_fill((pool < 0) | (pool >= visible.view(1, -1, 1)), -torch.inf)
+        top = scores.topk(min(self.topk, scores.size(-1)), dim=-1, sorted=False)
+        last = torch.iinfo(torch.long).max  # sorts the empty picks after every id
+        ids = torch.where(torch.isfinite(top.values), pool.gather(-1, top.indices), last).sort(dim=-1).values
+        return torch.where(ids == last, -1, ids), scores
+
+    def head_scores(self, x: torch.Tensor, qr: torch.Tensor, keys, freqs: torch.Tensor,
+                    candidates: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_h w_h ReLU(q_h . k_g) over the index heads held here, [B, T, N] fp32, before any masking
+        (packed keys with a candidate list [B, T, C]: over those entries only, [B, T, C]).
         Under tensor parallelism (model/parallel.py) each rank holds some heads and the partial sums
         are all-reduced before Top-K, so every rank selects the same entries."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = qat(formats.mxfp4_fake_quant, rope_tail(q, freqs, self.rope_dim), 32)
-        if self.score_dtype == "bf16" and not torch.is_grad_enabled():
-            # REF keeps q, k, the weights and the scores in bf16 (and breaks Top-K ties on those values)
+        # REF keeps q, k, the weights and the scores in bf16 (and breaks Top-K ties on those values)
+        bf16 = self.score_dtype == "bf16" and not torch.is_grad_enabled()
+        if isinstance(keys, tuple):  # packed bytes: model/kernels/indexer.py (Triton on CUDA)
+            w = self.weights_proj(x).to(torch.bfloat16) if bf16 else self.weights_proj(x).float()
+            return kernels_indexer.indexer_scores(q, w * self.weight_scale, *keys, candidates=candidates,
+                                                  bf16_scores=bf16)
+        if bf16:
             w = self.weights_proj(x).to(torch.bfloat16) * self.weight_scale
             scores = torch.einsum("bthd,bnd->bthn", q.to(torch.bfloat16), keys.to(torch.bfloat16)).relu_()
             return (scores * w.unsqueeze(-1)).sum(dim=2).float()

@@ -377,8 +377,8 @@ class HeadParallelIndexer(Indexer):
 
     group = None
 
-    def head_scores(self, x, qr, keys, freqs):
-        return _all_reduce(super().head_scores(x, qr, keys, freqs).contiguous(), self.group)
+    def head_scores(self, x, qr, keys, freqs, candidates=None):
+        return _all_reduce(super().head_scores(x, qr, keys, freqs, candidates).contiguous(), self.group)
 
 
 class ExpertParallelMoE(MoE):

@@ -24,6 +24,7 @@ from model import formats, mhc
 from model.attention import Attention
 from model.cache import KVCache
 from model.config import LayerSpec, ModelArgs
+from model.kernels import mhc as kernels_mhc
 from model.layers import Linear, RMSNorm
 from model.moe import MoE
 
@@ -34,7 +35,8 @@ class SharedState:
     made explicit and per call): the latest published Top-K and the decoder's candidate pool."""
 
     topk: torch.Tensor | None = None
-    candidates: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None  # the pool as a mask over entries [B, T, N]
+    candidate_entries: torch.Tensor | None = None  # and as entry ids [B, T, C] (-1 = none)
     aux: dict | None = None  # training only: auxiliary losses collected on the way (indexer KL)
     image_window: torch.Tensor | None = None  # extra window columns of image spans [B, T, S] (vision.py)
     precompressed: frozenset = frozenset()  # kv sources whose entries for these tokens already exist
@@ -65,24 +67,30 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{sub}_base", nn.Parameter(torch.zeros(n_mix)))
             self.register_parameter(f"hc_{sub}_scale", nn.Parameter(torch.zeros(3)))
 
-    def coefficients(self, x: torch.Tensor, sub: str):
-        return mhc.hc_coefficients(x, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
-                                   getattr(self, f"hc_{sub}_base"), self.hc_iters, self.hc_eps, self.norm_eps)
+    def mhc_step(self, x: torch.Tensor, pre_prev: torch.Tensor, sub: str, y: torch.Tensor | None = None,
+                 post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
+        """One read of the residual streams at a sub-layer boundary (kernels/mhc.py: a single Triton pass on
+        CUDA, model/mhc.py's functions elsewhere): X' = post (x) y + comb^T X (when the previous sub-layer's
+        output y is given), this sub-layer's input collapse(X', pre_prev), and its coefficients from X'."""
+        return kernels_mhc.mhc_step(x, pre_prev, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
+                                    getattr(self, f"hc_{sub}_base"), self.hc_iters, self.hc_eps, self.norm_eps,
+                                    y, post, comb)
 
     def forward(self, x: torch.Tensor, pre: torch.Tensor, start_pos: int, cache: KVCache, shared: SharedState,
                 image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.mix(x, pre, lambda h: self.attn(h, start_pos, cache, shared), image_mask)
 
     def mix(self, x: torch.Tensor, pre: torch.Tensor, attend, image_mask: torch.Tensor | None = None):
-        """The single-pass mHC wiring around an attention call `attend(normed input) -> output`."""
-        pre_a, post_a, comb_a = self.coefficients(x, "attn")
-        y = attend(self.attn_norm(mhc.collapse(x, pre)))
-        x = mhc.expand(y, x, post_a, comb_a)
+        """The single-pass mHC wiring around an attention call `attend(normed input) -> output`.
 
-        pre_f, post_f, comb_f = self.coefficients(x, "ffn")
-        z = self.ffn(self.ffn_norm(mhc.collapse(x, pre_a)), image_mask)
-        x = mhc.expand(z, x, post_f, comb_f)
-        return x, pre_f
+        The attention's input uses the previous sub-layer's `pre`; its own coefficients come from the same
+        read. The FFN's step folds the attention's residual update into that read. The FFN's own update
+        stays a separate pass: Engram and the DSpark taps read the residual between blocks."""
+        x, h, pre_a, post_a, comb_a = self.mhc_step(x, pre, "attn")
+        y = attend(self.attn_norm(h))
+        x, h, pre_f, post_f, comb_f = self.mhc_step(x, pre_a, "ffn", y, post_a, comb_a)
+        z = self.ffn(self.ffn_norm(h), image_mask)
+        return mhc.expand(z, x, post_f, comb_f), pre_f
 
 
 class Head(nn.Module):

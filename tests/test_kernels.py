@@ -347,27 +347,96 @@ def test_pack_gpu_bit_exact(shape):
         check_pack(pack_input(shape, dtype, seed=len(shape)), force=False)
 
 
-@pytest.mark.gpu
-def test_model_forward_with_kernels_gpu(monkeypatch):
-    """The tiny model on CUDA: forward with the Triton sparse attention vs DSV41_DISABLE_TRITON=1."""
+# ---------------------------------------------------------------------------------- the model's forward
+# The entry points that run only on the Triton path of each kernel the model's forward calls.
+def _model_kernels() -> dict:
+    from model.indexer import Indexer
+
+    return {"sparse attention (packed)": (sparse_attention, "_launch"), "indexer": (indexer, "launch_config"),
+            "indexer pool (gather)": (Indexer, "pool_topk"), "mHC": (mhc, "launch_config"),
+            "KV pack": (quant, "_launch")}
+
+
+MODEL_KERNELS = _model_kernels()
+
+
+def model_logits_on_kernels(monkeypatch, device: str, kernel_path, reference_path, batch=2, prefill=16, steps=2):
+    """The tiny random model's logits over a prefill and `steps` decode steps, once under `reference_path`
+    and once under `kernel_path` (context managers), and how often each MODEL_KERNELS entry ran in the latter."""
     from model.config import preset
     from model.transformer import Transformer, init_random_
 
-    model = Transformer(preset("tiny"))
-    init_random_(model, 0)
-    model = model.cuda().eval()
-    ids = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(0)).cuda()
-    with torch.no_grad():
-        os.environ["DSV41_DISABLE_TRITON"] = "1"
+    model = init_random_(Transformer(preset("tiny")), 0).to(device).eval()
+    ids = torch.randint(0, 500, (batch, prefill + steps), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def run():
+        cache = model.new_cache(batch)
+        with torch.inference_mode():
+            logits = [model(ids[:, :prefill], cache=cache, all_logits=True)]
+            logits += [model(ids[:, t:t + 1], start_pos=t, cache=cache, all_logits=True)
+                       for t in range(prefill, prefill + steps)]
+        return torch.cat(logits, dim=1).float()
+
+    with reference_path():
+        ref = run()
+    calls = dict.fromkeys(MODEL_KERNELS, 0)
+    for name, (module, attr) in MODEL_KERNELS.items():
+        original = getattr(module, attr)
+        monkeypatch.setattr(module, attr, lambda *a, _f=original, _n=name, **k: calls.__setitem__(_n, calls[_n] + 1)
+                            or _f(*a, **k))
+    with kernel_path():
+        out = run()
+    return out, ref, calls
+
+
+def expected_model_kernel_calls(steps: int) -> dict:
+    """Per forward call of the tiny plan (8 layers; index sources 2, 4, 6; kv sources 2, 4; the prefill
+    completes groups at both sources, a decode step of one token at the m=1 source only, and the m=2
+    source at every second position): attention and mHC in every layer (two mHC steps), the indexer in
+    each index layer (the Reindex layers in the gather mode, over their candidate pool), the window packer in
+    every layer plus the main packer per written group."""
+    from model.config import preset
+
+    args = preset("tiny")
+    calls = 1 + steps
+    reindex = sum(spec.uses_candidates for spec in args.plan.layers)
+    assert reindex > 0
+    return {"sparse attention (packed)": args.n_layers * calls, "mHC": 2 * args.n_layers * calls,
+            "indexer": len(args.index_source_layers) * calls, "indexer pool (gather)": reindex * calls}
+
+
+@interp
+def test_model_forward_on_the_kernels_interpreted(monkeypatch):
+    """The model's inference forward (prefill, then decode steps) with every kernel it dispatches to forced
+    onto its Triton path under the interpreter, against the same forward on the references: the wiring in
+    the model (packed KV read in the attention kernel, packed index keys, single-pass mHC, fused packing)."""
+    import contextlib
+
+    from model import kernels
+
+    out, ref, calls = model_logits_on_kernels(monkeypatch, "cpu", kernels.forced, contextlib.nullcontext,
+                                              batch=1, prefill=12, steps=1)
+    for name, n in expected_model_kernel_calls(steps=1).items():
+        assert calls[name] == n, (name, calls)
+    assert calls["KV pack"] >= 8 * 2  # the window rows of every layer and call, and the main entries
+    assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+def test_model_forward_with_kernels_gpu(monkeypatch):
+    """The tiny model on CUDA: the forward on the Triton kernels (the default) vs DSV41_DISABLE_TRITON=1."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def disabled():
+        monkeypatch.setenv("DSV41_DISABLE_TRITON", "1")
         try:
-            ref = model(ids)
+            yield
         finally:
-            del os.environ["DSV41_DISABLE_TRITON"]
-        calls = []
-        launch = sparse_attention._launch
-        monkeypatch.setattr(sparse_attention, "_launch", lambda *a: calls.append(1) or launch(*a))
-        out = model(ids)
-    assert len(calls) == 8  # every layer's attention took the kernel
-    ref = ref[0] if isinstance(ref, tuple) else ref
-    out = out[0] if isinstance(out, tuple) else out
-    assert rel_err(out.float(), ref.float()) < 2e-2
+            monkeypatch.delenv("DSV41_DISABLE_TRITON")
+
+    out, ref, calls = model_logits_on_kernels(monkeypatch, "cuda", contextlib.nullcontext, disabled, steps=4)
+    for name, n in expected_model_kernel_calls(steps=4).items():
+        assert calls[name] == n, (name, calls)
+    assert calls["KV pack"] >= 8 * 5
+    assert rel_err(out, ref) < 2e-2

@@ -79,8 +79,8 @@ def test_model_hands_the_cache_unrounded_values_and_reads_back_the_qat_values(ti
                         lambda self, l, x: (written["main"].append((l, x.clone())), orig[0](self, l, x))[1])
     monkeypatch.setattr(KVCache, "write_index_keys",
                         lambda self, l, x: (written["keys"].append((l, x.clone())), orig[1](self, l, x))[1])
-    monkeypatch.setattr(KVCache, "write_window",
-                        lambda self, l, x, p: (written["window"].append((l, x.clone())), orig[2](self, l, x, p))[1])
+    monkeypatch.setattr(KVCache, "write_window", lambda self, l, x, p, *packed: (
+        written["window"].append((l, x.clone())), orig[2](self, l, x, p, *packed))[1])
     ids = torch.randint(0, tiny_args.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
     cache = tiny_model.new_cache(1)
     with torch.inference_mode():

@@ -134,11 +134,14 @@ def test_visibility_counts():
 
 def test_candidate_blocks_keep_best_blocks_and_the_newest():
     scores = torch.tensor([[5.0, 0.0, 1.0, 1.0, 9.0, 2.0, 0.5, -torch.inf]])
-    keep = select_candidate_blocks(scores, torch.tensor([7]), topk_blocks=2, block_size=2)
+    keep, entries = select_candidate_blocks(scores, torch.tensor([7]), topk_blocks=2, block_size=2)
     # blocks: [5,0] [1,1] [9,2] [.5,-inf]; newest visible entry 6 is in block 3 -> forced; best other: block 2
     assert keep.tolist() == [[False, False, False, False, True, True, True, True]]
-    none_visible = select_candidate_blocks(torch.full((1, 4), -torch.inf), torch.tensor([0]), 2, 2)
-    assert not none_visible.any()
+    assert sorted(entries[0].tolist()) == [4, 5, 6, 7]  # the same pool as entry ids
+    none_visible, none_entries = select_candidate_blocks(torch.full((1, 4), -torch.inf), torch.tensor([0]), 2, 2)
+    assert not none_visible.any() and (none_entries == -1).all()
+    _, ragged = select_candidate_blocks(torch.arange(5.0).view(1, 5), torch.tensor([5]), topk_blocks=3, block_size=2)
+    assert sorted(ragged[0].tolist()) == [-1, 0, 1, 2, 3, 4]  # the last block is cut at N = 5
 
 
 # ------------------------------------------------------------------------------------------- whole model

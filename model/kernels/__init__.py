@@ -19,12 +19,13 @@ agrees with the reference" means "the kernel agrees with the model".
 
 Each public function dispatches: Triton when the inputs are on a CUDA device and Triton imports, the
 reference otherwise. CPU numerics are therefore never changed by this package. Under TRITON_INTERPRET=1
-the Triton path can also be forced on CPU tensors (`force_triton=True`), which is how the CPU tests run the
-kernels. Triton is the `kernels` extra (pyproject.toml); nothing here imports it unless a kernel runs.
+the Triton path can also be forced on CPU tensors (`force_triton=True` per call, or `forced()` for every call
+inside a block: the model's whole forward on the kernels), which is how the CPU tests run the kernels. Triton is the `kernels` extra (pyproject.toml); nothing here imports it unless a kernel runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -46,12 +47,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_FORCED = [False]
+
+
+@contextlib.contextmanager
+def forced():
+    """Inside the block every dispatching call takes the Triton path whatever the device: with
+    TRITON_INTERPRET=1 the CPU tests run the model's forward through every kernel it calls."""
+    before = _FORCED[0]
+    _FORCED[0] = True
+    try:
+        yield
+    finally:
+        _FORCED[0] = before
+
+
 def use_triton(*tensors: torch.Tensor, force: bool = False) -> bool:
     """Whether a kernel call with these tensors should take the Triton path: all on CUDA with Triton
-    installed, or `force` (tests on CPU under the interpreter)."""
+    installed, or `force` / `forced()` (tests on CPU under the interpreter)."""
     if not triton_available():
         return False
-    if force:
+    if force or _FORCED[0]:
         return True
     if os.environ.get("DSV41_DISABLE_TRITON", "0") == "1":
         return False

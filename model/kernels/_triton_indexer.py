@@ -5,14 +5,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from model.kernels._triton_formats import as_mma, e2m1_to_f32, e8m0_to_f32
+from model.kernels._triton_formats import as_mma, e2m1_to_f32, e8m0_to_f32, round_cast
 
 
 @triton.jit
 def score_tile(q_e, q_o, w, t_out, visible, b, tile, codes_ptr, scales_ptr, cand_ptr, out_ptr, N, C,
                stride_cb, stride_cr, stride_sb, stride_sr, stride_ib, stride_it, stride_ob, stride_ot,
                DK2: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-               GATHER: tl.constexpr, MASK_VISIBLE: tl.constexpr, INTERPRET: tl.constexpr):
+               GATHER: tl.constexpr, MASK_VISIBLE: tl.constexpr, BF16_SCORES: tl.constexpr,
+               INTERPRET: tl.constexpr):
     """Score entries tile*BN .. tile*BN+BN-1 for the program's BT tokens and store them.
 
     The keys are the rows of the products ([BN, DK2] x [DK2, BT*HP]), so the tile of packed bytes is one
@@ -39,8 +40,14 @@ def score_tile(q_e, q_o, w, t_out, visible, b, tile, codes_ptr, scales_ptr, cand
     k_o = as_mma(e2m1_to_f32(byte >> 4) * s, INTERPRET)
 
     dots = tl.dot(k_e, q_e) + tl.dot(k_o, q_o)  # [BN, BT*HP]
-    weighted = tl.maximum(dots, 0.0) * w[None, :]
-    scores = tl.sum(tl.reshape(weighted, (BN, BT, HP)), axis=2)  # [BN, BT]
+    if BF16_SCORES:  # REF's precision: each product, each weighted term and the head sum rounded to bf16
+        dots = round_cast(dots, tl.bfloat16, INTERPRET).to(tl.float32)
+        weighted = round_cast(tl.maximum(dots, 0.0) * w[None, :], tl.bfloat16, INTERPRET).to(tl.float32)
+        scores = tl.sum(tl.reshape(weighted, (BN, BT, HP)), axis=2)
+        scores = round_cast(scores, tl.bfloat16, INTERPRET).to(tl.float32)
+    else:
+        weighted = tl.maximum(dots, 0.0) * w[None, :]
+        scores = tl.sum(tl.reshape(weighted, (BN, BT, HP)), axis=2)  # [BN, BT]
 
     hidden = ~present[:, None]
     if MASK_VISIBLE:
@@ -56,7 +63,7 @@ def kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, cand_ptr, vis_ptr, out_ptr,
            stride_qb, stride_qt, stride_qh, stride_wb, stride_wt,
            stride_cb, stride_cr, stride_sb, stride_sr, stride_ib, stride_it, stride_ob, stride_ot,
            DK2: tl.constexpr, HP: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
-           GATHER: tl.constexpr, MASK_VISIBLE: tl.constexpr, INTERPRET: tl.constexpr):
+           GATHER: tl.constexpr, MASK_VISIBLE: tl.constexpr, BF16_SCORES: tl.constexpr, INTERPRET: tl.constexpr):
     """Program (b, block of BT tokens, p): scores [BT, BN] = sum_h w ReLU(q_h . k) for the entry tiles
     p, p + P, p + 2P, ... (P = programs on axis 2), so one program walks many tiles with its queries and
     head weights loaded once and kept in registers.
@@ -91,10 +98,10 @@ def kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, cand_ptr, vis_ptr, out_ptr,
         while tile < n_tiles:
             score_tile(q_e, q_o, w, t_out, visible, b, tile, codes_ptr, scales_ptr, cand_ptr, out_ptr, N, C,
                        stride_cb, stride_cr, stride_sb, stride_sr, stride_ib, stride_it, stride_ob, stride_ot,
-                       DK2, HP, BT, BN, GATHER, MASK_VISIBLE, INTERPRET)
+                       DK2, HP, BT, BN, GATHER, MASK_VISIBLE, BF16_SCORES, INTERPRET)
             tile += P
     else:
         for tile in range(p, n_tiles, P):
             score_tile(q_e, q_o, w, t_out, visible, b, tile, codes_ptr, scales_ptr, cand_ptr, out_ptr, N, C,
                        stride_cb, stride_cr, stride_sb, stride_sr, stride_ib, stride_it, stride_ob, stride_ot,
-                       DK2, HP, BT, BN, GATHER, MASK_VISIBLE, INTERPRET)
+                       DK2, HP, BT, BN, GATHER, MASK_VISIBLE, BF16_SCORES, INTERPRET)

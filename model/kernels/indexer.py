@@ -58,10 +58,11 @@ def launch_config(B: int, T: int, H: int, N: int, C: int, gather: bool, device: 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scales: torch.Tensor,
                    visible: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
-                   force_triton: bool = False) -> torch.Tensor:
-    """See reference.indexer_scores (same signature and result up to fp32 summation order)."""
+                   bf16_scores: bool = False, force_triton: bool = False) -> torch.Tensor:
+    """See reference.indexer_scores (same signature and result up to fp32 summation order; with bf16_scores,
+    up to the bf16 roundings that order moves)."""
     if not use_triton(q, key_codes, force=force_triton):
-        return reference.indexer_scores(q, weights, key_codes, key_scales, visible, candidates)
+        return reference.indexer_scores(q, weights, key_codes, key_scales, visible, candidates, bf16_scores)
     from model.kernels._triton_indexer import kernel
 
     B, T, H, DK = q.shape
@@ -88,7 +89,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
                         key_codes.stride(0), key_codes.stride(1), key_scales.stride(0), key_scales.stride(1),
                         cand.stride(0) if gather else 0, cand.stride(1) if gather else 0, out.stride(0),
                         out.stride(1), DK2=DK // 2, HP=cfg["HP"], BT=cfg["BT"], BN=cfg["BN"], GATHER=gather,
-                        MASK_VISIBLE=visible is not None, INTERPRET=interpreting(), num_warps=cfg["num_warps"],
+                        MASK_VISIBLE=visible is not None, BF16_SCORES=bf16_scores, INTERPRET=interpreting(), num_warps=cfg["num_warps"],
                         num_stages=cfg["num_stages"])
     return out
 
@@ -98,7 +99,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor
                  force_triton: bool = False) -> torch.Tensor:
     """Top-k entries per query, ascending, -1 where fewer than k are visible (Indexer.forward's selection):
     over all entries, or over a candidate list [B,T,C] (then the chosen candidates' entry ids)."""
-    scores = indexer_scores(q, weights, key_codes, key_scales, visible, candidates, force_triton)
+    scores = indexer_scores(q, weights, key_codes, key_scales, visible, candidates, force_triton=force_triton)
     k = min(k, scores.size(-1))
     top = scores.topk(k, dim=-1, sorted=False)
     ids = top.indices if candidates is None else torch.gather(candidates.long().expand(*scores.shape[:2], -1),

@@ -75,17 +75,20 @@ def launch_config(M: int, d: int, device: torch.device, tile: tuple[int, int, in
 def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              iters: int, hc_eps: float, norm_eps: float, y: torch.Tensor | None = None,
              post: torch.Tensor | None = None, comb: torch.Tensor | None = None, force_triton: bool = False):
-    """See reference.mhc_step: returns (X', collapsed, pre, post, comb)."""
-    if not use_triton(x, y, force=force_triton) or torch.is_grad_enabled() and (x.requires_grad or
-                                                                             (y is not None and y.requires_grad)):
+    """See reference.mhc_step: returns (X', collapsed, pre, post, comb). The reference runs where the kernel
+    does not apply: off CUDA, when a gradient is wanted (training), or for shapes it does not take (a
+    stream count that is not a power of two, d not a multiple of 16; a forced call raises instead)."""
+    *lead, n, d = x.shape
+    fits = n & (n - 1) == 0 and d % 16 == 0
+    if force_triton and not fits:
+        raise ValueError(f"mHC kernel needs a power-of-two stream count and d % 16 == 0, got n={n}, d={d}")
+    if not fits or not use_triton(x, y, force=force_triton) or torch.is_grad_enabled() and (
+            x.requires_grad or (y is not None and y.requires_grad) or fn.requires_grad):
         return reference.mhc_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb)
     import triton
 
     from model.kernels._triton_mhc import coefficient_kernel, residual_kernel
 
-    *lead, n, d = x.shape
-    if n & (n - 1) or d % 16:
-        raise ValueError(f"mHC kernel needs a power-of-two stream count and d % 16 == 0, got n={n}, d={d}")
     M = x[..., 0, 0].numel()
     n_mix = (n + 2) * n
     NMP = max(16, triton.next_power_of_2(n_mix))

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from model import formats, mhc
-from model.attention import sparse_attention
 
 
 # --------------------------------------------------------------------------------- sparse attention
@@ -36,30 +35,35 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
         main = formats.unpack_fp4_e4m3(main_codes, main_scales, formats.FP4_E4M3_BLOCK, torch.float32)
         kv = torch.cat([window, main], dim=1)
         idx = torch.cat([window_idx, torch.where(main_idx >= 0, main_idx + window.size(1), -1)], dim=-1)
+    from model.attention import sparse_attention  # here: attention.py imports the kernels (and so this module)
+
     return sparse_attention(q, kv, sink, idx.long(), scale)
 
 
 # --------------------------------------------------------------------------------- indexer
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scales: torch.Tensor,
-                   visible: torch.Tensor | None = None, candidates: torch.Tensor | None = None) -> torch.Tensor:
+                   visible: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
+                   bf16_scores: bool = False) -> torch.Tensor:
     """score_{t,g} = sum_h w_{t,h} ReLU(q_{t,h} . k_g) over packed MXFP4 keys, fp32.
 
     q [B,T,H,Dk] (MXFP4-valued floats), weights [B,T,H] (already scaled by (Dk H)^-1/2), keys packed MXFP4
     (codes [B,N,Dk/2], scales [B,N,Dk/32] uint8). visible [T]: entries g >= visible[t] score -inf (None:
     all visible). candidates [B,T,C] (-1 = none): score only those entries, returning [B,T,C] (-inf at -1);
-    otherwise [B,T,N]."""
-    keys = formats.unpack_mxfp4(key_codes, key_scales, formats.MXFP4_BLOCK, torch.float32)
+    otherwise [B,T,N]. bf16_scores: the products, the weighted terms and the head sum rounded to bf16 (REF's
+    score precision, Indexer.head_scores with index_score_dtype "bf16"; weights then hold bf16 values)."""
+    dtype = torch.bfloat16 if bf16_scores else torch.float32
+    keys = formats.unpack_mxfp4(key_codes, key_scales, formats.MXFP4_BLOCK, dtype)
     n = keys.size(1)
     if candidates is None:
-        scores = torch.einsum("bthd,bnd->bthn", q.float(), keys).relu_()
-        scores = (scores * weights.float().unsqueeze(-1)).sum(dim=2)
+        scores = torch.einsum("bthd,bnd->bthn", q.to(dtype), keys).relu_()
+        scores = (scores * weights.to(dtype).unsqueeze(-1)).sum(dim=2).float()
         if visible is not None:
             scores = scores.masked_fill(torch.arange(n, device=q.device) >= visible.view(-1, 1), -torch.inf)
         return scores
     batch = torch.arange(keys.size(0), device=q.device).view(-1, 1, 1)
     gathered = keys[batch, candidates.clamp_min(0).long()]  # [B,T,C,Dk]
-    scores = torch.einsum("bthd,btcd->bthc", q.float(), gathered).relu_()
-    scores = (scores * weights.float().unsqueeze(-1)).sum(dim=2)
+    scores = torch.einsum("bthd,btcd->bthc", q.to(dtype), gathered).relu_()
+    scores = (scores * weights.to(dtype).unsqueeze(-1)).sum(dim=2).float()
     hidden = candidates < 0
     if visible is not None:
         hidden = hidden | (candidates >= visible.view(1, -1, 1))

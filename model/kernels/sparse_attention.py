@@ -42,8 +42,11 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
                             sink: torch.Tensor, window_idx: torch.Tensor, main_idx: torch.Tensor | None,
                             scale: float, force_triton: bool = False, variant: str = "auto") -> torch.Tensor:
     """See reference.sparse_attention_packed (same signature, same result within bf16 rounding). `variant`
-    picks the kernel ("auto": split for decode, tiles otherwise; "tiles" or "split" to compare them)."""
-    if not use_triton(q, window_codes, main_codes, force=force_triton):
+    picks the kernel ("auto": split for decode, tiles otherwise; "tiles" or "split" to compare them). The
+    reference also runs for what the kernel does not take unless forced: a head dim that is not a power of
+    two >= 32, a q that is not bf16."""
+    usable = force_triton or (supported(q, window_codes.size(-1)) and q.dtype == torch.bfloat16)
+    if not usable or not use_triton(q, window_codes, main_codes, force=force_triton):
         return reference.sparse_attention_packed(q, window_codes, window_scales, main_codes, main_scales, sink,
                                                  window_idx, main_idx, scale)
     segments = [(FP8, window_codes, window_scales, window_idx)]
