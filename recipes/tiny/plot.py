@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -18,8 +19,9 @@ def main(argv: list[str] | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    files = [Path(p) for p in (argv or sorted((HERE / "logs").glob("stage*_history.json")))]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    stage = lambda p: int(re.search(r"stage(\d+)_", Path(p).name).group(1))  # noqa: E731  (stage10 after stage9)
+    files = [Path(p) for p in (argv or sorted((HERE / "logs").glob("stage*_history.json"), key=stage))]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 7))
     offset_tokens, offset_steps = 0, 0
     for i, f in enumerate(files, 1):
         h = json.loads(f.read_text())
@@ -45,10 +47,11 @@ def main(argv: list[str] | None = None) -> Path:
     ax.set_xlabel("training tokens (M)")
     ax.set_ylabel("nats / token")
     ax.set_title("dsv41-tiny backbone (all stages; grey lines: stage boundaries)")
-    ax.legend(fontsize=8)
+    # legends under the plots: ten stages x three curves do not fit inside them
+    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.12))
     ax2.set_xlabel("drafter steps (backbone frozen)")
     ax2.set_title("DSpark drafter")
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.12))
     fig.tight_layout()
     out = HERE / "loss.png"
     fig.savefig(out, dpi=110)

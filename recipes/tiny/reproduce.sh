@@ -6,6 +6,7 @@
 #   5    the DSpark drafter alone, labels = the target's greedy tokens (session 2)
 #   6-7  an image batch in every step, 70% reasoning text, the first reasoning token weighted x4;
 #        stage 7 ends with the drafter again                          (session 3)
+#   8-9  more of the same (lr 8e-4, then 5e-4); 10 the drafter again   (session 4)
 #   bash recipes/tiny/reproduce.sh [OUT_DIR]      (default: model/assets/dsv41-tiny)
 set -euo pipefail
 OUT=${1:-model/assets/dsv41-tiny}
@@ -32,10 +33,17 @@ FOCUS=(--batch 96 --mix prose=0.12,code=0.12,literature=0.06,reasoning=0.7 --vis
        --think-start-weight 4 --vision-workers 6)
 $PY -m recipes.tiny.train --init-from "$WORK/s5" --out "$WORK/s6" "${FOCUS[@]}" --lr 1e-3 \
     --backbone-seconds 349 --dspark-seconds 0 --history recipes/tiny/logs/stage6_history.json
-rm -rf "$OUT.new"
-$PY -m recipes.tiny.train --init-from "$WORK/s6" --out "$OUT.new" "${FOCUS[@]}" --lr 6e-4 \
+$PY -m recipes.tiny.train --init-from "$WORK/s6" --out "$WORK/s7" "${FOCUS[@]}" --lr 6e-4 \
     --backbone-seconds 250 --dspark-seconds 190 --dspark-batch 128 --dspark-lr 1.5e-3 \
     --history recipes/tiny/logs/stage7_history.json
+$PY -m recipes.tiny.train --init-from "$WORK/s7" --out "$WORK/s8" "${FOCUS[@]}" --lr 8e-4 \
+    --backbone-seconds 440 --dspark-seconds 0 --history recipes/tiny/logs/stage8_history.json
+$PY -m recipes.tiny.train --init-from "$WORK/s8" --out "$WORK/s9" "${FOCUS[@]}" --lr 5e-4 \
+    --backbone-seconds 530 --dspark-seconds 0 --history recipes/tiny/logs/stage9_history.json
+rm -rf "$OUT.new"
+$PY -m recipes.tiny.train --init-from "$WORK/s9" --out "$OUT.new" --backbone-seconds 0 \
+    --dspark-seconds 180 --dspark-batch 128 --dspark-lr 1.5e-3 --vision-workers 1 \
+    --history recipes/tiny/logs/stage10_history.json
 rm -rf "$OUT" && mv "$OUT.new" "$OUT"
 $PY -m recipes.tiny.plot
 $PY -m recipes.tiny.evaluate --model "$OUT" --output recipes/tiny/logs/eval.json
