@@ -112,7 +112,9 @@ class Indexer(nn.Module):
                   pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A Reindex layer over packed keys: score only the candidate pool's entries (pool [B, T, C], -1 =
         none), so its work per query is the pool size whatever the context length. The same Top-K as the
-        masked full scan (ascending ids, then -1s), returned with the scores over the pool [B, T, C]."""
+        masked full scan (ascending ids, then -1s) up to ties, returned with the scores over the pool
+        [B, T, C]. (Where the pool holds fewer than K visible entries the scan also keeps -inf picks below
+        the visible count, i.e. entries outside the pool, as REF does; here those slots stay empty.)"""
         scores = self.head_scores(x, qr, keys, freqs, candidates=pool)
         scores = scores.masked_fill((pool < 0) | (pool >= visible.view(1, -1, 1)), -torch.inf)
         top = scores.topk(min(self.topk, scores.size(-1)), dim=-1, sorted=False)
