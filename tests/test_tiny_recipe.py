@@ -123,6 +123,41 @@ def test_weighted_ce_scales_only_the_weighted_tokens():
     assert torch.allclose(chunked_ce(h, w, t, chunk=3, token_weights=torch.ones(2, 5)), per_token.mean(), atol=1e-6)
 
 
+def test_think_end_weights_mark_the_stop_or_verify_decision():
+    from recipes.tiny.train import think_end_weights
+
+    END, NL, CHECK, STEP = 9, 5, 7, 6
+    targets = torch.tensor([[STEP, 1, NL, STEP, 1, NL, CHECK, 2, NL, 3],   # a step, then the verification pass
+                            [STEP, 1, NL, STEP, 1, END, 4, NL, 1, NL]])    # the trace ends; a newline at the row end
+    assert think_end_weights(targets, END, NL, CHECK, 1.0) is None
+    w = think_end_weights(targets, END, NL, CHECK, 3.0)
+    assert w.tolist() == [[1, 1, 1, 1, 1, 3, 3, 1, 1, 1], [1, 1, 1, 1, 1, 3, 1, 1, 1, 1]]
+
+
+def test_reasoning_weights_on_real_traces():
+    """With the real tokenizer: effort 100 weights the newline and "Check" that start the verification pass,
+    effort 75 the `</think>` after its last step, effort 1 the first reasoning token (`</think>`) by the
+    larger of the two weights; rows without reasoning are unweighted."""
+    from evals.tasks import tiny_reasoning as task
+    from model.tokenizer import load_tokenizer
+    from recipes.tiny.train import reasoning_weights
+
+    tok = load_tokenizer()
+    assert reasoning_weights(tok, 1.0, 1.0) is None
+    weights = reasoning_weights(tok, 4.0, 3.0)
+    for effort, want in ((100, ["\n", "Check", "</think>"]), (75, ["</think>"]), (1, ["</think>"])):
+        ids = torch.tensor([tok.encode(task.training_conversation([3, 8, 1, 6, 2], effort))])
+        w = weights(ids)[0]
+        heavy = [tok.decode([t]) for t, x in zip(ids[0, 1:].tolist(), w.tolist()) if x > 1]
+        first = ids[0, :-1].tolist().index(tok.token_to_id("<think>"))
+        assert w[first] == 4.0  # the first reasoning token: the start weight (the larger one at effort 1)
+        # the end weights: the last weighted targets (effort 1: the first reasoning token is the only one)
+        assert (heavy == want) if effort == 1 else (heavy[1:] == want), (effort, heavy)
+    # a side effect, kept small: a literal "Check" in other text (and a newline before it) is weighted too
+    prose = torch.tensor([tok.encode("Check the value.\nCheck it again.")])
+    assert (weights(prose) > 1).sum() <= 2
+
+
 def test_selection_bias_rule_moves_toward_balance():
     from recipes.tiny.train import update_selection_bias
 

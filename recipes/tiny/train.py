@@ -213,6 +213,44 @@ def think_start_weights(inputs: torch.Tensor, think_id: int, weight: float) -> t
     return torch.where(inputs == think_id, weight, 1.0).to(torch.float32)
 
 
+def think_end_weights(targets: torch.Tensor, end_id: int, newline_id: int, check_id: int,
+                      weight: float) -> torch.Tensor | None:
+    """Loss weights for the targets that end the reasoning or go on to the verification pass of effort
+    90-100: `weight` where the target is `</think>`, "Check", or the newline right before "Check". After
+    the last step the trace either ends (efforts 20-89) or goes on ("\nCheck in reverse:"), and the effort
+    line that decides is 60-80 tokens back, beyond the 64-token window, so the choice has to come through
+    the compressed KV. None when weight is 1."""
+    if weight == 1.0:
+        return None
+    following = F.pad(targets[:, 1:], (0, 1), value=-1)
+    decides = (targets == end_id) | (targets == check_id) | ((targets == newline_id) & (following == check_id))
+    return torch.where(decides, weight, 1.0).to(torch.float32)
+
+
+def reasoning_weights(tok, start_weight: float, end_weight: float):
+    """`--think-start-weight` and `--think-end-weight` as one function of a sampled row [B, T+1] -> loss
+    weights of its targets [B, T] (the larger where both apply: at effort 1-19 the first reasoning token
+    is `</think>`); None when both are 1."""
+    if start_weight == 1.0 and end_weight == 1.0:
+        return None
+    from evals.tasks.tiny_reasoning import reasoning_trace
+
+    think, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    trace = tok.encode(reasoning_trace([1, 2, 3, 4], 100))
+    check = tok.token_to_id("Check")
+    at = trace.index(check)  # the verification line as the task writes it: newline, then "Check"
+    newline = trace[at - 1]
+    if tok.decode([newline]) != "\n":
+        raise ValueError("the tokenizer does not split the verification line as newline + 'Check'")
+
+    def weights(ids: torch.Tensor) -> torch.Tensor | None:
+        parts = [w for w in (think_start_weights(ids[:, :-1], think, start_weight),
+                             think_end_weights(ids[:, 1:], end, newline, check, end_weight)) if w is not None]
+        return parts[0] if len(parts) == 1 else torch.maximum(*parts)
+
+    return weights
+
+
 def moe_layers(model, part: str):
     from model.moe import MoE
 
@@ -272,7 +310,8 @@ def image_step_loss(model, vision: VisionJob, device) -> torch.Tensor:
 
 def train_backbone(model, sampler, device, seconds: float, batch: int, context: int, lr: float,
                    kl_weight: float = 0.1, gamma: float = 5e-3, max_steps: int | None = None, log=print,
-                   vision: VisionJob | None = None, think_weight: float = 1.0, think_id: int | None = None):
+                   vision: VisionJob | None = None, token_weights=None):
+    """`token_weights`: sampled row [B, T+1] -> loss weights of its targets (reasoning_weights), or None."""
     params = [(n, p) for n, p in model.named_parameters() if _backbone_trains(n)]
     for n, p in model.named_parameters():
         p.requires_grad_(_backbone_trains(n))
@@ -301,7 +340,7 @@ def train_backbone(model, sampler, device, seconds: float, batch: int, context: 
                 image_load.update(gamma)
             aux: dict = {}
             hidden = model(ids[:, :-1], all_logits=True, aux=aux)
-            weights = think_start_weights(ids[:, :-1], think_id, think_weight) if think_id is not None else None
+            weights = token_weights(ids) if token_weights is not None else None
             lm = chunked_ce(hidden, model.head.weight, ids[:, 1:], token_weights=weights)
             kl = torch.stack(aux["indexer_kl"]).mean() if aux.get("indexer_kl") else hidden.new_zeros(())
             loss = lm + kl_weight * kl
@@ -610,6 +649,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="a new tower first learns to see through linear probes (recipes/tiny/vision/train.py)")
     ap.add_argument("--think-start-weight", type=float, default=1.0,
                     help="loss weight of the first reasoning token (the one the effort line decides); 1 = off")
+    ap.add_argument("--think-end-weight", type=float, default=1.0,
+                    help="loss weight of the targets that end the reasoning or start the verification pass "
+                         "(</think>, the newline before 'Check', 'Check'); 1 = off")
     ap.add_argument("--log", type=Path, default=None, help="also append log lines to this file")
     ap.add_argument("--history", type=Path, default=None, help="write the loss history (JSON) here")
     a = ap.parse_args(argv)
@@ -652,14 +694,13 @@ def main(argv: list[str] | None = None) -> dict:
                     "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None,
                     "train_tokens": {k: int(v.numel()) for k, v in streams.items()}}))
     t1 = time.time()
-    think_id = None
-    if a.think_start_weight != 1.0:
+    token_weights = None
+    if a.think_start_weight != 1.0 or a.think_end_weight != 1.0:
         from model.tokenizer import load_tokenizer
 
-        think_id = load_tokenizer(tokenizer_files).token_to_id("<think>")
+        token_weights = reasoning_weights(load_tokenizer(tokenizer_files), a.think_start_weight, a.think_end_weight)
     backbone = train_backbone(model, sampler, a.device, a.backbone_seconds, a.batch, a.context, a.lr,
-                              max_steps=a.max_steps, log=log, vision=vision, think_weight=a.think_start_weight,
-                              think_id=think_id)
+                              max_steps=a.max_steps, log=log, vision=vision, token_weights=token_weights)
     t2 = time.time()
     dspark = train_dspark(model, sampler, a.device, a.dspark_seconds, a.dspark_batch, a.context,
                           a.dspark_anchors, a.dspark_lr, max_steps=a.max_steps, log=log,
