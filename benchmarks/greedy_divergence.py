@@ -25,15 +25,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def read_prompts(path: Path) -> list[str]:
-    return [p.strip() for p in path.read_text().split("\n\n") if p.strip()]
-
-
 def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def main(argv=None) -> int:
+    from dsv41_cli.commands.generate import input_file_prompts
     from model import encoding
     from model.checkpoint import load_model
 
@@ -45,11 +42,10 @@ def main(argv=None) -> int:
     ap.add_argument("--effort", default="high")
     args = ap.parse_args(argv)
     runs = [[json.loads(line) for line in p.read_text().splitlines() if line.strip()] for p in (args.a, args.b)]
-    prompts = read_prompts(args.prompts)
+    prompts = input_file_prompts(args.prompts.read_text(encoding="utf-8"))
     if not len(prompts) == len(runs[0]) == len(runs[1]):
         raise SystemExit(f"{len(prompts)} prompts but {len(runs[0])} and {len(runs[1])} results")
     model, _, tok = load_model(args.model)
-    report = []
     for text, ra, rb in zip(prompts, *runs):
         a, b = ra["output_ids"], rb["output_ids"]
         k = first_difference(a, b)
@@ -67,7 +63,6 @@ def main(argv=None) -> int:
                         "logprob_a": round(float(logp[a[k]]), 4), "logprob_b": round(float(logp[b[k]]), 4),
                         "gap_nats": round(abs(float(logp[a[k]] - logp[b[k]])), 4),
                         "cpu_top2": [(tok.decode([int(i)]), round(float(v), 4)) for v, i in zip(*logp.topk(2))]})
-        report.append(row)
         print(json.dumps(row, ensure_ascii=False))
     return 0
 

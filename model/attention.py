@@ -274,10 +274,11 @@ class Attention(nn.Module):
             top = shared.topk
 
         if packed:
-            main = cache.main_bytes(src) if top is not None and top.size(-1) else None
-            main_codes, main_scales = main if main is not None else (None, None)
+            main_codes = main_scales = main_idx = None  # window only
+            if top is not None and top.size(-1):  # columns in the Top-K: the source has entries
+                (main_codes, main_scales), main_idx = cache.main_bytes(src), top
             o = kernels_attention.sparse_attention_packed(q, *window, main_codes, main_scales, self.attn_sink, idx,
-                                                          top if main is not None else None, self.scale)
+                                                          main_idx, self.scale)
         else:
             kv = window
             if top is not None:

@@ -18,10 +18,10 @@ the window KV) and pack them; the read methods (`compressed`, `index_keys_for`, 
 unpack to the dtype that was written, and their `*_bytes` forms hand over the stored bytes (an inference
 forward's attention and indexer read those, decoding them in their kernels on CUDA). Because formats
 guarantees unpack(pack(x)) == fake_quant(x) bit for bit, attention reading a packed entry sees exactly the
-fake-quantized value the QAT forward computes. Packing the already fake-quantized values instead would not always be exact, because
-rounding twice is not rounding once: an FP4 block whose subnormal E4M3 scale rounded up (block amax
-below 6 * 2^-6) gets a smaller scale the second time and its largest values saturate. So callers hand
-over the unrounded values.
+fake-quantized value the QAT forward computes. Packing the already fake-quantized values instead would
+not always be exact, because rounding twice is not rounding once: an FP4 block whose subnormal E4M3 scale
+rounded up (block amax below 6 * 2^-6) gets a smaller scale the second time and its largest values
+saturate. So callers hand over the unrounded values.
 
 Training: packed bytes carry no gradient. A write whose values require grad (grad mode on) goes to a
 differentiable store of the fake-quantized values instead (straight-through, as `layers.qat`); reads
@@ -60,10 +60,10 @@ def _bf16_round(x: torch.Tensor) -> torch.Tensor:
 # The main and window packers are model/kernels/quant.py's: one fused Triton pass on CUDA, bit-exact with
 # model/formats.py's packers, which they call everywhere else.
 FP4_E4M3 = Codec("fp4", lambda x: formats.fp4_e4m3_fake_quant(x, formats.FP4_E4M3_BLOCK),
-                 lambda x: kernels_quant.pack_fp4_e4m3(x),
+                 kernels_quant.pack_fp4_e4m3,
                  lambda p, dtype: formats.unpack_fp4_e4m3(p[0], p[1], formats.FP4_E4M3_BLOCK, dtype))
 FP8_UE8M0 = Codec("fp8", lambda x: formats.fp8_fake_quant(x, formats.FP8_BLOCK),
-                  lambda x: kernels_quant.pack_fp8_ue8m0(x),
+                  kernels_quant.pack_fp8_ue8m0,
                   lambda p, dtype: formats.unpack_fp8_ue8m0(p[0], p[1], formats.FP8_BLOCK, dtype))
 BF16 = Codec("bf16", _bf16_round, lambda x: (x.to(torch.bfloat16),), lambda p, dtype: p[0].to(dtype))
 MXFP4 = Codec("mxfp4", lambda x: formats.mxfp4_fake_quant(x, formats.MXFP4_BLOCK),
@@ -326,11 +326,11 @@ class KVCache:
             return torch.zeros(self.batch_size, 0, self.args.head_dim, dtype=torch.bfloat16, device=self.device)
         return lc.main.read(lc.n_compressed)
 
-    def main_bytes(self, source: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`compressed` as the stored FP4 bytes (E2M1 codes [B, n, D/2], E4M3 scales [B, n, D/16]), views;
-        None while the source has no entry."""
+    def main_bytes(self, source: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`compressed` as the stored FP4 bytes (E2M1 codes [B, n, D/2], E4M3 scales [B, n, D/16]), views.
+        Only for a source that has written entries."""
         lc = self.layer(source)
-        return None if lc.main is None or lc.n_compressed == 0 else lc.main.stored(0, lc.n_compressed)
+        return lc.main.stored(0, lc.n_compressed)
 
     def _index_key_rows(self, source: int) -> tuple[Rows, int]:
         n = self.layer(source).n_compressed

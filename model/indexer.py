@@ -54,6 +54,16 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     return keep.repeat_interleave(block_size, dim=-1)[..., :n], entries
 
 
+def weighted_relu_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """score = sum_h w_h ReLU(q_h . k), fp32. q [B, T, H, D], weights [B, T, H]; keys [B, N, D] (every entry:
+    [B, T, N]) or [B, T, C, D] (a candidate list per token: [B, T, C]). bf16: q, k, the products, the weighted
+    terms and the head sum in bf16, as REF keeps them (and breaks Top-K ties on those values)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    pattern = "bthd,bnd->bthn" if keys.dim() == 3 else "bthd,btcd->bthc"
+    scores = torch.einsum(pattern, q.to(dtype), keys.to(dtype)).relu_()
+    return (scores * weights.to(dtype).unsqueeze(-1)).sum(dim=2).float()
+
+
 class Indexer(nn.Module):
     """Owns the key path on kv-source layers and the query path on index-source layers."""
 
@@ -130,16 +140,8 @@ class Indexer(nn.Module):
         are all-reduced before Top-K, so every rank selects the same entries."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = qat(formats.mxfp4_fake_quant, rope_tail(q, freqs, self.rope_dim), 32)
-        # REF keeps q, k, the weights and the scores in bf16 (and breaks Top-K ties on those values)
-        bf16 = self.score_dtype == "bf16" and not torch.is_grad_enabled()
+        bf16 = self.score_dtype == "bf16" and not torch.is_grad_enabled()  # REF's precision (inference only)
+        w = self.weights_proj(x).to(torch.bfloat16 if bf16 else torch.float32) * self.weight_scale
         if isinstance(keys, tuple):  # packed bytes: model/kernels/indexer.py (Triton on CUDA)
-            w = self.weights_proj(x).to(torch.bfloat16) if bf16 else self.weights_proj(x).float()
-            return kernels_indexer.indexer_scores(q, w * self.weight_scale, *keys, candidates=candidates,
-                                                  bf16_scores=bf16)
-        if bf16:
-            w = self.weights_proj(x).to(torch.bfloat16) * self.weight_scale
-            scores = torch.einsum("bthd,bnd->bthn", q.to(torch.bfloat16), keys.to(torch.bfloat16)).relu_()
-            return (scores * w.unsqueeze(-1)).sum(dim=2).float()
-        w = self.weights_proj(x).float() * self.weight_scale
-        scores = torch.einsum("bthd,bnd->bthn", q.float(), keys.float()).relu_()
-        return (scores * w.unsqueeze(-1)).sum(dim=2)
+            return kernels_indexer.indexer_scores(q, w, *keys, candidates=candidates, bf16_scores=bf16)
+        return weighted_relu_scores(q, keys, w, bf16)

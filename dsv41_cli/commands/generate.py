@@ -13,6 +13,11 @@ from dsv41_cli.common import DeviceOpt, JsonOpt, ModelOpt, load_on_ranks, resolv
 from dsv41_cli.console import err, fail, out, print_json
 
 
+def input_file_prompts(text: str) -> list[str]:
+    """The prompts of an `--input-file`: blank-line separated, each stripped, empty ones dropped."""
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
 def command(
     prompt: Optional[str] = typer.Argument(None, help="The user message (one turn)."),
     messages: Optional[Path] = typer.Option(None, "--messages", help="JSON file: a message list in the official encoder's schema."),
@@ -71,7 +76,7 @@ def command(
             text = input_file.read_text(encoding="utf-8")
         except OSError as e:
             fail(f"--input-file {input_file}: {e.strerror or e}")
-        batch = [_turn(p.strip(), system, tool_list) for p in text.split("\n\n") if p.strip()]
+        batch = [_turn(p, system, tool_list) for p in input_file_prompts(text)]
         if not batch:
             fail(f"--input-file {input_file}: no prompts in it")
     elif messages is not None:

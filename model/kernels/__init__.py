@@ -19,8 +19,9 @@ agrees with the reference" means "the kernel agrees with the model".
 
 Each public function dispatches: Triton when the inputs are on a CUDA device and Triton imports, the
 reference otherwise. CPU numerics are therefore never changed by this package. Under TRITON_INTERPRET=1
-the Triton path can also be forced on CPU tensors (`force_triton=True` per call, or `forced()` for every call
-inside a block: the model's whole forward on the kernels), which is how the CPU tests run the kernels. Triton is the `kernels` extra (pyproject.toml); nothing here imports it unless a kernel runs.
+the Triton path can also be forced on CPU tensors (`force_triton=True` per call, or `forced()` for every
+call inside a block: the model's whole forward on the kernels), which is how the CPU tests run the kernels.
+Triton is the `kernels` extra (pyproject.toml); nothing here imports it unless a kernel runs.
 """
 
 from __future__ import annotations

@@ -89,8 +89,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
                         key_codes.stride(0), key_codes.stride(1), key_scales.stride(0), key_scales.stride(1),
                         cand.stride(0) if gather else 0, cand.stride(1) if gather else 0, out.stride(0),
                         out.stride(1), DK2=DK // 2, HP=cfg["HP"], BT=cfg["BT"], BN=cfg["BN"], GATHER=gather,
-                        MASK_VISIBLE=visible is not None, BF16_SCORES=bf16_scores, INTERPRET=interpreting(), num_warps=cfg["num_warps"],
-                        num_stages=cfg["num_stages"])
+                        MASK_VISIBLE=visible is not None, BF16_SCORES=bf16_scores, INTERPRET=interpreting(),
+                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 

@@ -51,19 +51,18 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
     all visible). candidates [B,T,C] (-1 = none): score only those entries, returning [B,T,C] (-inf at -1);
     otherwise [B,T,N]. bf16_scores: the products, the weighted terms and the head sum rounded to bf16 (REF's
     score precision, Indexer.head_scores with index_score_dtype "bf16"; weights then hold bf16 values)."""
-    dtype = torch.bfloat16 if bf16_scores else torch.float32
-    keys = formats.unpack_mxfp4(key_codes, key_scales, formats.MXFP4_BLOCK, dtype)
+    from model.indexer import weighted_relu_scores  # here: model/indexer.py imports the kernels (and this module)
+
+    keys = formats.unpack_mxfp4(key_codes, key_scales, formats.MXFP4_BLOCK, torch.float32)
     n = keys.size(1)
     if candidates is None:
-        scores = torch.einsum("bthd,bnd->bthn", q.to(dtype), keys).relu_()
-        scores = (scores * weights.to(dtype).unsqueeze(-1)).sum(dim=2).float()
+        scores = weighted_relu_scores(q, keys, weights, bf16_scores)
         if visible is not None:
             scores = scores.masked_fill(torch.arange(n, device=q.device) >= visible.view(-1, 1), -torch.inf)
         return scores
     batch = torch.arange(keys.size(0), device=q.device).view(-1, 1, 1)
     gathered = keys[batch, candidates.clamp_min(0).long()]  # [B,T,C,Dk]
-    scores = torch.einsum("bthd,btcd->bthc", q.to(dtype), gathered).relu_()
-    scores = (scores * weights.to(dtype).unsqueeze(-1)).sum(dim=2).float()
+    scores = weighted_relu_scores(q, gathered, weights, bf16_scores)
     hidden = candidates < 0
     if visible is not None:
         hidden = hidden | (candidates >= visible.view(1, -1, 1))

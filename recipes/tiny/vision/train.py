@@ -56,10 +56,9 @@ def build(base: Path, keep_tower: bool = False):
     from model.transformer import Transformer
 
     state, args = load_state_dict(base)
-    if keep_tower and not args.vision_enabled:
-        raise SystemExit(f"{base} has no vision tower to continue from")
-    if not keep_tower and args.vision_enabled:
-        raise SystemExit(f"{base} already has a vision tower (vision_n_layers = {args.vision_n_layers})")
+    if keep_tower != args.vision_enabled:
+        raise SystemExit(f"{base} has no vision tower to continue from" if keep_tower else
+                         f"{base} already has a vision tower (vision_n_layers = {args.vision_n_layers})")
     if not keep_tower:
         args = args.replace(**VISION)
     tokenizer = load_tokenizer(base)
