@@ -57,7 +57,10 @@ def score_tile(q_e, q_o, w, t_out, visible, b, tile, codes_ptr, scales_ptr, cand
     tl.store(out, scores, mask=(t_out[None, :] >= 0) & (offs[:, None] < n_out))
 
 
-@triton.jit
+# N (entries), C (candidates) and the output strides grow by one entry every m decode steps. Triton would
+# specialize them (divisible by 16 or not) and compile a second variant the first time N crosses a multiple of
+# 16 mid-decode: a 0.5 s stall per kernel variant, seen in the 8K decode row of bench_flash_layers.
+@triton.jit(do_not_specialize=["N", "C", "stride_ob", "stride_ot"])
 def kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, cand_ptr, vis_ptr, out_ptr,
            T, H, N, C,
            stride_qb, stride_qt, stride_qh, stride_wb, stride_wt,
