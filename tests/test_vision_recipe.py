@@ -41,6 +41,17 @@ def test_scoring_accepts_the_gold_answer_only():
     assert not A.score("shape", ex, "Nothing.")
 
 
+def test_answered_label_agrees_with_the_score():
+    ex = A.heldout_examples("shape", 1)[0]
+    true, other = ex.facts["shape"], next(s for s in D.SHAPES if s != ex.facts["shape"])
+    for reply, label in [(f"It is a {true}.", true), (f"A {other}.", other), ("Nothing.", "none"),
+                         (f"A {true} or a {other}.", "several"), (f"Two {true}s.", true)]:
+        assert A.answered("shape", reply) == label
+        assert A.score("shape", ex, reply) == (label == true)
+    assert A.answered("colour", "The shape is red.") == "red"
+    assert A.answered("count", "Three.") is None
+
+
 def test_heldout_pictures_differ_from_training_pictures():
     held = {A.heldout_examples(qt, 20)[i].image.tobytes() for qt in ("colour", "shape") for i in range(20)}
     rng = random.Random(0)  # the training stream of seed 0

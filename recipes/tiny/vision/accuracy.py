@@ -16,7 +16,9 @@ generated greedily by default (thinking mode at the default effort, and chat mod
     read       "What does the text say?"    the right word (8-word vocabulary)
 
 colour and shape (and describe) are the questions the bundled model is meant to answer; count and
-read are reported as well.
+read are reported as well. For colour and shape the report also has a confusion table (true label ->
+what the reply named: the one label, "none", or "several") and the accuracy by the picture's smaller
+side, which say where the misses are.
 """
 
 from __future__ import annotations
@@ -78,6 +80,16 @@ def score(question_type: str, example: D.Example, content: str) -> bool:
     raise ValueError(question_type)
 
 
+def answered(question_type: str, content: str) -> str | None:
+    """The label a colour or shape reply names: the single colour/shape word, "none" or "several"
+    (None for the other question types). It agrees with `score`: correct iff it equals the true label."""
+    if question_type not in ("colour", "shape"):
+        return None
+    words = _words(content)
+    named = words & set(D.COLOURS) if question_type == "colour" else {w.rstrip("s") for w in words} & set(D.SHAPES)
+    return "none" if not named else next(iter(named)) if len(named) == 1 else "several"
+
+
 def evaluate(model_dir: Path, n: int = 100, modes=("thinking", "chat"), question_types=None,
              max_new_tokens: int = 24, temperature: float = 0.0, top_p: float = 1.0, log=None) -> dict:
     from model.checkpoint import load_model
@@ -102,7 +114,7 @@ def _evaluate(model, args, tokenizer, name, n, modes, question_types, max_new_to
     engine = Generator(model, tokenizer)
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop_ids=(tokenizer.eos_id,),
                               sampling=SamplingConfig(temperature, top_p, seed=0))
-    accuracy, samples = {}, {}
+    accuracy, samples, confusion, by_side = {}, {}, {}, {}
     t0 = time.time()
     for mode in modes:
         for qt in question_types or QUESTION_TYPES:
@@ -117,12 +129,22 @@ def _evaluate(model, args, tokenizer, name, n, modes, question_types, max_new_to
                 content = parse_completion(text, mode, finished=result.finish_reason == "stop").content
                 ok = score(qt, example, content)
                 right += ok
+                label = answered(qt, content)
+                if label is not None:
+                    table = confusion.setdefault(f"{mode}/{qt}", {}).setdefault(example.facts[qt], {})
+                    table[label] = table.get(label, 0) + 1
+                    side = by_side.setdefault(f"{mode}/{qt}", {}).setdefault(str(min(example.image.size)), [0, 0])
+                    side[0] += ok
+                    side[1] += 1
                 if i < 3:
                     samples.setdefault(f"{mode}/{qt}", []).append({"facts": example.facts, "reply": text, "correct": ok})
             accuracy[f"{mode}/{qt}"] = right / n
             if log:
                 log(f"{mode}/{qt}: {right}/{n} = {right / n:.3f}")
-    return {"model": name, "examples_per_question": n, "temperature": temperature, "top_p": top_p, "accuracy": accuracy, "samples": samples,
+    accuracy_by_side = {key: {side: round(r / t, 3) for side, (r, t) in sorted(sides.items(), key=lambda kv: int(kv[0]))}
+                        for key, sides in by_side.items()}
+    return {"model": name, "examples_per_question": n, "temperature": temperature, "top_p": top_p, "accuracy": accuracy,
+            "confusion": confusion, "accuracy_by_smaller_side": accuracy_by_side, "samples": samples,
             "seconds": round(time.time() - t0, 1)}
 
 
