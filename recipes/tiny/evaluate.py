@@ -163,7 +163,8 @@ def reasoning_sweep(model, tok, items: list[dict], efforts=(1, 25, 50, 75, 100),
 
     think_end = tok.token_to_id("</think>")
     if max_new is None:  # room for the longest gold trace at the highest effort, plus the answer
-        longest = max(len(tok.encode(task.reasoning_trace(it["numbers"], 100))) for it in items)
+        longest = max(len(tok.encode(task.reasoning_trace(it["numbers"], 100, style)))
+                      for it in items for style in task.TRACE_STYLES)
         max_new = longest + 24
     rows = [(tok.encode(task.prompt_text(it, e)), e, it) for e in efforts for it in items]
     results = {e: [] for e in efforts}

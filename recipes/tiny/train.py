@@ -50,11 +50,15 @@ MAX_SHARD_BYTES = 15 << 20  # every shard under 16 MiB
 
 
 # ------------------------------------------------------------------------------------ data
-def load_streams(data_dir: Path) -> dict[str, torch.Tensor]:
+def load_streams(data_dir: Path, names=FAMILY_WEIGHTS) -> dict[str, torch.Tensor]:
+    """The token streams of the named families (e.g. `reasoning_carry`, the reasoning task in its "carry"
+    trace style, which `build_data --reasoning-only carry` adds)."""
     from recipes.tiny.build_data import load_tokens
 
-    return {name: torch.from_numpy(load_tokens(data_dir / f"{name}.u32.xz").astype(np.int64))
-            for name in FAMILY_WEIGHTS}
+    missing = [name for name in names if not (data_dir / f"{name}.u32.xz").exists()]
+    if missing:
+        raise SystemExit(f"no training stream for {', '.join(missing)} in {data_dir} (python -m recipes.tiny.build_data)")
+    return {name: torch.from_numpy(load_tokens(data_dir / f"{name}.u32.xz").astype(np.int64)) for name in names}
 
 
 def load_token_map(data_dir: Path) -> torch.Tensor:
@@ -638,7 +642,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="drafter labels: the target's greedy tokens (default) or the data tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init-from", type=Path, default=None, help="continue from this exported checkpoint")
-    ap.add_argument("--mix", default=None, help="family weights, e.g. prose=0.15,code=0.35,literature=0.08,reasoning=0.42")
+    ap.add_argument("--mix", default=None, help="family weights, e.g. prose=0.15,code=0.35,literature=0.08,reasoning=0.42 "
+                    "(reasoning_carry: the reasoning task in the carry trace style)")
     ap.add_argument("--no-vision", dest="vision", action="store_false",
                     help="text only (default: the vision tower trains jointly with the backbone)")
     ap.add_argument("--vision-every", type=int, default=2, help="an image batch joins every k-th backbone step")
@@ -670,10 +675,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     t0 = time.time()
     args = tiny_config(trainable=True, vision=a.vision)
-    streams = load_streams(a.data)
     weights = dict(FAMILY_WEIGHTS)
     if a.mix:
         weights = {k: float(v) for k, v in (kv.split("=") for kv in a.mix.split(","))}
+    streams = load_streams(a.data, weights)
     sampler = WindowSampler(streams, weights, seed=a.seed)
     model = build_trainable(args, load_token_map(a.data), a.device, a.seed)
     fresh_tower = args.vision_enabled

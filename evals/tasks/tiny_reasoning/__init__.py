@@ -16,7 +16,19 @@ The trace grows with the effort tier, and each tier adds a more careful way of w
 
 so mean reasoning tokens rise strictly across efforts 1, 25, 50, 75, 100, and the more explicit
 traces make each step a single table look-up (a+b with b < 10), which is what makes them more often
-right. In training data the effort is uniform in 1..100 and appears, as the number it is, in the
+right. That is the first trace style, "reverse-check" (stages 1-10 of the bundled model). Trained on it,
+the 24M-parameter model wrote the long traces wrongly more often than the short ones: a step has to pick
+the i-th number of a list written 20-60 tokens earlier, and whether the reverse pass follows depends on
+the effort line, 60-80 tokens back, beyond the 64-token window. The second style, "carry", keeps the
+efforts 1-69 traces and makes the two top tiers carry their state from line to line, so every step reads
+only the line above it:
+
+    effort 70-89   Step 1: 7+3=10, left 9 2 5 / Step 2: 10+9=19, left 2 5 / ... / Step 4: 21+5=26, left none
+    effort 90-100  the same, each step checked by undoing it: Step 1: 7+3=10, check 10-3=7, left 9 2 5
+
+(the next number is the first one left; the trace ends after "left none"; whether a step carries a check
+is decided once, at the first step, 20 tokens after the effort line, and then copied from the line
+above). In training data the effort is uniform in 1..100 and appears, as the number it is, in the
 effort line of the system part (`model.encoding.encode_messages(..., mode="thinking", effort=e)`).
 
 The held-out set (`heldout.jsonl`, 300 items) is effort-free: each item is the prompt messages and
@@ -62,8 +74,14 @@ def _running_steps(numbers: list[int]) -> list[tuple[int, int, int]]:
     return steps
 
 
-def reasoning_trace(numbers: list[int], effort: int) -> str:
-    """The gold reasoning (the text between <think> and </think>) for `numbers` at `effort`."""
+TRACE_STYLES = ("reverse-check", "carry")
+
+
+def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check") -> str:
+    """The gold reasoning (the text between <think> and </think>) for `numbers` at `effort`, in one
+    of the TRACE_STYLES (they differ at efforts 70-100 only)."""
+    if style not in TRACE_STYLES:
+        raise ValueError(f"trace style must be one of {TRACE_STYLES}, got {style!r}")
     tier = effort_tier(effort)
     steps = _running_steps(numbers)
     if tier == 0:
@@ -74,6 +92,9 @@ def reasoning_trace(numbers: list[int], effort: int) -> str:
         return ", ".join(parts)
     if tier == 2:
         return "\n".join(f"{a}+{n}={s}" for a, n, s in steps)
+    if style == "carry":
+        return "\n".join(_carry_step(i, a, n, s, numbers[i + 1:], check=tier == 4)
+                         for i, (a, n, s) in enumerate(steps, 1))
     lines = [f"Numbers: {', '.join(str(n) for n in numbers)} ({len(numbers)} numbers)."]
     lines += [f"Step {i}: {a}+{n}={s}" for i, (a, n, s) in enumerate(steps, 1)]
     if tier == 4:
@@ -82,6 +103,11 @@ def reasoning_trace(numbers: list[int], effort: int) -> str:
         lines += [f"{a}+{n}={s}" for a, n, s in backward]
         lines.append(f"Both give {sum(numbers)}.")
     return "\n".join(lines)
+
+
+def _carry_step(i: int, a: int, n: int, s: int, left: list[int], check: bool) -> str:
+    checked = f", check {s}-{n}={a}" if check else ""
+    return f"Step {i}: {a}+{n}={s}{checked}, left {' '.join(str(x) for x in left) or 'none'}"
 
 
 def answer_text(numbers: list[int]) -> str:
@@ -93,11 +119,11 @@ def messages(numbers: list[int]) -> list[dict]:
     return [{"role": "user", "content": question(numbers)}]
 
 
-def training_conversation(numbers: list[int], effort: int) -> str:
+def training_conversation(numbers: list[int], effort: int, style: str = "reverse-check") -> str:
     """One complete training example in the official V4.1 thinking-mode encoding (BOS ... EOS)."""
     from model.encoding import encode_messages
 
-    convo = messages(numbers) + [{"role": "assistant", "reasoning_content": reasoning_trace(numbers, effort),
+    convo = messages(numbers) + [{"role": "assistant", "reasoning_content": reasoning_trace(numbers, effort, style),
                                   "content": answer_text(numbers)}]
     return encode_messages(convo, mode="thinking", effort=effort)
 
