@@ -28,7 +28,8 @@ only the line above it:
 
 (the next number is the first one left; the trace ends after "left none"; whether a step carries a check
 is decided once, at the first step, 20 tokens after the effort line, and then copied from the line
-above). In training data the effort is uniform in 1..100 and appears, as the number it is, in the
+above). A first CPU-scale run on it (recipes/tiny/README.md, trial d) did not make the long traces right
+more often: the model copied the shrinking lists wrongly too. In training data the effort is uniform in 1..100 and appears, as the number it is, in the
 effort line of the system part (`model.encoding.encode_messages(..., mode="thinking", effort=e)`).
 
 The held-out set (`heldout.jsonl`, 300 items) is effort-free: each item is the prompt messages and
