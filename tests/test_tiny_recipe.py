@@ -58,6 +58,16 @@ def test_carry_traces_carry_the_numbers_left_and_check_each_step():
         "left none</think>Answer: 26<｜end▁of▁sentence｜>")
 
 
+def test_twice_traces_recompute_the_terse_sums():
+    numbers = [7, 3, 9, 2, 5]
+    for effort in (1, 25, 50, 69):
+        assert task.reasoning_trace(numbers, effort, "twice") == task.reasoning_trace(numbers, effort)
+    terse = "7+3=10, +9=19, +2=21, +5=26"
+    assert task.reasoning_trace(numbers, 30) == terse
+    assert task.reasoning_trace(numbers, 89, "twice").splitlines() == [terse, "Again: " + terse]
+    assert task.reasoning_trace(numbers, 90, "twice").splitlines() == [terse, "Check: " + terse, "Both give 26."]
+
+
 def test_both_trace_styles_hold_the_same_problems(tmp_path):
     from model.tokenizer import load_tokenizer
     from recipes.tiny import build_data as B

@@ -29,7 +29,15 @@ only the line above it:
 (the next number is the first one left; the trace ends after "left none"; whether a step carries a check
 is decided once, at the first step, 20 tokens after the effort line, and then copied from the line
 above). A first CPU-scale run on it (recipes/tiny/README.md, trial d) did not make the long traces right
-more often: the model copied the shrinking lists wrongly too. In training data the effort is uniform in 1..100 and appears, as the number it is, in the
+more often: the model copied the shrinking lists wrongly too. The third style, "twice", builds the top
+tiers from the form the model gets right most often, the terse running sums of effort 20-44, computed
+again from the prompt:
+
+    effort 70-89   7+3=10, +9=19, +2=21, +5=26 / Again: 7+3=10, +9=19, +2=21, +5=26
+    effort 90-100  7+3=10, +9=19, +2=21, +5=26 / Check: 7+3=10, ... / Both give 26.
+
+(whether the second pass is "Again" or "Check" is decided one pass after the effort line, within the
+window, and the closing line follows from that word, one pass back). In training data the effort is uniform in 1..100 and appears, as the number it is, in the
 effort line of the system part (`model.encoding.encode_messages(..., mode="thinking", effort=e)`).
 
 The held-out set (`heldout.jsonl`, 300 items) is effort-free: each item is the prompt messages and
@@ -75,7 +83,7 @@ def _running_steps(numbers: list[int]) -> list[tuple[int, int, int]]:
     return steps
 
 
-TRACE_STYLES = ("reverse-check", "carry")
+TRACE_STYLES = ("reverse-check", "carry", "twice")
 
 
 def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check") -> str:
@@ -88,11 +96,13 @@ def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check
     if tier == 0:
         return ""
     if tier == 1:
-        first, n, total = steps[0]
-        parts = [f"{first}+{n}={total}"] + [f"+{n}={total}" for _, n, total in steps[1:]]
-        return ", ".join(parts)
+        return _terse_sums(steps)
     if tier == 2:
         return "\n".join(f"{a}+{n}={s}" for a, n, s in steps)
+    if style == "twice":
+        second = "Check" if tier == 4 else "Again"
+        closing = [f"Both give {sum(numbers)}."] if tier == 4 else []
+        return "\n".join([_terse_sums(steps), f"{second}: {_terse_sums(steps)}"] + closing)
     if style == "carry":
         return "\n".join(_carry_step(i, a, n, s, numbers[i + 1:], check=tier == 4)
                          for i, (a, n, s) in enumerate(steps, 1))
@@ -104,6 +114,12 @@ def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check
         lines += [f"{a}+{n}={s}" for a, n, s in backward]
         lines.append(f"Both give {sum(numbers)}.")
     return "\n".join(lines)
+
+
+def _terse_sums(steps: list[tuple[int, int, int]]) -> str:
+    """7+3=10, +9=19, +2=21, +5=26"""
+    first, n, total = steps[0]
+    return ", ".join([f"{first}+{n}={total}"] + [f"+{n}={total}" for _, n, total in steps[1:]])
 
 
 def _carry_step(i: int, a: int, n: int, s: int, left: list[int], check: bool) -> str:
