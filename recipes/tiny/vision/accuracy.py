@@ -62,17 +62,20 @@ def _words(text: str) -> set[str]:
     return set(re.findall(r"[a-z]+", text.lower()))
 
 
+def _named(question_type: str, words: set[str]) -> set[str]:
+    """The colour words ("colour") or shape words ("shape", plurals folded) among a reply's words."""
+    if question_type == "colour":
+        return words & set(D.COLOURS)
+    return {w.rstrip("s") for w in words} & set(D.SHAPES)
+
+
 def score(question_type: str, example: D.Example, content: str) -> bool:
     words = _words(content)
     facts = example.facts
-    colours = words & set(D.COLOURS)
-    shapes = {w.rstrip("s") for w in words} & set(D.SHAPES)
-    if question_type == "colour":
-        return colours == {facts["colour"]}
-    if question_type == "shape":
-        return shapes == {facts["shape"]}
+    if question_type in ("colour", "shape"):
+        return _named(question_type, words) == {facts[question_type]}
     if question_type == "describe":
-        return colours == {facts["colour"]} and shapes == {facts["shape"]}
+        return _named("colour", words) == {facts["colour"]} and _named("shape", words) == {facts["shape"]}
     if question_type == "count":
         return (words & set(D.NUMBER_WORDS.values())) == {D.NUMBER_WORDS[facts["count"]]}
     if question_type == "read":
@@ -85,8 +88,7 @@ def answered(question_type: str, content: str) -> str | None:
     (None for the other question types). It agrees with `score`: correct iff it equals the true label."""
     if question_type not in ("colour", "shape"):
         return None
-    words = _words(content)
-    named = words & set(D.COLOURS) if question_type == "colour" else {w.rstrip("s") for w in words} & set(D.SHAPES)
+    named = _named(question_type, _words(content))
     return "none" if not named else next(iter(named)) if len(named) == 1 else "several"
 
 
