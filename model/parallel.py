@@ -258,7 +258,17 @@ def init_from_env(device: str = "cpu", tp: int | None = None, quiet_others: bool
 
 
 def _shutdown() -> None:
+    """At exit: wait for the other ranks, then tear the process group down. Under gloo a rank that destroys
+    its group while a peer's last collective is still draining can abort the peer at exit ("terminate called
+    without an active exception", SIGABRT after every command had finished); the barrier first makes the
+    teardown happen after the last collective everywhere. A bounded, monitored barrier, so a rank whose
+    peer died does not hang at exit."""
     if dist.is_initialized():
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+        except Exception:  # noqa: BLE001 - a peer is gone: leave anyway
+            pass
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - leaving anyway

@@ -68,6 +68,38 @@ def test_twice_traces_recompute_the_terse_sums():
     assert task.reasoning_trace(numbers, 90, "twice").splitlines() == [terse, "Check: " + terse, "Both give 26."]
 
 
+def test_undo_traces_check_the_sums_by_undoing_them():
+    from model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    numbers = [7, 3, 9, 2, 5]
+    for effort in (1, 25, 50, 69):
+        assert task.reasoning_trace(numbers, effort, "undo") == task.reasoning_trace(numbers, effort)
+    terse = "7+3=10, +9=19, +2=21, +5=26"
+    assert task.reasoning_trace(numbers, 89, "undo").splitlines() == [
+        "First: " + terse, "Undo: 26-5=21, -2=19, -9=10, -3=7", "So 26."]
+    assert task.reasoning_trace(numbers, 90, "undo").splitlines() == [
+        "Sum: " + terse, "Check: 26-5=21, -2=19, -9=10, -3=7", "Back to 7, so the sum is 26."]
+    assert task.reasoning_trace([4, 0, 0, 1], 100, "undo").splitlines()[1] == "Check: 5-1=4, -0=4, -0=4"
+    assert len({tok.encode(task.reasoning_trace(numbers, e, "undo"))[0] for e in (25, 75, 100)}) == 3
+
+
+def test_labelled_traces_name_the_tier_in_their_first_token():
+    from model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    numbers = [7, 3, 9, 2, 5]
+    for effort in (1, 25, 50, 69):
+        assert task.reasoning_trace(numbers, effort, "labelled") == task.reasoning_trace(numbers, effort)
+    terse = "7+3=10, +9=19, +2=21, +5=26"
+    assert task.reasoning_trace(numbers, 70, "labelled").splitlines() == ["First: " + terse, "Again: " + terse]
+    assert task.reasoning_trace(numbers, 100, "labelled").splitlines() == [
+        "Sum: " + terse, "Check: " + terse, "Both give 26."]
+    firsts = {tok.encode(task.reasoning_trace(numbers, e, "labelled"))[0] for e in (25, 50, 75, 100)}
+    assert len(firsts) == 3  # tiers 1 and 2 both start with the first number; 3 and 4 with their own word
+    assert len({tok.encode(task.reasoning_trace(numbers, e, "labelled"))[0] for e in (75, 100)}) == 2
+
+
 def test_both_trace_styles_hold_the_same_problems(tmp_path):
     from model.tokenizer import load_tokenizer
     from recipes.tiny import build_data as B
@@ -213,6 +245,24 @@ def test_reasoning_weights_on_real_traces():
     # a side effect, kept small: a literal "Check" in other text (and a newline before it) is weighted too
     prose = torch.tensor([tok.encode("Check the value.\nCheck it again.")])
     assert (weights(prose) > 1).sum() <= 2
+
+
+def test_closing_sum_weights_mark_the_sum_the_answer_copies():
+    from evals.tasks import tiny_reasoning as task
+    from model.tokenizer import load_tokenizer
+    from recipes.tiny.train import closing_sum_weights, reasoning_weights
+
+    PERIOD, END = 8, 9
+    targets = torch.tensor([[3, 4, 26, PERIOD, END, 1, 26], [26, PERIOD, 2, END, 1, 26, PERIOD]])
+    assert closing_sum_weights(targets, PERIOD, END, 1.0) is None
+    w = closing_sum_weights(targets, PERIOD, END, 5.0)
+    assert w.tolist() == [[1, 1, 5, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]]  # only number . </think>, not at a row end
+    tok = load_tokenizer()
+    weights = reasoning_weights(tok, 1.0, 1.0, 5.0)
+    for effort, heavy_want in ((75, ["26"]), (100, ["26"]), (50, []), (25, [])):
+        ids = torch.tensor([tok.encode(task.training_conversation([7, 3, 9, 2, 5], effort, "undo"))])
+        heavy = [tok.decode([t]) for t, x in zip(ids[0, 1:].tolist(), weights(ids)[0].tolist()) if x > 1]
+        assert heavy == heavy_want, (effort, heavy)
 
 
 def test_selection_bias_rule_moves_toward_balance():

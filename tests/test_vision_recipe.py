@@ -99,3 +99,36 @@ def test_continuing_a_tower_trains_only_the_image_path(tmp_path):
         build(make_small_checkpoint(tmp_path / "text"), keep_tower=True)
     with pytest.raises(SystemExit, match="already has a vision tower"):
         build(bundled)
+
+
+def test_padded_sides_are_padded_and_never_held_out():
+    from model.config import ModelArgs
+    from model.image_processor import plan_image_grid
+    from recipes.tiny.vision.train import VISION
+
+    args = ModelArgs().replace(**VISION)
+    padded = D.PADDED_SIDES + D.LARGE_SIDES
+    assert not set(padded) & set(A.EVAL_SIDES) and not set(padded) & set(D.SIDES)
+    for side in padded:
+        assert side % 14 and plan_image_grid(side, side, args).width % 14 == 0  # rounded up: grey around it
+
+
+def test_a_stage_two_step_with_probes_moves_only_the_image_path(monkeypatch):
+    """One `train()` step with the probe loss added (--probe-weight) on padded canvases: the tower and the
+    aligner change, no language-model tensor does, and the probes are not part of the model."""
+    from pathlib import Path
+
+    from recipes.tiny.vision import train as vision_train
+    from recipes.tiny.vision.train import build, train
+
+    monkeypatch.setattr(vision_train, "lr_at", lambda frac, peak: peak)  # no warmup: one step must move
+    bundled = Path(__file__).resolve().parents[1] / "model" / "assets" / "dsv41-tiny"
+    model, args, tok, _ = build(bundled, keep_tower=True)
+    before = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    history = train(model, args, tok, seconds=1e9, batch=2, lr=1e-3, gamma=1e-3, seed=0, max_steps=1,
+                    sides=D.PADDED_SIDES, probe_weight=1.0, probe_batch=4, log=lambda line: None)
+    after = model.state_dict()
+    assert history[0]["step"] == 1 and set(after) == set(before)
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert any(n.startswith("vision.") for n in changed) and any(n.startswith("aligner.") for n in changed)
+    assert all(n.startswith(("vision.", "aligner.", "image_")) or n.endswith("bias_vl") for n in changed)

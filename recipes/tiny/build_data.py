@@ -1,7 +1,7 @@
 """Build the dsv41-tiny training data: a reproducible step that needs only packages from registries.
 
     python -m recipes.tiny.build_data [--out .tinydata] [--sources ~/.cache/dsv41/tiny-sources]
-    python -m recipes.tiny.build_data --reasoning-only carry     # adds OUT/reasoning_carry.u32.xz
+    python -m recipes.tiny.build_data --reasoning-only undo      # adds OUT/reasoning_undo.u32.xz
 
 Corpus families (spec/environment.md §3), each split into train and a held-out part of whole
 documents chosen by hash:
@@ -14,9 +14,9 @@ documents chosen by hash:
     reasoning   the synthetic effort-conditioned addition task (`evals.tasks.tiny_reasoning`), encoded
                 with the official V4.1 thinking-mode chat encoding; its held-out set ships with the
                 package as the task `tiny-reasoning`; written in the "reverse-check" trace style
-    reasoning_carry   the same conversations (same lists, same efforts) in the "carry" trace style
-                (evals/tasks/tiny_reasoning says why); built only with --reasoning-only carry, which
-                touches nothing else but the manifest's entry for it
+    reasoning_<style>   the same conversations (same lists, same efforts) in another trace style
+                (carry, twice, labelled, undo: evals/tasks/tiny_reasoning says why); built only with
+                --reasoning-only STYLE, which touches nothing else but the manifest's entry for it
 
 Writes (everything under --out stays out of git; the held-out files are small and committed):
     OUT/{family}.u32.xz           training token stream per family: uint32 ids, every document as

@@ -7,12 +7,18 @@
 #   6-7  an image batch in every step, 70% reasoning text, the first reasoning token weighted x4;
 #        stage 7 ends with the drafter again                          (session 3)
 #   8-9  more of the same (lr 8e-4, then 5e-4); 10 the drafter again   (session 4)
+#   11-13 the same options with the reasoning task in the trace styles "twice", "labelled", "undo"
+#        (evals/tasks/tiny_reasoning), each stage ending with the drafter  (session 6)
+#   14   "undo" again on the CPU (no device time was left), batch 8, the closing sum weighted x5
+#   15-16 the vision tower alone through the frozen language model, on the CPU, with the probe loss added
+#        and padded canvas sizes (16: also larger ones)                    (session 6)
 #   bash recipes/tiny/reproduce.sh [OUT_DIR]      (default: model/assets/dsv41-tiny)
 set -euo pipefail
 OUT=${1:-model/assets/dsv41-tiny}
 PY=${PY:-python}
 WORK=$(mktemp -d)
 $PY -m recipes.tiny.build_data
+for style in twice labelled undo; do $PY -m recipes.tiny.build_data --reasoning-only $style; done
 $PY -m recipes.tiny.train --out "$WORK/s1" --no-vision --dspark-labels data \
     --backbone-seconds 260 --dspark-seconds 55 --history recipes/tiny/logs/stage1_history.json
 $PY -m recipes.tiny.train --init-from "$WORK/s1" --out "$WORK/s2" --no-vision --dspark-labels data --lr 2e-3 \
@@ -40,11 +46,34 @@ $PY -m recipes.tiny.train --init-from "$WORK/s7" --out "$WORK/s8" "${FOCUS[@]}" 
     --backbone-seconds 440 --dspark-seconds 0 --history recipes/tiny/logs/stage8_history.json
 $PY -m recipes.tiny.train --init-from "$WORK/s8" --out "$WORK/s9" "${FOCUS[@]}" --lr 5e-4 \
     --backbone-seconds 530 --dspark-seconds 0 --history recipes/tiny/logs/stage9_history.json
-rm -rf "$OUT.new"
-$PY -m recipes.tiny.train --init-from "$WORK/s9" --out "$OUT.new" --backbone-seconds 0 \
+$PY -m recipes.tiny.train --init-from "$WORK/s9" --out "$WORK/s10" --backbone-seconds 0 \
     --dspark-seconds 180 --dspark-batch 128 --dspark-lr 1.5e-3 --vision-workers 1 \
     --history recipes/tiny/logs/stage10_history.json
+DRAFTER=(--dspark-batch 128 --dspark-lr 1.5e-3)
+$PY -m recipes.tiny.train --init-from "$WORK/s10" --out "$WORK/s11" "${FOCUS[@]}" \
+    --mix prose=0.12,code=0.12,literature=0.06,reasoning_twice=0.7 --lr 5e-4 --backbone-seconds 400 \
+    --dspark-seconds 110 "${DRAFTER[@]}" --history recipes/tiny/logs/stage11_history.json
+$PY -m recipes.tiny.train --init-from "$WORK/s11" --out "$WORK/s12" "${FOCUS[@]}" \
+    --mix prose=0.12,code=0.12,literature=0.06,reasoning_labelled=0.7 --lr 5e-4 --backbone-seconds 425 \
+    --dspark-seconds 85 "${DRAFTER[@]}" --history recipes/tiny/logs/stage12_history.json
+$PY -m recipes.tiny.train --init-from "$WORK/s12" --out "$WORK/s13" "${FOCUS[@]}" \
+    --mix prose=0.12,code=0.12,literature=0.06,reasoning_undo=0.7 --lr 5e-4 --backbone-seconds 405 \
+    --dspark-seconds 70 "${DRAFTER[@]}" --history recipes/tiny/logs/stage13_history.json
+# stages 14-15 ran on a 2-core CPU; their budgets are wall-clock, so a faster machine takes more steps
+$PY -m recipes.tiny.train --device cpu --init-from "$WORK/s13" --out "$WORK/s14" --batch 8 \
+    --mix prose=0.05,code=0.05,literature=0.03,reasoning_undo=0.87 --vision-every 2 --vision-batch 16 \
+    --vision-workers 1 --think-start-weight 4 --closing-sum-weight 5 --lr 2e-4 --backbone-seconds 1200 \
+    --dspark-seconds 0 --history recipes/tiny/logs/stage14_history.json
+rm -rf "$OUT.new"
+$PY -m recipes.tiny.vision.train --base "$WORK/s14" --out "$WORK/s15" --continue-tower --seconds 840 --batch 16 \
+    --lr 5e-4 --tower-lr-scale 1.0 --padded-sides --probe-weight 0.5 --threads 2 --eval-examples 10
+cp "$WORK/s15/vision_train.json" recipes/tiny/logs/stage15_vision_train.json
+$PY -m recipes.tiny.vision.train --base "$WORK/s15" --out "$OUT.new" --continue-tower --seconds 780 --batch 16 \
+    --lr 3e-4 --tower-lr-scale 1.0 --padded-sides --large-sides --probe-weight 0.5 --threads 2 --eval-examples 10
+mv "$OUT.new/vision_train.json" recipes/tiny/logs/stage16_vision_train.json
 rm -rf "$OUT" && mv "$OUT.new" "$OUT"
 $PY -m recipes.tiny.plot
 $PY -m recipes.tiny.evaluate --model "$OUT" --output recipes/tiny/logs/eval.json
 $PY -m recipes.tiny.vision.accuracy --model "$OUT" --n 100 --json > recipes/tiny/logs/vision_accuracy.json
+$PY -m recipes.tiny.vision.accuracy --model "$OUT" --n 200 --questions colour,shape --json \
+    > recipes/tiny/logs/vision_accuracy_n200.json

@@ -31,6 +31,7 @@ logits of a 64K-token batch would not fit.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -51,8 +52,8 @@ MAX_SHARD_BYTES = 15 << 20  # every shard under 16 MiB
 
 # ------------------------------------------------------------------------------------ data
 def load_streams(data_dir: Path, names=FAMILY_WEIGHTS) -> dict[str, torch.Tensor]:
-    """The token streams of the named families (e.g. `reasoning_carry`, the reasoning task in its "carry"
-    trace style, which `build_data --reasoning-only carry` adds)."""
+    """The token streams of the named families (e.g. `reasoning_undo`, the reasoning task in its "undo"
+    trace style, which `build_data --reasoning-only undo` adds)."""
     from recipes.tiny.build_data import load_tokens
 
     missing = [name for name in names if not (data_dir / f"{name}.u32.xz").exists()]
@@ -231,11 +232,24 @@ def think_end_weights(targets: torch.Tensor, end_id: int, newline_id: int, check
     return torch.where(decides, weight, 1.0).to(torch.float32)
 
 
-def reasoning_weights(tok, start_weight: float, end_weight: float):
-    """`--think-start-weight` and `--think-end-weight` as one function of a sampled row [B, T+1] -> loss
-    weights of its targets [B, T] (the larger where both apply: at effort 1-19 the first reasoning token
-    is `</think>`); None when both are 1."""
-    if start_weight == 1.0 and end_weight == 1.0:
+def closing_sum_weights(targets: torch.Tensor, period_id: int, end_id: int, weight: float) -> torch.Tensor | None:
+    """Loss weights for next-token targets: `weight` on the sum that closes a trace ("So 26.</think>",
+    "... so the sum is 26.</think>": the target followed by "." and `</think>`). The long traces compute
+    the sum in their first pass and must carry it, 20-50 tokens later, into the closing line, from which
+    the answer copies it; that copy is where the top tiers lose most of their right answers
+    (recipes/tiny/README.md, stage 14). None when weight is 1."""
+    if weight == 1.0:
+        return None
+    then = F.pad(targets[:, 1:], (0, 1), value=-1)
+    after = F.pad(targets[:, 2:], (0, 2), value=-1)
+    return torch.where((then == period_id) & (after == end_id), weight, 1.0).to(torch.float32)
+
+
+def reasoning_weights(tok, start_weight: float, end_weight: float, closing_weight: float = 1.0):
+    """`--think-start-weight`, `--think-end-weight` and `--closing-sum-weight` as one function of a sampled
+    row [B, T+1] -> loss weights of its targets [B, T] (the largest where several apply: at effort 1-19 the
+    first reasoning token is `</think>`); None when all are 1."""
+    if start_weight == 1.0 and end_weight == 1.0 and closing_weight == 1.0:
         return None
     from evals.tasks.tiny_reasoning import reasoning_trace
 
@@ -247,10 +261,15 @@ def reasoning_weights(tok, start_weight: float, end_weight: float):
     if tok.decode([newline]) != "\n":
         raise ValueError("the tokenizer does not split the verification line as newline + 'Check'")
 
+    period = tok.encode(".")
+    if len(period) != 1 or tok.encode("26.") != tok.encode("26") + period:
+        raise ValueError("the tokenizer does not split a closing sum as number + '.'")
+
     def weights(ids: torch.Tensor) -> torch.Tensor | None:
         parts = [w for w in (think_start_weights(ids[:, :-1], think, start_weight),
-                             think_end_weights(ids[:, 1:], end, newline, check, end_weight)) if w is not None]
-        return parts[0] if len(parts) == 1 else torch.maximum(*parts)
+                             think_end_weights(ids[:, 1:], end, newline, check, end_weight),
+                             closing_sum_weights(ids[:, 1:], period[0], end, closing_weight)) if w is not None]
+        return functools.reduce(torch.maximum, parts)
 
     return weights
 
@@ -643,7 +662,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init-from", type=Path, default=None, help="continue from this exported checkpoint")
     ap.add_argument("--mix", default=None, help="family weights, e.g. prose=0.15,code=0.35,literature=0.08,reasoning=0.42 "
-                    "(reasoning_carry: the reasoning task in the carry trace style)")
+                    "(reasoning_undo: the reasoning task in the undo trace style; likewise _carry, _twice, _labelled)")
     ap.add_argument("--no-vision", dest="vision", action="store_false",
                     help="text only (default: the vision tower trains jointly with the backbone)")
     ap.add_argument("--vision-every", type=int, default=2, help="an image batch joins every k-th backbone step")
@@ -657,6 +676,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--think-end-weight", type=float, default=1.0,
                     help="loss weight of the targets that end the reasoning or start the verification pass "
                          "(</think>, the newline before 'Check', 'Check'); 1 = off")
+    ap.add_argument("--closing-sum-weight", type=float, default=1.0,
+                    help="loss weight of the sum in a trace's closing line (the target before '.' and "
+                         "</think>), which the answer copies; 1 = off")
     ap.add_argument("--log", type=Path, default=None, help="also append log lines to this file")
     ap.add_argument("--history", type=Path, default=None, help="write the loss history (JSON) here")
     a = ap.parse_args(argv)
@@ -700,10 +722,11 @@ def main(argv: list[str] | None = None) -> dict:
                     "train_tokens": {k: int(v.numel()) for k, v in streams.items()}}))
     t1 = time.time()
     token_weights = None
-    if a.think_start_weight != 1.0 or a.think_end_weight != 1.0:
+    if a.think_start_weight != 1.0 or a.think_end_weight != 1.0 or a.closing_sum_weight != 1.0:
         from model.tokenizer import load_tokenizer
 
-        token_weights = reasoning_weights(load_tokenizer(tokenizer_files), a.think_start_weight, a.think_end_weight)
+        token_weights = reasoning_weights(load_tokenizer(tokenizer_files), a.think_start_weight, a.think_end_weight,
+                                          a.closing_sum_weight)
     backbone = train_backbone(model, sampler, a.device, a.backbone_seconds, a.batch, a.context, a.lr,
                               max_steps=a.max_steps, log=log, vision=vision, token_weights=token_weights)
     t2 = time.time()

@@ -36,8 +36,29 @@ again from the prompt:
     effort 70-89   7+3=10, +9=19, +2=21, +5=26 / Again: 7+3=10, +9=19, +2=21, +5=26
     effort 90-100  7+3=10, +9=19, +2=21, +5=26 / Check: 7+3=10, ... / Both give 26.
 
-(whether the second pass is "Again" or "Check" is decided one pass after the effort line, within the
-window, and the closing line follows from that word, one pass back). In training data the effort is uniform in 1..100 and appears, as the number it is, in the
+(whether the second pass is "Again" or "Check" is decided one pass after the effort line, and the
+closing line follows from that word, one pass back). Trained on it (recipes/tiny/README.md, stage 11), the
+model mixed the tiers up: efforts 25, 75 and 100 all begin with the same terse pass, and where the first
+pass ends, 50-75 tokens after the effort value, the value is beyond the 64-token window for the longer
+lists; 23% of effort-25 traces went on with "Again". The fourth style, "labelled", is "twice" with the
+tier named by the first reasoning token, which the effort value decides from 34 tokens away, inside the
+window (as it decides tiers 0-2); every later decision then reads that label, one pass back:
+
+    effort 70-89   First: 7+3=10, +9=19, +2=21, +5=26 / Again: 7+3=10, +9=19, +2=21, +5=26
+    effort 90-100  Sum: 7+3=10, +9=19, +2=21, +5=26 / Check: 7+3=10, ... / Both give 26.
+
+Trained on it (stage 12) the tiers came apart cleanly, but the second pass was wrong far more often than the
+first: it re-reads the list from the prompt, by then 50-100 tokens back, beyond the window, and the answer
+follows the second pass. The fifth style, "undo", keeps the labels and checks the first pass by undoing
+its sums from the end, which reads only the pass just written (within the window), and ends where the
+list began; the sum is the number the check starts from:
+
+    effort 70-89   First: 7+3=10, +9=19, +2=21, +5=26 / Undo: 26-5=21, -2=19, -9=10, -3=7 / So 26.
+    effort 90-100  Sum: 7+3=10, ... / Check: 26-5=21, -2=19, -9=10, -3=7 / Back to 7, so the sum is 26.
+
+(stages 13-14 of the bundled model: the first pass is right about as often as the effort-25 sums, and the
+closing line carries its sum; recipes/tiny/README.md has the numbers).
+ In training data the effort is uniform in 1..100 and appears, as the number it is, in the
 effort line of the system part (`model.encoding.encode_messages(..., mode="thinking", effort=e)`).
 
 The held-out set (`heldout.jsonl`, 300 items) is effort-free: each item is the prompt messages and
@@ -83,7 +104,7 @@ def _running_steps(numbers: list[int]) -> list[tuple[int, int, int]]:
     return steps
 
 
-TRACE_STYLES = ("reverse-check", "carry", "twice")
+TRACE_STYLES = ("reverse-check", "carry", "twice", "labelled", "undo")
 
 
 def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check") -> str:
@@ -103,6 +124,15 @@ def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check
         second = "Check" if tier == 4 else "Again"
         closing = [f"Both give {sum(numbers)}."] if tier == 4 else []
         return "\n".join([_terse_sums(steps), f"{second}: {_terse_sums(steps)}"] + closing)
+    if style == "labelled":  # "twice" with the tier named by the first reasoning token
+        first, second = ("Sum", "Check") if tier == 4 else ("First", "Again")
+        closing = [f"Both give {sum(numbers)}."] if tier == 4 else []
+        return "\n".join([f"{first}: {_terse_sums(steps)}", f"{second}: {_terse_sums(steps)}"] + closing)
+    if style == "undo":  # the tier named first; then the sums undone from the end, no look back at the list
+        first, second = ("Sum", "Check") if tier == 4 else ("First", "Undo")
+        total = sum(numbers)
+        closing = f"Back to {numbers[0]}, so the sum is {total}." if tier == 4 else f"So {total}."
+        return "\n".join([f"{first}: {_terse_sums(steps)}", f"{second}: {_undo_sums(steps)}", closing])
     if style == "carry":
         return "\n".join(_carry_step(i, a, n, s, numbers[i + 1:], check=tier == 4)
                          for i, (a, n, s) in enumerate(steps, 1))
@@ -120,6 +150,13 @@ def _terse_sums(steps: list[tuple[int, int, int]]) -> str:
     """7+3=10, +9=19, +2=21, +5=26"""
     first, n, total = steps[0]
     return ", ".join([f"{first}+{n}={total}"] + [f"+{n}={total}" for _, n, total in steps[1:]])
+
+
+def _undo_sums(steps: list[tuple[int, int, int]]) -> str:
+    """26-5=21, -2=19, -9=10, -3=7: the terse sums undone from the end, back to the first number"""
+    backward = steps[::-1]
+    last, n, before = backward[0][2], backward[0][1], backward[0][0]
+    return ", ".join([f"{last}-{n}={before}"] + [f"-{n}={a}" for a, n, _ in backward[1:]])
 
 
 def _carry_step(i: int, a: int, n: int, s: int, left: list[int], check: bool) -> str:

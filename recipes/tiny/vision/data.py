@@ -39,6 +39,13 @@ TEXT_QUESTIONS = ("What does the text say?", "What is written in the image?", "R
 
 # canvas sides in pixels (multiples of 14 keep training images free of padding; random aspect)
 SIDES = (56, 70, 84, 98, 112, 140, 168)
+# sides that are not multiples of 14, so the preprocessor pads them with grey (as it pads most real images);
+# drawn only where a stage asks for them (recipes/tiny/vision/train.py --padded-sides), and none of them is
+# a held-out side (recipes/tiny/vision/accuracy.py EVAL_SIDES)
+PADDED_SIDES = (60, 66, 75, 90, 106, 120, 130, 160)
+# larger padded sides, up to 6 image tokens per side (168 px, the largest of SIDES, gives 4): stage 16 of
+# the recipe (--large-sides); 224, a held-out side, gives 6
+LARGE_SIDES = (180, 200, 230)
 
 
 @dataclass

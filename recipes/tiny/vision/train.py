@@ -116,8 +116,8 @@ def encode_example(example: D.Example, mode: str, effort: int, tokenizer, args):
     return ids + tokenizer.encode(reply, allow_special=True), types, inputs, len(ids)
 
 
-def make_batch(rng: random.Random, batch: int, tokenizer, args, pad_id: int):
-    size = (rng.choice(D.SIDES), rng.choice(D.SIDES))
+def make_batch(rng: random.Random, batch: int, tokenizer, args, pad_id: int, sides=D.SIDES):
+    size = (rng.choice(sides), rng.choice(sides))
     rows, images, starts = [], [], []
     for _ in range(batch):
         example = D.make_example(rng, size=size)
@@ -158,11 +158,25 @@ class Probe(nn.Module):
         return {k: head(pooled) for k, head in self.heads.items()}
 
 
+def probe_loss(model, probe: Probe, args, rng: random.Random, batch: int, sides=D.SIDES):
+    """(loss, logits, labels) of the linear probes on one batch of pictures of one canvas size."""
+    from model.image_processor import preprocess
+
+    device = model.vision.patch_embed.proj.weight.device
+    size = (rng.choice(sides), rng.choice(sides))
+    examples = [D.make_example(rng, size=size) for _ in range(batch)]
+    prepared = [preprocess(e.image, args) for e in examples]
+    grid = prepared[0][1]
+    features = model.vision(torch.stack([p for p, _ in prepared]).to(device), grid.vit_h, grid.vit_w)
+    logits = probe(features)
+    targets = [Probe.targets(e) for e in examples]
+    labels = {k: torch.tensor([t[k] for t in targets], device=device) for k in Probe.LABELS}
+    return sum(F.cross_entropy(logits[k], labels[k]) for k in Probe.LABELS), logits, labels
+
+
 def pretrain_tower(model, args, seconds: float, batch: int, lr: float, seed: int, log=print) -> list[dict]:
     """Stage 1: the ViT learns to see (colour, shape, count, word) through linear probes, cheaply,
     before stage 2 teaches the aligner to say it through the frozen language model."""
-    from model.image_processor import preprocess
-
     rng = random.Random(seed + 1)
     device = model.vision.patch_embed.proj.weight.device
     probe = Probe(args.vision_dim).to(device)
@@ -172,15 +186,7 @@ def pretrain_tower(model, args, seconds: float, batch: int, lr: float, seed: int
     while (frac := (time.time() - start) / seconds) < 1:
         for group in opt.param_groups:
             group["lr"] = lr_at(frac, lr)
-        size = (rng.choice(D.SIDES), rng.choice(D.SIDES))
-        examples = [D.make_example(rng, size=size) for _ in range(batch)]
-        prepared = [preprocess(e.image, args) for e in examples]
-        grid = prepared[0][1]
-        features = model.vision(torch.stack([p for p, _ in prepared]).to(device), grid.vit_h, grid.vit_w)
-        logits = probe(features)
-        targets = [Probe.targets(e) for e in examples]
-        labels = {k: torch.tensor([t[k] for t in targets], device=device) for k in Probe.LABELS}
-        loss = sum(F.cross_entropy(logits[k], labels[k]) for k in Probe.LABELS)
+        loss, logits, labels = probe_loss(model, probe, args, rng, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -230,12 +236,19 @@ def lr_at(frac: float, peak: float, warmup: float = 0.05, floor: float = 0.05) -
 
 
 def train(model, args, tokenizer, seconds: float, batch: int, lr: float, gamma: float, seed: int,
-          max_steps: int | None = None, tower_lr_scale: float = 0.3, log=print) -> list[dict]:
+          max_steps: int | None = None, tower_lr_scale: float = 0.3, sides=D.SIDES, probe_weight: float = 0.0,
+          probe_batch: int = 64, log=print) -> list[dict]:
+    """Stage 2: the aligner (and, more slowly, the tower) learn to say what the tower sees, through the
+    frozen language model. With probe_weight > 0 every step also adds the linear probes' loss on a batch of
+    pictures (stage 1's objective), which keeps pushing the tower to tell the shapes apart while the
+    aligner follows it."""
     rng = random.Random(seed)
+    probe_rng = random.Random(seed + 2)
     head = model.head
     picked = PickedHead(head)
     model.head = picked
-    params = [p for p in model.parameters() if p.requires_grad]
+    probe = Probe(args.vision_dim).to(model.vision.patch_embed.proj.weight.device) if probe_weight > 0 else None
+    params = [p for p in model.parameters() if p.requires_grad] + (list(probe.parameters()) if probe else [])
     tower = {id(p) for p in model.vision.parameters()}
     groups = []
     for in_tower, scale in ((True, tower_lr_scale), (False, 1.0)):  # the pretrained tower moves more slowly
@@ -252,12 +265,15 @@ def train(model, args, tokenizer, seconds: float, batch: int, lr: float, gamma: 
                 break
             for group in opt.param_groups:
                 group["lr"] = lr_at(frac, lr) * group["scale"]
-            ids, images, target = make_batch(rng, batch, tokenizer, args, tokenizer.eos_id)
+            ids, images, target = make_batch(rng, batch, tokenizer, args, tokenizer.eos_id, sides)
             picked.where = target
             logits = model(ids, all_logits=True, images=images)
             loss = F.cross_entropy(logits.float(), ids[:, 1:][target[:, :-1]])
+            total = loss
+            if probe is not None:
+                total = loss + probe_weight * probe_loss(model, probe, args, probe_rng, probe_batch, sides)[0]
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            total.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             load.update(gamma)
@@ -310,7 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description="Train the bundled model's vision tower (language model frozen).")
     ap.add_argument("--base", type=Path, default=REPO / "model" / "assets" / "dsv41-tiny")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--tower-seconds", type=float, default=300.0, help="stage 1: the ViT with linear probes")
+    ap.add_argument("--tower-seconds", type=float, default=None,
+                    help="stage 1: the ViT with linear probes (default 300 s for a new tower, 0 with --continue-tower)")
     ap.add_argument("--tower-batch", type=int, default=64)
     ap.add_argument("--tower-lr", type=float, default=3e-3)
     ap.add_argument("--seconds", type=float, default=1200.0, help="stage 2: through the frozen language model")
@@ -321,6 +338,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (a small model runs best on one)")
     ap.add_argument("--eval-examples", type=int, default=60, help="per question type, after training")
+    ap.add_argument("--tower-lr-scale", type=float, default=0.3, help="stage 2: the tower's lr relative to --lr")
+    ap.add_argument("--probe-weight", type=float, default=0.0,
+                    help="stage 2: add the linear probes' loss on a batch of pictures to every step, times this")
+    ap.add_argument("--padded-sides", action="store_true",
+                    help="draw canvases from data.PADDED_SIDES too (not multiples of 14: the preprocessor pads them)")
+    ap.add_argument("--large-sides", action="store_true",
+                    help="draw canvases from data.LARGE_SIDES too (padded, up to 6 image tokens per side)")
     ap.add_argument("--install", action="store_true", help="replace --base with the result")
     ap.add_argument("--continue-tower", action="store_true",
                     help="train the tower --base already has further (stage 2 only; stage 1 is skipped)")
@@ -332,9 +356,11 @@ def main(argv: list[str] | None = None) -> dict:
     model, args, tokenizer, _ = build(a.base, keep_tower=a.continue_tower)
     n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(json.dumps({"trained_parameters": n_trained, "vision": VISION}), flush=True)
-    pretrain = a.tower_seconds and not a.continue_tower
-    history = pretrain_tower(model, args, a.tower_seconds, a.tower_batch, a.tower_lr, a.seed) if pretrain else []
-    history += train(model, args, tokenizer, a.seconds, a.batch, a.lr, a.gamma, a.seed, a.max_steps)
+    tower_seconds = a.tower_seconds if a.tower_seconds is not None else (0.0 if a.continue_tower else 300.0)
+    history = pretrain_tower(model, args, tower_seconds, a.tower_batch, a.tower_lr, a.seed) if tower_seconds else []
+    sides = D.SIDES + (D.PADDED_SIDES if a.padded_sides else ()) + (D.LARGE_SIDES if a.large_sides else ())
+    history += train(model, args, tokenizer, a.seconds, a.batch, a.lr, a.gamma, a.seed, a.max_steps,
+                     tower_lr_scale=a.tower_lr_scale, sides=sides, probe_weight=a.probe_weight)
     files = export(model, args, a.base, a.out)
     from recipes.tiny.vision.accuracy import evaluate
 
