@@ -68,36 +68,32 @@ def test_twice_traces_recompute_the_terse_sums():
     assert task.reasoning_trace(numbers, 90, "twice").splitlines() == [terse, "Check: " + terse, "Both give 26."]
 
 
-def test_undo_traces_check_the_sums_by_undoing_them():
+TERSE = "7+3=10, +9=19, +2=21, +5=26"
+
+
+@pytest.mark.parametrize("style, tier3, tier4", [
+    ("labelled", ["First: " + TERSE, "Again: " + TERSE], ["Sum: " + TERSE, "Check: " + TERSE, "Both give 26."]),
+    ("undo", ["First: " + TERSE, "Undo: 26-5=21, -2=19, -9=10, -3=7", "So 26."],
+     ["Sum: " + TERSE, "Check: 26-5=21, -2=19, -9=10, -3=7", "Back to 7, so the sum is 26."]),
+])
+def test_labelled_styles_name_the_tier_in_their_first_token(style, tier3, tier4):
+    """"labelled" and "undo": efforts 70-89 and 90-100 start with their own word, so the effort line decides
+    the tier at the first reasoning token (tiers 1 and 2 both start with the first number); "undo" checks
+    the first pass by undoing its sums from the end, back to the first number."""
     from model.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     numbers = [7, 3, 9, 2, 5]
     for effort in (1, 25, 50, 69):
-        assert task.reasoning_trace(numbers, effort, "undo") == task.reasoning_trace(numbers, effort)
-    terse = "7+3=10, +9=19, +2=21, +5=26"
-    assert task.reasoning_trace(numbers, 89, "undo").splitlines() == [
-        "First: " + terse, "Undo: 26-5=21, -2=19, -9=10, -3=7", "So 26."]
-    assert task.reasoning_trace(numbers, 90, "undo").splitlines() == [
-        "Sum: " + terse, "Check: 26-5=21, -2=19, -9=10, -3=7", "Back to 7, so the sum is 26."]
-    assert task.reasoning_trace([4, 0, 0, 1], 100, "undo").splitlines()[1] == "Check: 5-1=4, -0=4, -0=4"
-    assert len({tok.encode(task.reasoning_trace(numbers, e, "undo"))[0] for e in (25, 75, 100)}) == 3
-
-
-def test_labelled_traces_name_the_tier_in_their_first_token():
-    from model.tokenizer import load_tokenizer
-
-    tok = load_tokenizer()
-    numbers = [7, 3, 9, 2, 5]
-    for effort in (1, 25, 50, 69):
-        assert task.reasoning_trace(numbers, effort, "labelled") == task.reasoning_trace(numbers, effort)
-    terse = "7+3=10, +9=19, +2=21, +5=26"
-    assert task.reasoning_trace(numbers, 70, "labelled").splitlines() == ["First: " + terse, "Again: " + terse]
-    assert task.reasoning_trace(numbers, 100, "labelled").splitlines() == [
-        "Sum: " + terse, "Check: " + terse, "Both give 26."]
-    firsts = {tok.encode(task.reasoning_trace(numbers, e, "labelled"))[0] for e in (25, 50, 75, 100)}
-    assert len(firsts) == 3  # tiers 1 and 2 both start with the first number; 3 and 4 with their own word
-    assert len({tok.encode(task.reasoning_trace(numbers, e, "labelled"))[0] for e in (75, 100)}) == 2
+        assert task.reasoning_trace(numbers, effort, style) == task.reasoning_trace(numbers, effort)
+    assert task.reasoning_trace(numbers, 70, style).splitlines() == tier3
+    assert task.reasoning_trace(numbers, 89, style).splitlines() == tier3
+    assert task.reasoning_trace(numbers, 90, style).splitlines() == tier4
+    assert task.reasoning_trace(numbers, 100, style).splitlines() == tier4
+    firsts = {e: tok.encode(task.reasoning_trace(numbers, e, style))[0] for e in (25, 50, 75, 100)}
+    assert firsts[25] == firsts[50] and len({firsts[25], firsts[75], firsts[100]}) == 3
+    if style == "undo":
+        assert task.reasoning_trace([4, 0, 0, 1], 100, "undo").splitlines()[1] == "Check: 5-1=4, -0=4, -0=4"
 
 
 def test_both_trace_styles_hold_the_same_problems(tmp_path):
