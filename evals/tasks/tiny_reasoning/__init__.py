@@ -120,14 +120,12 @@ def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check
         return _terse_sums(steps)
     if tier == 2:
         return "\n".join(f"{a}+{n}={s}" for a, n, s in steps)
-    if style == "twice":
-        second = "Check" if tier == 4 else "Again"
+    if style in ("twice", "labelled"):  # "labelled" also names the tier with the first reasoning token
+        terse = _terse_sums(steps)
+        first, second = ("Sum: ", "Check") if tier == 4 else ("First: ", "Again")
+        first = first if style == "labelled" else ""
         closing = [f"Both give {sum(numbers)}."] if tier == 4 else []
-        return "\n".join([_terse_sums(steps), f"{second}: {_terse_sums(steps)}"] + closing)
-    if style == "labelled":  # "twice" with the tier named by the first reasoning token
-        first, second = ("Sum", "Check") if tier == 4 else ("First", "Again")
-        closing = [f"Both give {sum(numbers)}."] if tier == 4 else []
-        return "\n".join([f"{first}: {_terse_sums(steps)}", f"{second}: {_terse_sums(steps)}"] + closing)
+        return "\n".join([first + terse, f"{second}: {terse}"] + closing)
     if style == "undo":  # the tier named first; then the sums undone from the end, no look back at the list
         first, second = ("Sum", "Check") if tier == 4 else ("First", "Undo")
         total = sum(numbers)
@@ -154,9 +152,8 @@ def _terse_sums(steps: list[tuple[int, int, int]]) -> str:
 
 def _undo_sums(steps: list[tuple[int, int, int]]) -> str:
     """26-5=21, -2=19, -9=10, -3=7: the terse sums undone from the end, back to the first number"""
-    backward = steps[::-1]
-    last, n, before = backward[0][2], backward[0][1], backward[0][0]
-    return ", ".join([f"{last}-{n}={before}"] + [f"-{n}={a}" for a, n, _ in backward[1:]])
+    (before, n, last), *rest = steps[::-1]
+    return ", ".join([f"{last}-{n}={before}"] + [f"-{n}={a}" for a, n, _ in rest])
 
 
 def _carry_step(i: int, a: int, n: int, s: int, left: list[int], check: bool) -> str:

@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="draw canvases from data.LARGE_SIDES too (padded, up to 6 image tokens per side)")
     ap.add_argument("--install", action="store_true", help="replace --base with the result")
     ap.add_argument("--continue-tower", action="store_true",
-                    help="train the tower --base already has further (stage 2 only; stage 1 is skipped)")
+                    help="train the tower --base already has further (stage 1 only if --tower-seconds is given)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
