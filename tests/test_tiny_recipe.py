@@ -491,3 +491,14 @@ def test_bundled_checkpoint_loads_strictly_and_answers():
     with torch.inference_mode():
         logits = model(torch.tensor([prompt]))
     assert logits.shape == (1, args.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_trace_forms_name_each_style_of_reply():
+    from recipes.tiny.trace_forms import trace_form
+
+    numbers = [7, 3, 9, 2, 5]
+    got = {(style, e): trace_form(task.reasoning_trace(numbers, e, style))
+           for style in ("twice", "labelled", "undo") for e in (1, 25, 50, 75, 100)}
+    assert [got["undo", e] for e in (1, 25, 50, 75, 100)] == ["none", "terse", "lines", "undo", "check"]
+    assert got["twice", 75] == got["labelled", 75] == "again"
+    assert got["twice", 100] == got["labelled", 100] == "check+both"
