@@ -5,8 +5,9 @@ calls: kernels, memsets and copies issued inside the layer's forward).
 
 What this does NOT measure (see docs/performance.md): full-width V4.1-Flash layers at 8K / 128K / 1M
 (bench_flash_layers.py), CED replay against full (bench_ced.py), launches at full width and under CUDA
-graphs (bench_launches.py), the bundled checkpoint (device_batch_next.sh runs all of these in one call).
-Usage: python benchmarks/bench_e2e.py [--json F] [--device cuda|cpu]
+graphs (bench_launches.py), the bundled checkpoint (the `model` step of device_batch.sh runs all of these in
+one call).
+Usage: python benchmarks/bench_e2e.py [--json F] [--device cuda|cpu] [--quick]
 """
 
 from __future__ import annotations
@@ -97,18 +98,20 @@ def launches_per_layer(model, layer_id, seqlen, prompt=64):
     return len(inside), kernels
 
 
-def run(json_path=None, device=None):
+def run(json_path=None, device=None, quick=False):
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    steps = 8 if quick else 32
     rows = []
     model = build(device)
     if device == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-    rows.append({"case": f"tiny random model decode tokens/s ({device})", "value": decode_rate(model, device)})
+    rows.append({"case": f"tiny random model decode tokens/s ({device})",
+                 "value": decode_rate(model, device, steps=steps)})
     if device == "cuda":
         os.environ["DSV41_DISABLE_TRITON"] = "1"
         try:
             rows.append({"case": "tiny random model decode tokens/s (cuda, torch sparse attention)",
-                         "value": decode_rate(model, device)})
+                         "value": decode_rate(model, device, steps=steps)})
             reuse = next(s.id for s in model.plan.layers if s.mode == "reuse")
             n, total = launches_per_layer(model, reuse, 1)
             rows.append({"case": f"launches, Reuse layer {reuse}, decode step (torch attention)", "value": n,
@@ -137,5 +140,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--device")
+    ap.add_argument("--quick", action="store_true", help="8 timed decode steps instead of 32")
     a = ap.parse_args()
-    run(a.json, a.device)
+    run(a.json, a.device, a.quick)

@@ -82,7 +82,7 @@ def run(json_path=None, quick=False):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--quick", action="store_true", help="short timing windows (one device call)")
+    ap.add_argument("--quick", action="store_true", help="short timing windows (one short GPU run)")
     a = ap.parse_args()
     set_quick(a.quick)
     run(a.json, a.quick)

@@ -9,7 +9,7 @@ Cases:
   then --warmup untimed and --steps timed one-token steps (wall clock between two synchronizations,
   mean per step); the context reaches N.
 - "prefill chunk C at ctx N": the next C tokens appended to a cache of N - C tokens (the marginal cost of
-  prefilling at that depth; a whole 128K or 1M prompt would take far longer than the device call),
+  prefilling at that depth; a whole 128K or 1M prompt would take far longer than a 10-minute run),
   after one untimed chunk of the same size. C = --chunk (256: at 1M the indexer's [C, 32 heads, 1M]
   bf16 score tensor takes 16 GB, twice while it is weighted).
 

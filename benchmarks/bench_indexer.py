@@ -8,7 +8,7 @@ The candidates come as the pool makes them, 2048 blocks of 8 consecutive entries
 case), and as 16384 random single entries ("random": a harder access pattern than the model produces).
 Decode: one query per sequence, B sequences. Each row records the kernel's tiling (indexer.launch_config:
 tokens x heads per program, entries per tile, grid; a program walks tiles p, p + P, ...).
-Usage: python benchmarks/bench_indexer.py [--json F]
+Usage: python benchmarks/bench_indexer.py [--json F] [--quick]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from kernels_common import bench, print_table, record, write_json
+from kernels_common import bench, print_table, record, set_quick, write_json
 
 H, DK, TOPK, POOL = 32, 128, 512, 2048 * 8
 
@@ -66,4 +66,7 @@ def run(json_path=None):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    run(ap.parse_args().json)
+    ap.add_argument("--quick", action="store_true", help="short timing windows (one short GPU run)")
+    a = ap.parse_args()
+    set_quick(a.quick)
+    run(a.json)

@@ -1,6 +1,6 @@
 """Fused quantize-and-pack of KV entries: main FP4 (E2M1 + E4M3/16, 288 B per 512-dim entry) and window
 FP8 (E4M3 + UE8M0/32, 528 B). bytes = rows * (D * 2 read (bf16) + packed bytes written); FLOPs ~ 0 (bytes-bound).
-Usage: python benchmarks/bench_kv_pack.py [--json F]
+Usage: python benchmarks/bench_kv_pack.py [--json F] [--quick]
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from kernels_common import bench, print_table, record, write_json
+from kernels_common import bench, print_table, record, set_quick, write_json
 
 D = 512
 
@@ -33,4 +33,7 @@ def run(json_path=None):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    run(ap.parse_args().json)
+    ap.add_argument("--quick", action="store_true", help="short timing windows (one short GPU run)")
+    a = ap.parse_args()
+    set_quick(a.quick)
+    run(a.json)

@@ -4,7 +4,7 @@ bytes (floor) per step = M * (X read 2nd + y read 2d + X' written 2nd + collapse
 (n + n + n n) * 4 * 2) + W_fn once (24 * n d * 4); FLOPs = 2 * 24 * n d * M (the projection).
 Compared with the torch path (model/mhc.py functions, as Block.mix runs them). Each row records the residual
 kernel's tiling (mhc.launch_config: tokens x channels per step, channel blocks per program, grid).
-Usage: python benchmarks/bench_mhc.py [--json F]
+Usage: python benchmarks/bench_mhc.py [--json F] [--quick]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from kernels_common import bench, print_table, record, write_json
+from kernels_common import bench, print_table, record, set_quick, write_json
 
 N_S, DIM = 4, 5120
 
@@ -46,4 +46,7 @@ def run(json_path=None):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    run(ap.parse_args().json)
+    ap.add_argument("--quick", action="store_true", help="short timing windows (one short GPU run)")
+    a = ap.parse_args()
+    set_quick(a.quick)
+    run(a.json)

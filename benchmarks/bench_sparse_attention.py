@@ -9,7 +9,7 @@ FLOPs: 4 H D (Kw + Km) per token (two products). The floor leaves out the split 
 Decode cases are timed for both kernels on the same inputs: "split" (flash-decoding: split kernel per segment
 + combine, the default at T = 1) and "tiles" (the first kernel, one program per (token, 16 heads), still the
 prefill path), plus the split path replayed from a CUDA graph (its three launches without CPU cost).
-Usage: python benchmarks/bench_sparse_attention.py [--json F] [--variant auto|split|tiles|both]
+Usage: python benchmarks/bench_sparse_attention.py [--json F] [--variant auto|split|tiles|both] [--quick]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from kernels_common import bench, graph_bench, print_table, record, write_json
+from kernels_common import bench, graph_bench, print_table, record, set_quick, write_json
 
 H, D, KW, KM = 64, 512, 128, 512
 WROW, MROW = 528, 288
@@ -85,5 +85,7 @@ if __name__ == "__main__":
     ap.add_argument("--json")
     ap.add_argument("--variant", choices=("auto", "split", "tiles", "both"), default="both",
                     help="kernel(s) to time; both = split and tiles for decode, the default kernel for prefill")
+    ap.add_argument("--quick", action="store_true", help="short timing windows (one short GPU run)")
     a = ap.parse_args()
+    set_quick(a.quick)
     run(a.json, a.variant)

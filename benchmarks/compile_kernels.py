@@ -179,6 +179,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one decode and one prefill configuration per kernel")
     ap.add_argument("--only", choices=("gemm", "sparse_attention", "indexer_mhc"), help="one kernel family")
+    ap.add_argument("--json", help="also write one row per compiled configuration into this file")
     args = ap.parse_args()
     quick = args.quick
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -191,7 +192,7 @@ def main() -> int:
         print(f"no NVIDIA backend: {e}")
         return 0
     target = GPUTarget("cuda", 90, 32)
-    bad = 0
+    bad, rows = 0, []
     families = {"gemm": cases, "sparse_attention": sparse_attention_cases, "indexer_mhc": indexer_mhc_cases}
     chosen = [families[args.only]] if args.only else list(families.values())
     for name, fn, types, consts, div, warps, stages in (c for f in chosen for c in f(quick)):
@@ -200,6 +201,8 @@ def main() -> int:
             info = compile_one(fn, types, consts, div, warps, stages, target)
         except Exception as e:  # noqa: BLE001
             print(f"FAIL {name} {shown}: {type(e).__name__}: {str(e)[:400]}")
+            rows.append({"kernel": name, "warps": warps, "stages": stages, "constants": shown,
+                         "error": f"{type(e).__name__}: {str(e)[:400]}"})
             bad += 1
             continue
         ok = info["spill_bytes"] == 0 and info["spill_stores"] >= 0
@@ -208,6 +211,13 @@ def main() -> int:
         bad += not ok and not informational
         tag = ("ok  " if ok else "SPILL") + ("*" if informational and not ok else "")
         print(f"{tag} {name:12s} warps={warps} stages={stages} {shown}: {info}")
+        rows.append({"kernel": name, "warps": warps, "stages": stages, "constants": shown, **info, "tag": tag})
+    if args.json:
+        import json
+
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"benchmark": "compile_kernels", "target": "sm_90", "rows": rows,
+                                               "failed": bad, "command": " ".join(sys.argv)}, indent=1, default=str))
     return 1 if bad else 0
 
 

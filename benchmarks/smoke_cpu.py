@@ -1,8 +1,9 @@
 """Run bench_gemm.py and bench_experts.py end to end on the CPU, through Triton's interpreter at tiny shapes,
-to check the scripts themselves (every case, JSON written) before device time is spent on them. The timings
+to check the scripts themselves (every case, JSON written) before GPU time is spent on them. The timings
 are one wall-clock call each and the ceilings are placeholders: the numbers mean nothing.
 
-Usage: python benchmarks/smoke_cpu.py [--out DIR]      (sets TRITON_INTERPRET=1 itself)
+Usage: python benchmarks/smoke_cpu.py [--out DIR] [--json F]     (sets TRITON_INTERPRET=1 itself;
+--json F: both benchmarks' rows in one file)
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    out = Path(ap.parse_args().out or tempfile.mkdtemp(prefix="bench_smoke_"))
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    out = Path(a.out or tempfile.mkdtemp(prefix="bench_smoke_"))
     import bench_experts
     import bench_gemm
     import kernels_common
@@ -48,9 +51,15 @@ def main() -> int:
     bench_experts.T_LIST, bench_experts.REF_MAX_T = (1, 20), 1
     bench_gemm.run(str(out / "gemm.json"))
     bench_experts.run(str(out / "experts.json"))
+    every = {}
     for name, n in (("gemm", 6), ("experts", 2)):
         rows = json.loads((out / f"{name}.json").read_text())["rows"]
         assert len(rows) == n, (name, len(rows))
+        every[name] = rows
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({"benchmark": "smoke_cpu", "note": "interpreter at tiny shapes: the "
+                                            "timings mean nothing", "out": str(out), "rows": every}, indent=1))
     print(f"smoke run ok: {out}")
     return 0
 

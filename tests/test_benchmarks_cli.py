@@ -1,0 +1,82 @@
+"""`python -m benchmarks`: the one entry point of benchmarks/ (subcommands, the shared flags --json, --device,
+--quick, --tiny mapped onto each script's options or refused in one line), run as a user would, in a
+subprocess from the repository root."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.__main__ import SUBS  # noqa: E402
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_help_lists_every_subcommand_and_its_script_exists():
+    proc = cli("--help")
+    assert proc.returncode == 0, proc.stderr
+    for name, sub in SUBS.items():
+        assert f"  {name} " in proc.stdout, name
+        assert (ROOT / "benchmarks" / sub.script).is_file(), sub.script
+    assert {"sparse-attention", "indexer", "mhc", "kv-pack", "gemm", "experts", "kernels", "flash-layers", "ced",
+            "launches", "e2e", "train-step", "count-train-ops", "smoke", "compile-kernels", "convert"} <= set(SUBS)
+
+
+def test_shared_flags_map_onto_the_scripts_options(tmp_path):
+    out = str(tmp_path / "r.json")
+    proc = cli("convert", "--tiny", "--quick", "--json", out, "--print")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["python", "benchmarks/convert_bench.py", "--experts", "4", "--dim", "256",
+                                   "--engram-vocab", "20000", "--json", out]
+    proc = cli("train-step", "--quick", "--json", out, "--data", ".tinydata", "--print")  # extra options pass through
+    assert proc.stdout.split() == ["python", "benchmarks/bench_train_step.py", "--batches", "64", "--steps", "1",
+                                   "--out", out, "--data", ".tinydata"]
+    proc = cli("flash-layers", "--tiny", "--quick", "--device", "cpu", "--print")
+    assert proc.stdout.split()[2:] == ["--quick", "--tiny", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (("gemm", "--tiny"), "--tiny is not available"),
+    (("diagnose-kernels", "--json", "x.json"), "--json is not available"),
+    (("smoke", "--device", "cuda"), "runs on cpu only"),
+    (("sparse-attention", "--device", "cpu"), "runs on cuda only"),
+])
+def test_flags_without_an_equivalent_are_refused_in_one_line(args, says):
+    proc = cli(*args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and lines[0].startswith(f"python -m benchmarks {args[0]}:")
+
+
+def test_gpu_only_subcommand_says_so_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the subcommand would run")
+    proc = cli("mhc", "--quick")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0]
+
+
+@pytest.mark.slow  # ~10-20 s: bench_gemm and bench_experts through the interpreter
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the smoke run needs Triton's interpreter")
+def test_cpu_subcommand_writes_its_json(tmp_path):
+    out = tmp_path / "smoke.json"
+    proc = cli("smoke", "--tiny", "--quick", "--json", str(out), "--out", str(tmp_path / "rows"), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "smoke_cpu"
+    assert len(data["rows"]["gemm"]) == 6 and len(data["rows"]["experts"]) == 2
+    assert all(r["us"] > 0 and r["floor_us"] > 0 for rows in data["rows"].values() for r in rows)
