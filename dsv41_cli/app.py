@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> None:
         err.print(f"dsv41: error: {' '.join(e.format_message().split())}", markup=False)
         sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - the last line of defence
+        # model.checkpoint.CheckpointError (a bad checkpoint found mid-command, e.g. non-finite logits) is
+        # bad input: one line, exit 2 (matched by name, so this line of defence imports nothing)
+        if any(c.__name__ == "CheckpointError" for c in type(e).__mro__):
+            err.print(f"dsv41: error: {' '.join(str(e).split())}", markup=False, soft_wrap=True)
+            sys.exit(2)
         if os.environ.get("DSV41_DEBUG"):
             raise
         err.print(f"dsv41: internal error: {type(e).__name__}: {' '.join(str(e).split())}", markup=False)

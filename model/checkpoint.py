@@ -18,7 +18,9 @@ Runtime layout (what `dsv41 convert --to runtime` writes)
     BF16 (as in the release) instead of F32 (`accepted_dtypes`).
 
 Everything is verified from the safetensors headers before any tensor data is read: a problem is a
-`CheckpointError` whose one-line message names the file and the tensor. Conversion streams: pass-
+`CheckpointError` whose one-line message names the file and the tensor. Then the values (`check_values`:
+no NaN/inf, no NaN codes), for checkpoints up to LOAD_SCAN_BYTES on open, for any size with
+`verify_checkpoint` (`convert --verify`). Conversion streams: pass-
 through tensors (and row/column slices of them) are copied in bounded chunks with `pread`, so a 100 GB
 Engram table never has to fit in memory; only tensors that change format (wo_a, converted experts)
 are materialized, one at a time. Output goes to `DST.partial/` and is renamed to DST at the end;
@@ -550,7 +552,10 @@ def official_name(stored: str, expected: Mapping[str, object]) -> str:
 
 def expected_tensors(args: ModelArgs) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, safetensors dtype) of every tensor a checkpoint of `args` holds (in the storage
-    dtypes args names: official = FP8 wo_a and FP4 experts; runtime = args with wo_a_dtype="bf16")."""
+    dtypes args names: official = FP8 wo_a and FP4 experts; runtime = args with wo_a_dtype="bf16"), as
+    the release stores them: the ViT norm weights BF16 (`release_dtype`), everything else in the
+    model's dtype. For V4.1-Flash that is the release's 96,085 tensors and 510,286,023,000 bytes
+    (`inventory_totals`)."""
     return dict(_inventory(json.dumps(args.to_dict(), sort_keys=True)))
 
 
@@ -559,27 +564,60 @@ def _inventory(args_json: str) -> tuple:
     from model.ledger import parameter_inventory
 
     args = ModelArgs.from_dict(json.loads(args_json))
-    return tuple((name, (tuple(shape), st_name(dtype))) for name, shape, dtype in parameter_inventory(args))
+    return tuple((name, (tuple(shape), release_dtype(name, st_name(dtype))))
+                 for name, shape, dtype in parameter_inventory(args))
 
 
-# Tensors whose stored dtype may differ from the model's: (pattern, model dtype, other accepted dtypes).
+def inventory_totals(tensors: Iterable[tuple[str, tuple[int, ...], str]]) -> dict:
+    """Tensor and byte counts of (name, shape, safetensors dtype) entries, in total and per dtype (the
+    numbers a shard-header tally of a checkpoint gives)."""
+    by_dtype: dict[str, dict[str, int]] = {}
+    for _, shape, dtype in tensors:
+        row = by_dtype.setdefault(dtype, {"tensors": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["bytes"] += math.prod(shape) * itemsize(dtype)
+    return {"tensors": sum(r["tensors"] for r in by_dtype.values()),
+            "bytes": sum(r["bytes"] for r in by_dtype.values()),
+            "by_dtype": dict(sorted(by_dtype.items()))}
+
+
+# Tensors the release stores in another dtype than the model holds: (pattern, model dtype, release dtype).
 # The ViT RMSNorm weights are fp32 Parameters in S0's vision.py (`torch.ones(dim, dtype=torch.float32)`),
-# but the released V4.1-Flash index's metadata.total_size is exactly 133,120 bytes below an all-F32
-# inventory: its 65 norm vectors of 1024 (32 blocks x norm1/norm2 + the final norm) are stored as BF16.
-# S0 loads that (load_state_dict copies with conversion), and so do we: BF16 is accepted for exactly
-# these tensors, kept as stored by `convert` (so the round trip is byte for byte), and widened
-# losslessly to F32 when loaded into the model. Every other tensor must have the model's dtype.
-_ALSO_ACCEPTED: tuple[tuple[re.Pattern, str, tuple[str, ...]], ...] = (
-    (re.compile(r"vision\.(?:blocks\.\d+\.norm[12]|norm)\.weight"), "F32", ("BF16",)),
+# but the release's shard headers store its 65 norm vectors of 1024 (32 blocks x norm1/norm2 + the
+# final norm) as BF16 (BF16 520, F32 387 tensors; 133,120 bytes below an all-F32 inventory). S0 loads
+# that (load_state_dict copies with conversion), and so do we: the inventory (`expected_tensors`) and
+# `save_official` use BF16 for exactly these tensors, F32 is accepted too (checkpoints written before,
+# e.g. the bundled dsv41-tiny), `convert` keeps either as stored (so the round trip is byte for byte),
+# and both are widened losslessly to F32 when loaded into the model. Every other tensor must have the
+# model's dtype.
+_RELEASE_DTYPES: tuple[tuple[re.Pattern, str, str], ...] = (
+    (re.compile(r"vision\.(?:blocks\.\d+\.norm[12]|norm)\.weight"), "F32", "BF16"),
 )
 
 
-def accepted_dtypes(name: str, dtype: str) -> tuple[str, ...]:
-    """The safetensors dtypes a checkpoint may store tensor `name` in, when the model holds it as `dtype`
-    (the model's dtype first)."""
-    for pattern, model_dtype, others in _ALSO_ACCEPTED:
+def release_dtype(name: str, dtype: str) -> str:
+    """The safetensors dtype the release stores tensor `name` in, when the model holds it as `dtype`."""
+    for pattern, model_dtype, stored in _RELEASE_DTYPES:
         if dtype == model_dtype and pattern.fullmatch(name):
-            return (dtype,) + others
+            return stored
+    return dtype
+
+
+def model_dtype(name: str, dtype: str) -> str:
+    """The dtype the model holds tensor `name` in, when a checkpoint (or the inventory) stores it as
+    `dtype` in one of its `accepted_dtypes`."""
+    for pattern, held, stored in _RELEASE_DTYPES:
+        if dtype in (held, stored) and pattern.fullmatch(name):
+            return held
+    return dtype
+
+
+def accepted_dtypes(name: str, dtype: str) -> tuple[str, ...]:
+    """The safetensors dtypes a checkpoint may store tensor `name` in, when the inventory says `dtype`
+    (the release's dtype first; for the ViT norm weights: BF16, then the model's F32)."""
+    for pattern, held, stored in _RELEASE_DTYPES:
+        if dtype in (held, stored) and pattern.fullmatch(name):
+            return (stored, held)
     return (dtype,)
 
 
@@ -589,7 +627,7 @@ def to_model_dtypes(state: dict[str, torch.Tensor], expected: Mapping[str, tuple
     the model's dtype, losslessly (BF16 -> F32 is exact); everything else untouched (still mapped)."""
     for name, t in state.items():
         if name in expected:
-            want = ST_DTYPES[expected[name][1]]
+            want = ST_DTYPES[model_dtype(name, expected[name][1])]
             if t.dtype != want and st_name(t.dtype) in accepted_dtypes(name, expected[name][1]):
                 state[name] = t.to(want)
     return state
@@ -801,10 +839,74 @@ def _check_against_config(found: Mapping[str, TensorEntry], expected: Mapping[st
         problems.add(f"{container} lacks tensor {missing[0]}{more} (required by {where})")
 
 
-def open_official(path: str | os.PathLike, args: ModelArgs | None = None) -> OfficialCheckpoint:
-    """Verify an official-layout checkpoint from its config, index and shard headers (no tensor data is
-    read): every listed shard exists and is complete, the index and the headers agree tensor by tensor,
-    and every tensor has the name, dtype and shape the config implies, none missing, none extra."""
+# Values no stored tensor may hold: NaN/inf in BF16/F16/F32, the NaN codes of E4M3 (0x7F/0xFF, E4M3
+# "fn" has no inf) and of UE8M0 (0xFF). Packed FP4 ("I8", every byte is two E2M1 codes) and integer
+# tensors cannot hold any. The scan is one min/max reduction per chunk (a NaN or inf shows in it),
+# so it reads the data once at memory speed; counting the bad values runs only where there are some.
+SCAN_CHUNK = 1 << 24  # elements per step of a value scan (bounds the temporaries of the count)
+# open_official / open_runtime scan every tensor's values when the checkpoint's tensors total at most
+# this many bytes (the bundled dsv41-tiny: 41 MB, measured in docs/convert.md); larger checkpoints are
+# checked by `dsv41 convert --verify`, and generation stops on non-finite logits (model/engine.py).
+LOAD_SCAN_BYTES = 1 << 30
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def out_of_format(t: torch.Tensor) -> tuple[int, str] | None:
+    """(how many, what) values of stored tensor `t` lie outside its format (see SCAN_CHUNK), or None."""
+    if t.dtype not in _FLOATS + (torch.float8_e4m3fn, torch.float8_e8m0fnu) or t.numel() == 0:
+        return None
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), SCAN_CHUNK):
+        c = flat[start:start + SCAN_CHUNK]
+        if t.dtype in _FLOATS:
+            lo, hi = torch.aminmax(c)
+            bad = not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)))
+        else:
+            u = c.view(torch.uint8)
+            bad = int(u.max()) == 0xFF or (t.dtype == torch.float8_e4m3fn and int(u.view(torch.int8).max()) == 0x7F)
+        if bad:
+            break
+    else:
+        return None
+    count = 0
+    for start in range(0, flat.numel(), SCAN_CHUNK):
+        c = flat[start:start + SCAN_CHUNK]
+        if t.dtype in _FLOATS:
+            count += int((~torch.isfinite(c)).sum())
+        elif t.dtype == torch.float8_e4m3fn:
+            count += int(((c.view(torch.uint8) & 0x7F) == 0x7F).sum())
+        else:
+            count += int((c.view(torch.uint8) == 0xFF).sum())
+    what = {torch.float8_e4m3fn: "E4M3 NaN codes (0x7F/0xFF)", torch.float8_e8m0fnu: "UE8M0 NaN scales (0xFF)"}
+    return count, what.get(t.dtype, "non-finite values (NaN/inf)")
+
+
+def check_values(entries: Iterable[TensorEntry], problems: _Problems) -> int:
+    """Scan the stored values of `entries` (memory-mapped, tensor by tensor) for `out_of_format` ones;
+    each tensor holding some is a problem naming its file (with the checkpoint directory) and tensor.
+    Returns the bytes scanned."""
+    scanned = 0
+    for entry in entries:
+        bad = out_of_format(open_tensor(entry))
+        scanned += entry.nbytes
+        if bad:
+            n = math.prod(entry.shape)
+            problems.add(f"{entry.file}: tensor {entry.name} holds {bad[0]:,} {bad[1]} of {n:,} values; the data "
+                         "behind its header is corrupt")
+    return scanned
+
+
+def _scan_wanted(values: bool | None, entries: Iterable[TensorEntry]) -> bool:
+    return values if values is not None else sum(e.nbytes for e in entries) <= LOAD_SCAN_BYTES
+
+
+def open_official(path: str | os.PathLike, args: ModelArgs | None = None, values: bool | None = None
+                  ) -> OfficialCheckpoint:
+    """Verify an official-layout checkpoint from its config, index and shard headers: every listed shard
+    exists and is complete, the index and the headers agree tensor by tensor, and every tensor has the
+    name, dtype and shape the config implies, none missing, none extra. Then the tensors' values
+    (`check_values`: no NaN/inf, no NaN codes): with values=True always, with None (the default) when
+    the tensors total at most LOAD_SCAN_BYTES, with False never (headers only)."""
     path = Path(path)
     if args is None:
         args = load_args(path)
@@ -850,6 +952,9 @@ def open_official(path: str | os.PathLike, args: ModelArgs | None = None) -> Off
     _check_against_config(found, expected, problems)
     problems.raise_if_any()
     ordered = {name: found[name] for name in expected}
+    if _scan_wanted(values, ordered.values()):
+        check_values(ordered.values(), problems)
+        problems.raise_if_any()
     return OfficialCheckpoint(path, args, ordered, headers, index_text)
 
 
@@ -894,10 +999,10 @@ class RuntimeCheckpoint:
         return self.manifest["mp"]
 
 
-def open_runtime(path: str | os.PathLike, checksums: bool = False) -> RuntimeCheckpoint:
+def open_runtime(path: str | os.PathLike, checksums: bool = False, values: bool | None = None) -> RuntimeCheckpoint:
     """Verify a runtime-layout checkpoint: the manifest, each rank file's size (and with checksums=True
     its sha256) and header, and every tensor's name, dtype and shape against the config and the split
-    rules."""
+    rules; then the tensors' values as `open_official` does (`values`)."""
     path = Path(path)
     manifest = _read_manifest(path)
     args = load_args(path)
@@ -953,6 +1058,10 @@ def open_runtime(path: str | os.PathLike, checksums: bool = False) -> RuntimeChe
                 problems.add(f"{SCALES_FILE}: tensor {name} is {entry.dtype} {list(entry.shape)}, config.json "
                              f"implies {official[name][1]} {list(official[name][0])}")
     problems.raise_if_any()
+    stored_entries = [e for tensors in ranks for e in tensors.values()] + list(scales.values())
+    if _scan_wanted(values, stored_entries):
+        check_values(stored_entries, problems)
+        problems.raise_if_any()
     return RuntimeCheckpoint(path, args, manifest, ranks, parts, full, scales)
 
 
@@ -1489,6 +1598,36 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str = "runtime",
     return execute(plan, dst, resume=resume, progress=progress)
 
 
+def verify_checkpoint(src: str | os.PathLike, progress: Progress | None = None) -> dict:
+    """`dsv41 convert --verify`: everything `open_official` / `open_runtime` check from the headers, plus,
+    whatever the checkpoint's size, every tensor's values (`check_values`: no NaN/inf in BF16/F32, no
+    NaN codes in E4M3 weights or UE8M0 scales) and, for the runtime layout, each file's sha256 against
+    runtime.json. Raises CheckpointError naming the file and tensor of the first problem, with a count
+    of the rest; returns a summary."""
+    src = Path(src)
+    layout = detect_layout(src)
+    if layout == "official":
+        ckpt = open_official(src, values=False)
+        entries = list(ckpt.tensors.values())
+    else:
+        ckpt = open_runtime(src, values=False)
+        entries = [e for tensors in ckpt.ranks for e in tensors.values()] + list(ckpt.scales.values())
+    progress = progress or Progress()
+    problems = _Problems()
+    progress.start(sum(e.nbytes for e in entries), len(entries))
+    try:
+        for entry in entries:
+            check_values([entry], problems)
+            progress.advance(entry.nbytes, 1)
+    finally:
+        progress.finish()
+    problems.raise_if_any()  # a bad value names its tensor; a checksum only its file, so values go first
+    if layout == "runtime":
+        open_runtime(src, checksums=True, values=False)
+    return {"src": str(src), "layout": layout, "tensors": len(entries), "bytes": sum(e.nbytes for e in entries),
+            "values": "checked", "checksums": "checked" if layout == "runtime" else None}
+
+
 # ====================================================================================================
 # Writing the official layout from tensors (fixtures, publishing a model)
 # ====================================================================================================
@@ -1499,7 +1638,11 @@ def save_official(tensors: Mapping[str, torch.Tensor | Callable[[], torch.Tensor
                   tokenizer_json: str | None = None) -> Path:
     """Write a model's tensors (official names, storage dtypes: FP8 + UE8M0, packed FP4 "I8") as an
     official-layout checkpoint: config.json, shards, index, tokenizer files. A value may be a callable
-    returning the tensor, so large checkpoints are produced one tensor at a time. Atomic like convert."""
+    returning the tensor, so large checkpoints are produced one tensor at a time. Atomic like convert.
+
+    Dtypes are the release's (`expected_tensors`): the ViT norm weights are written BF16, from BF16, or
+    from the model's F32 when BF16 holds the values exactly; F32 values that BF16 would round stay F32
+    (lossless; every loader accepts both)."""
     dst = Path(dst)
     expected = expected_tensors(args)
     problems = _Problems()
@@ -1517,7 +1660,8 @@ def save_official(tensors: Mapping[str, torch.Tensor | Callable[[], torch.Tensor
             if tuple(value.shape) != shape or st_name(value.dtype) not in accepted_dtypes(name, dtype):
                 raise CheckpointError(f"tensor {name} is {st_name(value.dtype)} {list(value.shape)}, the model "
                                       f"needs {' or '.join(accepted_dtypes(name, dtype))} {list(shape)}")
-            dtype = st_name(value.dtype)  # an accepted other dtype (BF16 ViT norms) is written as given
+            value = _narrowed(value, dtype)  # F32 ViT norms as the release's BF16, where exact
+            dtype = st_name(value.dtype)  # F32 values BF16 cannot hold exactly are written as given
         out[name] = OutTensor(name, dtype, shape, InMemory(_checked(value, name, shape, dtype),
                                                            math.prod(shape) * itemsize(dtype)))
     files = _default_shards(out, args, n_shards)
@@ -1545,12 +1689,22 @@ def save_official(tensors: Mapping[str, torch.Tensor | Callable[[], torch.Tensor
     return dst
 
 
+def _narrowed(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    """`t` in `dtype` (the release's) when that conversion is exact, else `t` unchanged."""
+    if st_name(t.dtype) == dtype:
+        return t
+    out = t.to(ST_DTYPES[dtype])
+    return out if torch.equal(out.to(t.dtype), t) else t
+
+
 def _checked(value, name, shape, dtype):
     if isinstance(value, torch.Tensor):
         return value
 
     def make():
         t = value()
+        if tuple(t.shape) == shape and st_name(t.dtype) in accepted_dtypes(name, dtype):
+            t = _narrowed(t, dtype)  # the header says `dtype`: an F32 ViT norm must fit BF16 exactly
         if tuple(t.shape) != shape or st_name(t.dtype) != dtype:
             raise CheckpointError(f"tensor {name} is {st_name(t.dtype)} {list(t.shape)}, the model needs "
                                   f"{dtype} {list(shape)}")
@@ -1587,27 +1741,100 @@ def load_state_dict(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], M
 def load_rank_state(path: str | os.PathLike, rank: int, mp: int) -> dict[str, torch.Tensor]:
     """What rank `rank` of `mp` model-parallel ranks holds, in runtime dtypes and with the split rules
     of `NAME_MAP` (routed experts keep their global index in the name; Engram parts are zero-padded to
-    ceil(rows / mp)). From a runtime checkpoint with that mp: its rank file, memory-mapped. From an
-    official checkpoint: split and converted on the fly (wo_a bf16, experts FP4), as `convert` would.
-    BF16-stored ViT norm weights come back widened to F32, as the model holds them."""
+    ceil(rows / mp)), from a checkpoint of any layout (`load_rank`, which also gives the ModelArgs of
+    what it returns). BF16-stored ViT norm weights come back widened to F32, as the model holds them."""
+    return load_rank(path, rank, mp)[0]
+
+
+def load_rank(path: str | os.PathLike, rank: int, mp: int) -> tuple[dict[str, torch.Tensor], ModelArgs]:
+    """(state, args): rank `rank` of `mp`'s part of the checkpoint at `path`, and the ModelArgs of the
+    model it fills (the runtime dtypes: wo_a bf16, experts as stored in a runtime checkpoint, FP4 from
+    an official one). Every layout loads under any `mp` that `check_mp` allows, reading only the rank's
+    own slices of the files:
+
+    * runtime, converted with this mp: the rank's file, memory-mapped (as is);
+    * runtime, another mp (1 included): the rank's part cut from the rank files that hold it
+      (`_resplit`): a tensor one file holds whole, or whose rows the rank takes from one file, stays
+      memory-mapped; a column slice or rows gathered from several files are copied (the rank's part
+      only);
+    * official: the per-rank pieces of `convert --mp mp`'s plan (`plan_runtime`): tensors kept as
+      stored are memory-mapped or sliced as above; wo_a (this rank's rows) is dequantized to bf16.
+
+    Rank-part combinations that cannot be cut (an mp that does not divide the heads, experts or
+    vocabulary; a part smaller than a scale block) are a one-line `CheckpointError`."""
     path = Path(path)
     if not 0 <= rank < mp:
         raise CheckpointError(f"rank {rank} is not in [0, {mp})")
     if detect_layout(path) == "runtime":
         ckpt = open_runtime(path)
-        if ckpt.mp != mp:
-            raise CheckpointError(f"{path} is split for mp={ckpt.mp}, not mp={mp}; convert it --to official and "
-                                  f"back --to runtime --mp {mp}")
-        state = {name: open_tensor(entry) for name, entry in ckpt.ranks[rank].items()}
-        return to_model_dtypes(state, expected_tensors(ckpt.args))
-    ckpt = open_official(path)
-    plan = plan_runtime(ckpt, mp, "fp4")
+        args = ckpt.args
+        if ckpt.mp == mp:
+            state = {name: open_tensor(entry) for name, entry in ckpt.ranks[rank].items()}
+            return to_model_dtypes(state, expected_tensors(args)), args
+        check_mp(args, mp)
+        held = rank_tensors(ckpt.full, args, mp, rank)
+        pieces = [(name, _resplit(ckpt, name, part), ckpt.full[name][1], shape)
+                  for name, (shape, _, part) in held.items()]
+    else:
+        ckpt = open_official(path)
+        args = runtime_args(ckpt.args, "fp4")
+        plan = plan_runtime(ckpt, mp, "fp4")
+        pieces = [(t.name, t.data, t.dtype, t.shape) for t in plan.files[rank].tensors]
     reader = _Reader()
     try:
-        state = {t.name: materialize(t.data, t.dtype, t.shape, reader) for t in plan.files[rank].tensors}
+        state = {name: _load_piece(piece, dtype, shape, reader) for name, piece, dtype, shape in pieces}
     finally:
         reader.close()
-    return to_model_dtypes(state, expected_tensors(runtime_args(ckpt.args, "fp4")))
+    return to_model_dtypes(state, expected_tensors(args)), args
+
+
+def _resplit(ckpt: RuntimeCheckpoint, name: str, part: Part | None) -> Piece:
+    """Part `part` of the full tensor `name` (indices [start, stop) along part.dim, then part.pad zero
+    rows; None or dim None: all of it) as pieces of the rank files of a runtime checkpoint of another
+    mp. Like `_assembled`, rows of a block scale that several files hold are taken once and the zero
+    rows padding the last Engram parts of the files are skipped."""
+    holders = [(r, ckpt.parts[r][name]) for r in range(ckpt.mp) if name in ckpt.parts[r]]
+    r0, p0 = holders[0]
+    entry0 = ckpt.ranks[r0][name]
+    if p0.dim is None:  # one file holds it whole: the rank's part is a plain slice of it
+        return _slice(entry0, part or Part(None))
+    shape, _ = ckpt.full[name]
+    dim = p0.dim
+    if part is None or part.dim is None:
+        part = Part(dim, 0, shape[dim])
+    if part.dim != dim:
+        raise CheckpointError(f"internal: {name} is split along dim {dim} in the rank files, the rank needs dim "
+                              f"{part.dim}")
+    pieces, covered = [], part.start
+    for r, src in holders:
+        first, last = max(src.start, covered), min(src.stop, part.stop, shape[dim])
+        if last <= first:
+            continue
+        pieces.append((ckpt.ranks[r][name], first - src.start, last - src.start))
+        covered = last
+    if covered != part.stop:
+        raise CheckpointError(f"internal: the rank files cover {name} up to {covered} along dim {dim}, the rank "
+                              f"needs [{part.start}, {part.stop})")
+    if dim == 1:
+        if part.pad:
+            raise CheckpointError(f"internal: {name} is padded along dim 1")
+        return Columns(pieces)
+    rows: list[Piece] = [Bytes(e, a * e.row_bytes, b * e.row_bytes) for e, a, b in pieces]
+    if part.pad:
+        rows.append(Zeros(part.pad * entry0.row_bytes))
+    return rows[0] if len(rows) == 1 else Seq(rows)
+
+
+def _load_piece(piece: Piece, dtype: str, shape: tuple[int, ...], reader: _Reader) -> torch.Tensor:
+    """A rank's tensor: a whole stored tensor or a range of its rows as a view of the memory-mapped
+    file (read lazily, shared with the page cache); anything else (column slices, rows from several
+    files, padded or converted tensors) copied into memory by `materialize`."""
+    if isinstance(piece, Bytes) and piece.entry.dtype == dtype and len(shape) == len(piece.entry.shape) >= 1 \
+            and tuple(shape[1:]) == tuple(piece.entry.shape[1:]) and piece.entry.row_bytes \
+            and piece.start % piece.entry.row_bytes == 0 and piece.nbytes == shape[0] * piece.entry.row_bytes:
+        first = piece.start // piece.entry.row_bytes
+        return open_tensor(piece.entry).narrow(0, first, shape[0])
+    return materialize(piece, dtype, shape, reader)
 
 
 def load_model(path: str | os.PathLike, device: str = "cpu"):

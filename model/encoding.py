@@ -3,8 +3,10 @@
 Encoding (messages -> prompt text) reproduces the official V4.1 encoder character for character
 (spec/architecture.md §7; golden prompts in tests/fixtures/encoding/ were produced by running it).
 Parsing (completion text -> reasoning, content, tool calls) accepts everything the official parser
-accepts and, unlike it, never raises: malformed or truncated tool-call markup is reported in
-``errors`` instead of leaking into the content.
+accepts and, unlike it, never raises. No special token or DSML fragment reaches the content or the
+reasoning, and every deviation from the official grammar is reported: in ``errors`` what the official
+parser rejects (or accepts only to return a broken call), in ``warnings`` what it accepts
+(docs/generation.md has the table).
 
 Prompt layout
 -------------
@@ -87,10 +89,12 @@ EFFORT_LINE = "Reasoning Effort: {budget} (range 1-100, the higher the value, th
 
 
 def parse_effort(value: int | str | None) -> int:
-    """The reasoning-effort budget b in 1..100 for an int, a preset name or a decimal string.
+    """The reasoning-effort budget b in 1..100 for an int, a preset name or a decimal string, as the
+    command line reads it: presets case-insensitive and stripped (" MAX "), decimal strings ("42").
 
     ``None`` means the default (``high`` = 75). Presets: low/high/max = 50/75/100. Anything else
-    (0, 101, "medium", 7.5, True) raises ValueError with a one-line message.
+    (0, 101, "medium", 7.5, True) raises ValueError with a one-line message. The encoder itself takes
+    only the official forms (:func:`check_effort`); pass it the int this returns.
     """
     if value is None:
         return DEFAULT_EFFORT
@@ -107,6 +111,22 @@ def parse_effort(value: int | str | None) -> int:
     if not isinstance(value, int) or not 1 <= value <= 100:
         raise ValueError(problem)
     return value
+
+
+def check_effort(value: int | str | None) -> int:
+    """The budget for an effort as the official encoder validates it: ``None`` (the default, high),
+    an int 1..100, or exactly ``"low"``, ``"high"`` or ``"max"``. Anything else raises ValueError
+    ("HIGH", " max", "42", 7.5, True); the CLI reads its ``--effort`` option with :func:`parse_effort`."""
+    if value is None:
+        return DEFAULT_EFFORT
+    if isinstance(value, str) and value in EFFORT_PRESETS:
+        return EFFORT_PRESETS[value]
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 100:
+        return value
+    raise ValueError(
+        f"invalid reasoning effort {value!r}: expected an integer 1-100 or one of low, high, max "
+        "(lowercase, as the official encoder takes it)"
+    )
 
 
 def _check_mode(mode: str) -> None:
@@ -263,6 +283,35 @@ def _replace_images(blocks: list, images: list[dict]) -> list:
 # ---------------------------------------------------------------------------------------------
 # Message preparation: images -> placeholders, tool messages -> user blocks in call order
 # ---------------------------------------------------------------------------------------------
+
+
+_MISSING = object()
+
+
+def _check_messages(messages: list, what: str = "message") -> None:
+    """Each message is an object whose ``content`` is a string or a list of content blocks. ``None``
+    (or no content) is allowed on assistant messages only (OpenAI writes ``null`` beside
+    ``tool_calls``), and on user messages that carry the internal ``content_blocks`` instead. Raises
+    ValueError naming the message (its index in the list and its role)."""
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"{what}s must be a list of message objects, got {type(messages).__name__}")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"{what} {index} must be a JSON object, got {type(message).__name__}")
+        role = message.get("role")
+        content = message.get("content", _MISSING)
+        allowed_empty = role == "assistant" or (role == "user" and isinstance(message.get("content_blocks"), list))
+        if not isinstance(content, (str, list)) and not (allowed_empty and content in (None, _MISSING)):
+            found = "missing" if content is _MISSING else f"{type(content).__name__} {_short(repr(content), 40)}"
+            raise ValueError(
+                f"{what} {index} (role {role!r}): content must be a string or a list of content blocks, "
+                f"not {found}"
+            )
+        reasoning = message.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise ValueError(
+                f"{what} {index} (role {role!r}): reasoning_content must be a string, not {type(reasoning).__name__}"
+            )
 
 
 def _prepare_images(messages: list[dict], image_tags: bool) -> tuple[list[dict], list[dict]]:
@@ -465,6 +514,7 @@ def encode_messages_with_images(
     mode: str = "thinking",
     effort: int | str | None = "high",
     *,
+    context: list[dict] | None = None,
     drop_thinking: bool = True,
     add_bos: bool = True,
     image_tags: bool = False,
@@ -475,31 +525,48 @@ def encode_messages_with_images(
         ``response_format``), ``user``, ``assistant`` (optional ``reasoning_content`` and OpenAI
         ``tool_calls``; ``wo_eos`` leaves the turn open), ``tool`` (``tool_call_id``), and
         ``latest_reminder``. ``content`` is a string or a list of blocks (``text``, ``image_url``,
-        ``image``, ``tool_result``).
+        ``image``, ``tool_result``); ``None`` only on assistant messages. Anything else raises
+        ValueError naming the message.
     mode: "thinking" (reply opens with ``<think>``) or "chat" (reply opens after ``</think>``).
-    effort: 1..100 or low/high/max; rendered only in thinking mode, but always validated.
+    effort: None (high), 1..100 or exactly "low"/"high"/"max", as the official encoder validates it;
+        rendered only in thinking mode, but always validated.
+    context: earlier messages already in the cache. Only ``messages`` are rendered, as they follow the
+        context in the whole conversation: no BOS and no effort line, tool results sorted by the calls
+        of the context's last assistant, earlier reasoning dropped as it would be in the whole list
+        (official ``context``). A context and ``messages`` are folded separately: a tool or user
+        message first in ``messages`` is not merged into a user message that ends the context.
     drop_thinking: drop the reasoning of turns before the last one (ignored when tools are present,
         as officially).
-    add_bos: start with the BOS token.
+    add_bos: start with the BOS token (without a context).
     image_tags: also turn ``<image>path</image>`` tags in user string contents into image blocks.
 
     Returns (prompt, images): one ``{"type": "image", "url"|"source"|"data": ...}`` record per
-    ``<｜deepseek_image｜>`` placeholder, in prompt order.
+    ``<｜deepseek_image｜>`` placeholder of the rendered messages, in prompt order (a context's images
+    are already in the cache and are not returned).
     """
     _check_mode(mode)
-    budget = parse_effort(effort)
+    budget = check_effort(effort)
+    context = list(context or [])
+    _check_messages(context, "context message")
+    _check_messages(messages)
+    earlier, _ = _prepare_images(context, image_tags)
     prepared, images = _prepare_images(list(messages), image_tags)
-    prepared = _fold_tool_messages(prepared)
-    _sort_tool_results(prepared)
+    earlier, prepared = _fold_tool_messages(earlier), _fold_tool_messages(prepared)
+    conversation = earlier + prepared
+    _sort_tool_results(conversation)
 
-    keep_reasoning = not drop_thinking or any(message.get("tools") for message in prepared)
+    keep_reasoning = not drop_thinking or any(message.get("tools") for message in conversation)
+    first = len(earlier)
     if mode == "thinking" and not keep_reasoning:
-        prepared = _drop_earlier_turn_extras(prepared)
+        # as officially: the context's length after its own drop (equal to its length for valid roles)
+        first = len(_drop_earlier_turn_extras(earlier))
+        conversation = _drop_earlier_turn_extras(conversation)
 
-    last_turn = _last_turn_index(prepared)
-    prompt = BOS if add_bos else ""
+    last_turn = _last_turn_index(conversation)
+    prompt = BOS if add_bos and not earlier else ""
     prompt += "".join(
-        _render_message(index, prepared, mode, budget, keep_reasoning, last_turn) for index in range(len(prepared))
+        _render_message(index, conversation, mode, budget, keep_reasoning, last_turn)
+        for index in range(first, len(conversation))
     )
     return prompt, images
 
@@ -509,13 +576,14 @@ def encode_messages(
     mode: str = "thinking",
     effort: int | str | None = "high",
     *,
+    context: list[dict] | None = None,
     drop_thinking: bool = True,
     add_bos: bool = True,
     image_tags: bool = False,
 ) -> str:
     """The V4.1 prompt text for ``messages`` (see :func:`encode_messages_with_images`)."""
     return encode_messages_with_images(
-        messages, mode, effort, drop_thinking=drop_thinking, add_bos=add_bos, image_tags=image_tags
+        messages, mode, effort, context=context, drop_thinking=drop_thinking, add_bos=add_bos, image_tags=image_tags
     )[0]
 
 
@@ -541,8 +609,9 @@ class ParsedCompletion:
     reasoning: text before ``</think>`` (thinking mode); content: the answer text, free of DSML
     markup; tool_calls: OpenAI-format calls (``id`` is ``call_{n}``, ``arguments`` a JSON string
     laid out as the official parser lays it out); errors: one line per format problem (a call that
-    could not be parsed is named here, never silently dropped); warnings: leniencies applied (V4-style
-    tags, a truncated fragment removed); finished: the end-of-sentence token was seen;
+    could not be parsed is named here, never silently dropped): each deviation from the official grammar
+    that the official parser rejects; warnings: each deviation it accepts (a special token removed, an
+    empty calls block, markup inside a value, ...); finished: the end-of-sentence token was seen;
     finish_reason: "stop" when finished, else "length"; dsml_dialect: "v4.1", "v4" or None.
     """
 
@@ -570,6 +639,21 @@ _ATTRIBUTE = re.compile(r'([A-Za-z_][\w-]*)="([^"]*)"')
 _PARAMETER_CLOSE = re.compile(rf"</{DSML}\s*parameter\s*>")
 _BLOCK_NAMES = {"calls": "calls", "tool_calls": "calls", "invoke": "invoke", "parameter": "parameter"}
 _DSML_PREFIXES = tuple(f"<{DSML}"[:n] for n in range(2, len(DSML) + 1)) + tuple(f"</{DSML}"[:n] for n in range(3, len(DSML) + 2))
+
+
+# The tags exactly as the official V4.1 encoder writes them (and its parser requires them).
+_OFFICIAL_FORMS = {
+    ("calls", False): re.compile(rf"<{DSML}{CALLS_TAG}>"),
+    ("calls", True): re.compile(rf"</{DSML}{CALLS_TAG}>"),
+    ("invoke", False): re.compile(rf'<{DSML}{INVOKE_TAG} name="[^"]*">'),
+    ("invoke", True): re.compile(rf"</{DSML}{INVOKE_TAG}>"),
+    ("parameter", False): re.compile(rf'<{DSML}{PARAMETER_TAG} name="[^"]*" string="(?:true|false)">'),
+    ("parameter", True): re.compile(rf"</{DSML}{PARAMETER_TAG}>"),
+}
+# An invoke tag with other whitespace before the name: the official parser reads it (a warning).
+_INVOKE_OTHER_SPACE = re.compile(rf'<{DSML}{INVOKE_TAG}\s*name="[^"]*">')
+# An invoke tag with attributes after the name: the official parser reads them into the name.
+_INVOKE_EXTRA_ATTRIBUTES = re.compile(rf'<{DSML}{INVOKE_TAG}\s*name="[^"]*"(?:\s+[A-Za-z_][\w-]*="[^"]*")+>')
 
 
 @dataclass
@@ -633,13 +717,49 @@ class _DsmlReader:
         self.warnings: list[str] = []
         self.seen_v41 = False
         self.seen_v4 = False
+        self.blocks = 0  # calls blocks opened (a bare invoke opens one implicitly)
+        self.closed_block = False  # a calls block was read to its closing tag
+        self.cut = False  # the text ended inside markup (reported)
+        self.start_blank = False  # position 0 counts as preceded by a blank line
 
     def note_style(self, tag: _Tag) -> None:
         if tag.kind in ("calls", "invoke", "parameter"):
             if tag.v4_style:
                 self.seen_v4 = True
+                return
+            self.seen_v41 = True
+            form = _OFFICIAL_FORMS[(tag.kind, tag.closing)]
+            if form.fullmatch(tag.text):
+                return
+            if tag.kind == "invoke" and not tag.closing and _INVOKE_OTHER_SPACE.fullmatch(tag.text):
+                self.warnings.append(f"a tool call's tag with other whitespace before its name: {_short(tag.text)}")
+            elif tag.kind == "invoke" and not tag.closing and _INVOKE_EXTRA_ATTRIBUTES.fullmatch(tag.text):
+                # accepted officially, but with the other attributes read into the call's name
+                self.errors.append(f"attributes after the name of a tool call ignored: {_short(tag.text)}")
+            elif tag.kind == "parameter" and not tag.closing and tag.attributes.get("string") not in ("true", "false"):
+                pass  # read_parameter names the missing or odd string attribute
+            elif tag.kind == "invoke" and not tag.closing and "name" not in tag.attributes:
+                pass  # read_invoke names the call without a name
             else:
-                self.seen_v41 = True
+                shown = form.pattern.replace('"[^"]*"', '"..."').replace("(?:true|false)", "true|false")
+                self.errors.append(f"DSML tag not in the official form {shown}: {_short(tag.text)}")
+
+    def separator(self, start: int, where: str, after_invoke_tag: bool = False) -> int:
+        """Skips whitespace between two DSML tags. The official layout is one newline; after an invoke's
+        opening tag the official parser also accepts a blank line, which the encoder writes before the
+        closing tag of a call without parameters (a blank line before a parameter is a warning)."""
+        position = self.skip_space(start)
+        if position >= len(self.text) or _next_marker(self.text, position) != position:
+            return position
+        found = self.text[start:position]
+        if after_invoke_tag and found == "\n\n":
+            if not self.text.startswith(f"</{DSML}", position):
+                self.warnings.append(f"a blank line {where}")
+        elif after_invoke_tag and found == "\n" and self.text.startswith(f"</{DSML}", position):
+            self.warnings.append(f"one newline {where} (the encoder writes a blank line in a call without parameters)")
+        elif found != "\n":
+            self.errors.append(f"{_short(found) if found else 'nothing'} instead of one newline {where}")
+        return position
 
     def skip_space(self, position: int) -> int:
         while position < len(self.text) and self.text[position].isspace():
@@ -647,6 +767,7 @@ class _DsmlReader:
         return position
 
     def truncated(self, what: str) -> None:
+        self.cut = True
         reason = "the completion ended" if not self.finished else "the end-of-sentence token came"
         self.errors.append(f"{what} is incomplete: {reason} before it was closed")
 
@@ -668,14 +789,23 @@ class _DsmlReader:
                 # Officially nothing but the end-of-sentence token may follow the calls block.
                 self.errors.append(f"text after the tool calls kept as content: {_short(before.strip())}")
                 content.append(("\n\n" if "".join(content).strip() else "") + before.strip())
+            elif before:
+                self.errors.append(f"{_short(before)} after the tool-call block (officially the end-of-sentence token follows it directly)")
             if marker < 0:
                 break
             tag = _read_tag(text, marker)
             self.note_style(tag)
+            if tag.kind in ("calls", "invoke") and not tag.closing:
+                if self.blocks:
+                    self.errors.append("a second tool-call block (officially one block ends the reply); its calls were read too")
+                elif not (text.endswith("\n\n", 0, marker) or (marker == 0 and self.start_blank)):
+                    found = "no blank line" if not text.endswith("\n", 0, marker) else "a single newline"
+                    self.errors.append(f"the tool calls follow {found} (officially \"\\n\\n\" precedes the calls block)")
+                self.blocks += 1
             if tag.kind == "calls" and not tag.closing:
                 cursor, after_calls = self.read_block(tag.end, implicit=False), True
             elif tag.kind == "invoke" and not tag.closing:
-                self.warnings.append("tool call written without a surrounding calls block; accepted")
+                self.errors.append("tool call written without a surrounding calls block; read anyway")
                 cursor, after_calls = self.read_block(marker, implicit=True), True
             elif tag.kind == "cut":
                 self.truncated(f"DSML tag {_short(tag.text)}")
@@ -688,8 +818,14 @@ class _DsmlReader:
     def read_block(self, position: int, implicit: bool) -> int:
         """Reads invokes until the block's closing tag; returns the index after the block."""
         text = self.text
+        first, calls_before = True, len(self.calls)
+        invokes = 0
         while True:
-            position = self.skip_space(position)
+            if first and implicit:
+                position = self.skip_space(position)
+            else:
+                position = self.separator(position, "between tool-call tags")
+            first = False
             if position >= len(text):
                 if not implicit:
                     self.truncated("the tool-call block")
@@ -705,10 +841,15 @@ class _DsmlReader:
             tag = _read_tag(text, position)
             self.note_style(tag)
             if tag.kind == "invoke" and not tag.closing:
+                invokes += 1
                 position = self.read_invoke(tag)
             elif tag.kind == "calls" and tag.closing:
                 if implicit:
                     self.stray(tag, "after tool calls without an opening block")
+                else:
+                    self.closed_block = True
+                    if not invokes:
+                        self.warnings.append("an empty tool-call block (no calls in it)")
                 return tag.end
             elif tag.kind == "cut":
                 self.truncated(f"DSML tag {_short(tag.text)}")
@@ -727,8 +868,10 @@ class _DsmlReader:
         if name is None:
             self.errors.append(f"tool call without a name attribute dropped: {_short(opening.text)}")
         position = opening.end
+        after_tag = True
         while True:
-            position = self.skip_space(position)
+            position = self.separator(position, f"inside {label}", after_invoke_tag=after_tag)
+            after_tag = False
             if position >= len(text):
                 self.truncated(label)
                 return position
@@ -776,21 +919,25 @@ class _DsmlReader:
             self.truncated(what)
             return len(text), None
         if closing.group(0) != f"</{DSML}{PARAMETER_TAG}>":
-            self.seen_v4 = True
+            if re.match(rf"</{DSML}parameter", closing.group(0)):
+                self.seen_v4 = True
+            else:
+                self.errors.append(f"DSML tag not written in the official form: {_short(closing.group(0))}")
         value = text[opening.end : closing.start()]
         if name is None:
             self.errors.append(f"{what} makes the call unparseable")
             return closing.end(), None
-        if re.search(rf"</?{DSML}\s*(calls|tool_calls|invoke)\b", value):
-            self.errors.append(
-                f"{what} contains tool-call markup; its value runs to the first parameter closing tag, as officially"
+        if DSML in value:
+            self.warnings.append(
+                f"{what} contains DSML markup; its value runs to the first parameter closing tag, as officially"
             )
         flag = opening.attributes.get("string")
         if flag in ("true", "false"):
             is_string = flag == "true"
         else:
             is_string = not _is_json(value)
-            self.warnings.append(f"{what} has no string=\"true|false\"; read as {'a string' if is_string else 'JSON'}")
+            found = "no string attribute" if flag is None else f"string={_short(flag)}"
+            self.errors.append(f"{what} has {found} (officially \"true\" or \"false\"); read as {'a string' if is_string else 'JSON'}")
         if not is_string and not _is_json(value):
             self.errors.append(f"{what} is marked string=\"false\" but is not valid JSON; kept as a string")
             is_string = True
@@ -821,38 +968,60 @@ def _strip_cut_marker(text: str) -> tuple[str, bool]:
     return text, False
 
 
+# Special tokens the official parser rejects inside the content or the reasoning (errors), and the
+# other special tokens, which it lets through (warnings); both are removed here.
+_REJECTED_IN_TEXT = (BOS, EOS, THINK_START, THINK_END)
+_OTHER_SPECIAL = re.compile(r"<｜[^<>｜\s]{1,40}｜>")
+
+
+def _scrub_special_tokens(text: str, where: str, result: "ParsedCompletion") -> str:
+    """``text`` without special tokens; each kind removed is reported (DSML is handled by the reader)."""
+    for token in _REJECTED_IN_TEXT:
+        if token in text:
+            text = text.replace(token, "")
+            result.errors.append(f"stray {token} removed from the {where}")
+    for token in sorted(set(_OTHER_SPECIAL.findall(text))):
+        text = text.replace(token, "")
+        result.warnings.append(f"special token {token} removed from the {where}")
+    return text
+
+
 def parse_completion(text: str, mode: str = "thinking", *, finished: bool | None = None) -> ParsedCompletion:
     """Split a completion (the generated text after the prompt, special tokens included) into
     reasoning, content and OpenAI-format tool calls.
 
     mode: the mode the prompt was encoded in. In thinking mode the reasoning is the text before
-        ``</think>``; without ``</think>`` it runs to the first DSML markup (an error when the
-        completion finished) or to the end (a completion cut short while reasoning).
+        ``</think>``; without ``</think>`` it runs to the first DSML markup or to the end.
     finished: whether generation stopped at the end-of-sentence token; by default, whether the text
-        contains it. Text after the token is ignored (a warning).
+        contains it. Text after the token is ignored (an error).
 
-    Never raises on any text. Any DSML markup (V4.1 tags, V4 tags without the leading space, stray or
-    half-written tags) is kept out of ``content`` and ``reasoning``; a call that was begun but cannot
-    be read is named in ``errors``.
+    Never raises on any text. No special token and no DSML markup (V4.1 tags, V4 tags, stray or
+    half-written tags) ever reaches ``content`` or ``reasoning``. Every deviation from the official
+    V4.1 grammar is reported: in ``errors`` when the official parser rejects the text (or, for a
+    ``string="false"`` value that is not JSON, would return arguments that are not JSON), in
+    ``warnings`` when it accepts it. docs/generation.md has the table.
     """
     _check_mode(mode)
     result = ParsedCompletion()
     end = text.find(EOS)
     body = text if end < 0 else text[:end]
-    if end >= 0 and text[end + len(EOS) :].strip():
-        result.warnings.append(f"text after the end-of-sentence token ignored: {_short(text[end + len(EOS):].strip())}")
+    if end >= 0 and text[end + len(EOS) :]:
+        result.errors.append(f"text after the end-of-sentence token ignored: {_short(text[end + len(EOS):])}")
     result.finished = end >= 0 if finished is None else finished
     result.finish_reason = "stop" if result.finished else "length"
+    start_blank = False
+    cut_reasoning = False
 
     if mode == "thinking":
         if body.startswith(THINK_START):
             body = body[len(THINK_START) :]
-            result.warnings.append("leading <think> removed (it belongs to the prompt)")
+            result.errors.append("the completion starts with <think>, which belongs to the prompt; removed")
         think_end = body.find(THINK_END)
         markup = _next_marker(body, 0)
         if think_end >= 0 and (markup < 0 or think_end < markup):
             result.reasoning, body = body[:think_end], body[think_end + len(THINK_END) :]
         elif markup >= 0:
+            start_blank = body.endswith("\n\n", 0, markup)
             result.reasoning, body = body[:markup].removesuffix("\n\n"), body[markup:]
             result.errors.append("tool calls began before </think>; the text before them is taken as reasoning")
         else:
@@ -860,12 +1029,15 @@ def parse_completion(text: str, mode: str = "thinking", *, finished: bool | None
             if result.finished:
                 result.errors.append("the completion ended without </think>; all of it is taken as reasoning")
             else:
+                cut_reasoning = True
+                result.errors.append("the completion was cut while reasoning (no </think>, no end-of-sentence token)")
                 result.reasoning, cut = _strip_cut_marker(result.reasoning)
                 if cut:
                     result.reasoning = result.reasoning.removesuffix("\n\n")
                     result.warnings.append("a DSML tag cut off at the end was removed")
 
     reader = _DsmlReader(body, result.finished)
+    reader.start_blank = start_blank
     content = reader.read()
     first_markup = _next_marker(body, 0)
     if first_markup >= 0:
@@ -878,17 +1050,22 @@ def parse_completion(text: str, mode: str = "thinking", *, finished: bool | None
         if cut:
             content = stripped.removesuffix("\n\n")
             result.warnings.append("a DSML tag cut off at the end was removed")
-    for token in (THINK_START, THINK_END):
-        if token in content:
-            content = content.replace(token, "")
-            result.errors.append(f"stray {token} removed from the content")
+        if not (cut_reasoning or reader.cut or reader.closed_block):
+            # Officially only a completed tool-call block may end without the end-of-sentence token.
+            result.errors.append("the completion was cut before the end-of-sentence token")
 
-    result.content = content
+    result.reasoning = _scrub_special_tokens(result.reasoning, "reasoning", result)
+    result.content = _scrub_special_tokens(content, "content", result)
     result.tool_calls = reader.calls
     result.errors += reader.errors
     result.warnings += reader.warnings
     if reader.seen_v4:
-        result.warnings.append(f"V4-style DSML tags accepted (V4.1 writes {CALLS_OPEN}, with a space before the tag name)")
+        # The one deviation the official V4.1 parser rejects that is a warning: V4's own grammar (its
+        # official parser reads these tags), kept as an accepted dialect.
+        result.warnings.append(
+            f"V4-style DSML tags accepted (V4.1 writes {CALLS_OPEN}, with a space before the tag name; the "
+            "official V4.1 parser rejects V4 tags, V4's reads them)"
+        )
     result.dsml_dialect = "v4" if reader.seen_v4 else ("v4.1" if reader.seen_v41 else None)
     return result
 

@@ -17,6 +17,7 @@ import torch
 
 from model import dspark
 from model.cache import KVCache
+from model.checkpoint import CheckpointError
 
 
 @dataclass
@@ -82,12 +83,20 @@ def token_distribution(logits: torch.Tensor, sampling: SamplingConfig) -> torch.
     return filter_top_p(probs, sampling.top_p)
 
 
+class NonFiniteLogits(CheckpointError):
+    """The model produced NaN/inf logits: its weights hold non-finite values (a corrupt checkpoint) or
+    overflow. The CLI prints the one-line message and exits 2."""
+
+
 class Sampler:
     """Greedy at temperature 0, else multinomial from the tempered, top-p filtered distribution,
-    drawn from a seeded generator so a run is reproducible."""
+    drawn from a seeded generator so a run is reproducible. Every row of logits it picks from is
+    checked first (`check`): non-finite logits are a `NonFiniteLogits` naming `source` (the
+    checkpoint), not a NaN argmax or a failure inside torch.multinomial."""
 
-    def __init__(self, sampling: SamplingConfig, device):
+    def __init__(self, sampling: SamplingConfig, device, source: str | None = None):
         self.sampling = sampling
+        self.source = source
         self.gen = torch.Generator(device="cpu")
         self.gen.manual_seed(sampling.seed if sampling.seed is not None else torch.seed() % 2**63)
 
@@ -98,7 +107,18 @@ class Sampler:
     def draw(self, probs: torch.Tensor) -> torch.Tensor:
         return torch.multinomial(probs.float().cpu(), 1, generator=self.gen).squeeze(-1).to(probs.device)
 
+    def check(self, logits: torch.Tensor) -> None:
+        """One isfinite reduction over the logits about to be sampled (under 1 ms for 129K logits on one
+        busy CPU thread, where a decode step of the bundled model took about 260 ms)."""
+        finite = torch.isfinite(logits)
+        if not bool(finite.all()):
+            where = self.source or "the checkpoint"
+            raise NonFiniteLogits(
+                f"{where}: the model's logits hold {int((~finite).sum()):,} NaN/inf of {logits.numel():,} values: "
+                f"its weights are corrupt or overflow (`dsv41 convert {where} --verify` scans every tensor)")
+
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        self.check(logits)
         if self.greedy:
             return logits.argmax(dim=-1)
         return self.draw(token_distribution(logits, self.sampling))
@@ -109,7 +129,9 @@ class Sampler:
 
 # ------------------------------------------------------------------------------------------- engine
 class Generator:
-    def __init__(self, model, tokenizer=None):
+    def __init__(self, model, tokenizer=None, source: str | None = None):
+        """`source`: the checkpoint the model came from, named by the error on non-finite logits."""
+        self.source = str(source) if source is not None else None
         self.model = model
         self.args = model.args
         self.tokenizer = tokenizer
@@ -156,7 +178,7 @@ class Generator:
         if max(prompt_ids) >= self.args.vocab_size or min(prompt_ids) < 0:
             raise ValueError(f"the prompt has token ids outside the model's vocabulary of {self.args.vocab_size}: "
                              "the tokenizer does not belong to this checkpoint")
-        sampler = Sampler(config.sampling, self.device)
+        sampler = Sampler(config.sampling, self.device, self.source)
         _reset_peak_memory(self.device)
         t0 = time.perf_counter()
         cache, logits, taps, prefill_stats = self._prompt(prompt_ids, config, images)
@@ -169,6 +191,9 @@ class Generator:
             out, finish, stats = self._autoregressive(cache, logits, config, sampler, budget, on_token)
         _sync(self.device)
         t2 = time.perf_counter()
+        pc = config.prefix_cache if not images else None
+        if pc is not None:  # the conversation so far (prompt and reply): a next turn continued over it hits
+            pc.store(list(prompt_ids) + out, cache)
         return GenerationResult(len(prompt_ids), out, finish, t1 - t0, t2 - t1, _peak_memory(self.device),
                                 cache_bytes_per_token(cache), stats, budget.forced, prefill_stats)
 
@@ -234,8 +259,12 @@ class Generator:
     def _speculative(self, cache, logits, tap_segments, prompt_ids, config, sampler, budget, on_token):
         """Draft S tokens with the drafter, verify them in one target forward, keep the accepted
         prefix plus one token from the target (chain verification). Greedy: accept while the draft
-        equals the target's argmax, so the output is identical to plain greedy decoding. Sampling:
-        standard speculative rejection sampling, so the output distribution is the target's."""
+        equals the argmax of the verification logits, so every emitted token is that argmax. It equals
+        plain greedy decoding's token wherever plain's top-1 margin exceeds twice the logit difference
+        between this k+1-row forward and one-token steps (not zero: row-count-dependent fp32 sums, Top-K
+        ties broken per row length, and the KV this forward writes; docs/generation.md, DSpark;
+        tests/test_dspark_greedy.py). Sampling: standard speculative rejection sampling, so the output
+        distribution is the target's as the verification forward computes it."""
         args, model = self.args, self.model
         S = args.dspark_block_size
         history = list(prompt_ids)
@@ -322,6 +351,7 @@ class Generator:
     def _accept(self, target_logits, draft_logits, drafts, sampler):
         """Chain verification. target_logits [k+1, V]: the target's predictions after the anchor and
         after each draft. Returns (number accepted, the target's next token)."""
+        sampler.check(target_logits)  # the greedy comparisons below take argmaxes outside the sampler
         n = 0
         for i, d in enumerate(drafts):
             if sampler.greedy:

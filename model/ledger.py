@@ -219,6 +219,18 @@ def kv_comparison(args: ModelArgs, baseline: ModelArgs) -> dict:
     }
 
 
+def checkpoint_ledger(args: ModelArgs, inventory=None) -> dict:
+    """Tensors and bytes of the official-layout checkpoint of `args`, in the release's storage dtypes
+    (`model.checkpoint.expected_tensors`: the ViT norm weights BF16): in total and per safetensors
+    dtype, as a tally of the shard headers gives them. V4.1-Flash: 96,085 tensors, 510,286,023,000
+    bytes (BF16 520, F32 387, F8_E4M3 357, F8_E8M0 47,589, I8 47,232)."""
+    from model.checkpoint import inventory_totals, release_dtype, st_name
+
+    entries = [(name, shape, release_dtype(name, st_name(dtype)))
+               for name, shape, dtype in inventory or parameter_inventory(args)]
+    return {"layout": "official", **inventory_totals(entries)}
+
+
 def info(args: ModelArgs, path: str | None = None) -> dict:
     """The document `dsv41 info --json` prints (spec/cli.md)."""
     inventory = parameter_inventory(args)
@@ -230,6 +242,7 @@ def info(args: ModelArgs, path: str | None = None) -> dict:
         "activated": activated_counts(args, inventory),
         "layers": [s.as_json() for s in args.plan.all],
         "kv": kv_ledger(args),
+        "checkpoint": checkpoint_ledger(args, inventory),
     }
     if args.family == "v4.1":  # the report's comparison: V4.1's KV ledger against V4-Flash's
         from model.config import preset

@@ -50,13 +50,25 @@ def hc_coefficients(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
 
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """Input mixing: sum_j pre_j X_j. [B,T,n,d] x [B,T,n] -> [B,T,d] in x's dtype."""
-    return (pre.unsqueeze(-1) * x.float()).sum(dim=-2).to(x.dtype)
+    """Input mixing: sum_j pre_j X_j. [B,T,n,d] x [B,T,n] -> [B,T,d] in x's dtype.
+
+    The sum runs in fp32 in the fixed order j = 0, 1, ..., n-1 (not through a reduction kernel whose
+    order may depend on the CPU's vector width); this is the order ATen's sum used on the golden's CPU,
+    so the result is bit for bit the one `tests/test_fidelity.py` pins (docs/fidelity.md §7)."""
+    xf = x.float()
+    out = pre[..., 0, None] * xf[..., 0, :]
+    for j in range(1, x.size(-2)):
+        out = out + pre[..., j, None] * xf[..., j, :]
+    return out.to(x.dtype)
 
 
 def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """Residual update: X'_k = post_k y + sum_j comb_{jk} X_j (the residual is indexed by comb's first index)."""
-    mixed = (comb.unsqueeze(-1) * residual.float().unsqueeze(-2)).sum(dim=-3)
+    """Residual update: X'_k = post_k y + sum_j comb_{jk} X_j (the residual is indexed by comb's first index).
+    The sum over j runs in fp32 in the fixed order j = 0..n-1, as in `collapse`."""
+    r = residual.float()
+    mixed = comb[..., 0, :, None] * r[..., 0, None, :]
+    for j in range(1, r.size(-2)):
+        mixed = mixed + comb[..., j, :, None] * r[..., j, None, :]
     return (post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(y.dtype)
 
 

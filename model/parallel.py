@@ -4,7 +4,8 @@ launched by torchrun), the way the official inference code runs V4.1 (REF's para
 The split is applied to a built model from the outside: `apply_tensor_parallel(model, rank, world)`
 swaps a few modules for their parallel forms and narrows others in place; no module of the model
 asks how many ranks there are. What each rank holds is exactly what `model.checkpoint.rank_part`
-assigns it (the table `NAME_MAP`), so a rank loads its `model{r}-mp{N}.safetensors` as is:
+assigns it (the table `NAME_MAP`), so a rank loads its `model{r}-mp{N}.safetensors` as is, or
+cuts the same tensors from a checkpoint of any other layout at load (`model.checkpoint.load_rank`):
 
     part of the model              held by rank r of N                       combined by
     embed (and DSpark markov embed) vocabulary rows [r V/N, (r+1) V/N)       all-reduce (one rank has the row)
@@ -530,23 +531,24 @@ def shard_state(full: dict[str, torch.Tensor], args, rank: int, world: int) -> d
 
 
 def load_rank_weights(path: str | os.PathLike, rank: int, world: int) -> dict[str, torch.Tensor]:
-    """What rank `rank` of `world` holds of the checkpoint at `path`: its rank file when the runtime
-    checkpoint was converted with --mp world, split on the fly from an official checkpoint, and for a
-    runtime checkpoint of another mp re-split in memory (each rank then reads the whole model once)."""
-    from model.checkpoint import _read_manifest, detect_layout, load_rank_state, load_state_dict
+    """What rank `rank` of `world` holds of the checkpoint at `path`, from any layout
+    (`model.checkpoint.load_rank_state`: its rank file when the runtime checkpoint was converted with
+    --mp world; otherwise cut from the files, official or runtime of another mp, reading only this
+    rank's slices)."""
+    from model.checkpoint import load_rank_state
 
-    path = Path(path)
-    if detect_layout(path) == "runtime" and _read_manifest(path)["mp"] != world:
-        full, args = load_state_dict(path)
-        return shard_state(full, args, rank, world)
     return load_rank_state(path, rank, world)
 
 
 def load_model_parallel(path: str | os.PathLike, device: str | None = None, ctx: ParallelContext | None = None):
     """(model, args, tokenizer) for this process: the whole model in one process, else this rank's part
     of it (`apply_tensor_parallel` on the meta device, then this rank's tensors). Same contract as
-    `model.checkpoint.load_model`; every rank of a model copy must call it."""
-    from model.checkpoint import check_state_matches, fill_meta_model, load_args, load_model
+    `model.checkpoint.load_model`; every rank of a model copy must call it. Any layout loads under any
+    rank count `check_mp` allows (official, runtime mp 1, runtime mp N; `model.checkpoint.load_rank`);
+    the model is built in the dtypes of the rank's tensors (the runtime layout's: wo_a bf16, which
+    computes what the official FP8 wo_a does, as both are dequantized to bf16 before use)."""
+    from model.checkpoint import (CheckpointError, check_mp, check_state_matches, fill_meta_model, load_args,
+                                  load_model, load_rank)
     from model.tokenizer import load_tokenizer
     from model.transformer import Transformer
 
@@ -555,12 +557,16 @@ def load_model_parallel(path: str | os.PathLike, device: str | None = None, ctx:
     if ctx.tp == 1:
         return load_model(path, device=device)
     path = Path(path)
-    args = load_args(path)
+    try:  # before reading any tensor: every rank gives the one-line error of an impossible split alike
+        check_mp(load_args(path), ctx.tp)
+    except CheckpointError as e:
+        raise CheckpointError(f"the model cannot be split over {ctx.tp} ranks (--nproc-per-node, or DSV41_TP for "
+                              f"model copies): {e}") from None
+    state, args = load_rank(path, ctx.tp_rank, ctx.tp)
     tokenizer = load_tokenizer(path)
     with torch.device("meta"):
         model = Transformer(args, tokenizer=tokenizer)
     apply_tensor_parallel(model, ctx.tp_rank, ctx.tp, ctx.tp_group)
-    state = load_rank_weights(path, ctx.tp_rank, ctx.tp)
     check_state_matches(model, state, f"{path} (rank {ctx.tp_rank} of {ctx.tp}): the rank's tensors")
     return fill_meta_model(model, state, device), args, tokenizer
 

@@ -170,8 +170,7 @@ def test_strided_no_worse_than_disjoint_on_the_trained_model(tmp_path):
     from model.assets import bundled_model_dir
 
     path = bundled_model_dir()
-    if path is None:
-        pytest.skip("the bundled dsv41-tiny checkpoint is not in this tree yet")
+    assert path is not None, "the bundled dsv41-tiny checkpoint is committed: its absence is a defect"
     from model.checkpoint import load_model
 
     model, args, tok = load_model(path)
@@ -212,10 +211,19 @@ def test_directory_corpus_and_several_models(loaded, tmp_path):
     (["{f}", "--baselines", "lz4"], "unknown compressor"),
     (["{f}", "--plot", "{tmp}/fig.gif"], "--plot"),
 ])
-def test_bad_input_exits_2(small_ckpt, tmp_path, args, message):
+@pytest.mark.parametrize("zstd", ["installed", "missing"])
+def test_bad_input_exits_2(small_ckpt, tmp_path, args, message, zstd):
+    """One line on stderr, with or without the `eval` extra: the note that zstd is missing (a default
+    baseline) must not come before the error."""
     f = tmp_path / "t.txt"
     f.write_text("some text")
     args = [a.format(f=f, tmp=tmp_path) for a in args]
-    r = run_cli("bpb", *args, "--model", small_ckpt)
+    env = None
+    if zstd == "missing":  # a module on the path first that fails to import, as if the extra were absent
+        hide = tmp_path / "hide"
+        hide.mkdir()
+        (hide / "zstandard.py").write_text("raise ImportError('zstandard hidden by the test')\n")
+        env = {"PYTHONPATH": f"{hide}{os.pathsep}{ROOT}"}
+    r = run_cli("bpb", *args, "--model", small_ckpt, env_extra=env)
     assert r.returncode == 2 and message in r.stderr and r.stdout == ""
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -1,7 +1,9 @@
-"""ViT RMSNorm weights stored as BF16 (model/checkpoint.py `accepted_dtypes`): S0 declares them fp32, the
-released V4.1-Flash checkpoint stores them as BF16 (its index total_size is 133,120 bytes below an
-all-F32 inventory). Such a checkpoint verifies, loads (widened to F32) with the logits of the F32 one,
-and converts to the runtime layout and back byte for byte; BF16 anywhere else is still refused."""
+"""ViT RMSNorm weights stored as BF16 (model/checkpoint.py `release_dtype`, `accepted_dtypes`): S0 declares
+them fp32, the released V4.1-Flash checkpoint stores them as BF16 (its shard headers: BF16 520, F32 387,
+F8_E4M3 357, F8_E8M0 47,589, I8 47,232 tensors, 510,286,023,000 bytes). The inventory, `save_official` and
+`dsv41 info` use the release's dtypes; a checkpoint storing them F32 (the bundled dsv41-tiny) still
+verifies and loads. Either loads widened to F32 with the same logits, and converts to the runtime layout
+and back byte for byte; BF16 anywhere else is still refused."""
 
 from __future__ import annotations
 
@@ -28,9 +30,24 @@ def vit_args():
     return fixture_args(image_token_id=IMG_ID, vision_min_pixels=28 * 28, vision_max_n_token=40)
 
 
+def store_as(ckpt: Path, names, dtype: torch.dtype) -> None:
+    """Rewrite the shards holding `names` with those tensors in `dtype`, and the index's total_size."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((ckpt / C.INDEX_FILE).read_text())
+    for shard in sorted({index["weight_map"][n] for n in names}):
+        tensors = load_file(ckpt / shard)
+        tensors.update({n: tensors[n].to(dtype) for n in names if n in tensors})
+        save_file(tensors, ckpt / shard, metadata={"format": "pt"})
+    index["metadata"]["total_size"] = sum(e["data_offsets"][1] - e["data_offsets"][0]
+                                          for e in stored(ckpt).values())
+    (ckpt / C.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> dict[str, Path]:
-    """The same model written twice: ViT norms stored F32 (as S0 declares) and BF16 (as released). The
+    """The same model twice: ViT norms stored F32 (as S0 declares them, and as checkpoints written before
+    the writer followed the release are) and BF16 (as released, and as `save_official` writes them). The
     norm values are random but bf16-representable, so both hold exactly the same numbers."""
     from model.transformer import Transformer, init_random_
 
@@ -41,13 +58,11 @@ def pair(tmp_path_factory) -> dict[str, Path]:
     for name in VIT_NORMS:
         state[name] = (1 + 0.3 * torch.randn(state[name].shape, generator=g)).to(torch.bfloat16).float()
     base = tmp_path_factory.mktemp("vit_norms")
-    out = {}
-    for dtype in ("F32", "BF16"):
-        tensors = dict(state)
-        if dtype == "BF16":
-            tensors.update({n: state[n].to(torch.bfloat16) for n in VIT_NORMS})
-        out[dtype] = C.save_official(tensors, args, base / dtype, n_shards=4, tokenizer_dir=_tokenizer_dir(),
-                                     tokenizer_json=_tokenizer_json())
+    out = {"BF16": C.save_official(state, args, base / "BF16", n_shards=4, tokenizer_dir=_tokenizer_dir(),
+                                   tokenizer_json=_tokenizer_json())}
+    out["F32"] = base / "F32"
+    shutil.copytree(out["BF16"], out["F32"])
+    store_as(out["F32"], VIT_NORMS, torch.float32)
     return out
 
 
@@ -71,7 +86,8 @@ def test_the_release_stores_65_vit_norm_vectors_in_bf16():
     expected = C.expected_tensors(preset("v4.1-flash"))
     flexible = {n: s for n, (s, d) in expected.items() if C.accepted_dtypes(n, d) != (d,)}
     assert len(flexible) == 32 * 2 + 1 and all(s == (1024,) for s in flexible.values())
-    assert all(C.accepted_dtypes(n, "F32") == ("F32", "BF16") for n in flexible)
+    assert all(expected[n][1] == "BF16" and C.accepted_dtypes(n, "BF16") == ("BF16", "F32") for n in flexible)
+    assert all(C.accepted_dtypes(n, "F32") == ("BF16", "F32") and C.model_dtype(n, "BF16") == "F32" for n in flexible)
     assert sum(math.prod(s) for s in flexible.values()) * (4 - 2) == 133_120
     # nothing else is loosened: text norms, other vision tensors, F32 tensors of the backbone
     for name in ("norm.weight", "layers.0.attn_norm.weight", "layers.0.attn.attn_sink", "vision.blocks.0.attn.wqkv.bias",
@@ -161,7 +177,7 @@ def restore_shard(src: Path, tensor: str, dtype: torch.dtype) -> Path:
 @pytest.mark.parametrize("tensor, dtype, words", [
     ("layers.0.attn.attn_sink", torch.bfloat16, ["layers.0.attn.attn_sink is BF16", "implies F32"]),
     ("layers.2.ffn.gate.bias", torch.bfloat16, ["layers.2.ffn.gate.bias is BF16", "implies F32"]),
-    ("vision.norm.weight", torch.float16, ["vision.norm.weight is F16", "implies F32 or BF16"]),
+    ("vision.norm.weight", torch.float16, ["vision.norm.weight is F16", "implies BF16 or F32"]),
 ])
 def test_other_dtypes_are_still_refused_with_one_line(pair, tmp_path, capsys, tensor, dtype, words):
     from dsv41_cli.app import main
@@ -189,3 +205,65 @@ def test_save_official_refuses_bf16_outside_the_vit_norms(tmp_path):
     with pytest.raises(C.CheckpointError, match="layers.0.attn.attn_sink is BF16 .*needs F32"):
         C.save_official(state, args, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+# the release's numbers (spec/peers.md: a tally of the V4.1-Flash shard headers)
+RELEASE = {"tensors": 96_085, "bytes": 510_286_023_000,
+           "by_dtype": {"BF16": 520, "F32": 387, "F8_E4M3": 357, "F8_E8M0": 47_589, "I8": 47_232}}
+
+
+def test_the_inventory_matches_the_release_tensor_for_tensor_count_and_byte_for_byte():
+    """From the inventory alone (the model on the meta device, no weights): every dtype's count and the
+    byte total of the released shard headers."""
+    from model.config import preset
+
+    expected = C.expected_tensors(preset("v4.1-flash"))
+    totals = C.inventory_totals((n, s, d) for n, (s, d) in expected.items())
+    assert totals["tensors"] == RELEASE["tensors"] and totals["bytes"] == RELEASE["bytes"]
+    assert {k: v["tensors"] for k, v in totals["by_dtype"].items()} == RELEASE["by_dtype"]
+    assert sum(v["bytes"] for v in totals["by_dtype"].values()) == RELEASE["bytes"]
+
+
+def test_info_json_reports_the_release_numbers(capsys):
+    from dsv41_cli.app import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["info", "--config", "v4.1-flash", "--json"])
+    assert exit_info.value.code == 0
+    ck = json.loads(capsys.readouterr().out)["checkpoint"]
+    assert ck["layout"] == "official"
+    assert (ck["tensors"], ck["bytes"]) == (RELEASE["tensors"], RELEASE["bytes"])
+    assert {k: v["tensors"] for k, v in ck["by_dtype"].items()} == RELEASE["by_dtype"]
+
+
+def test_the_writer_stores_vit_norms_as_released(tmp_path):
+    """F32 norms that BF16 holds exactly are written BF16 (as released); F32 values BF16 would round stay
+    F32 (lossless); either way the checkpoint verifies and loads them back exactly, as F32."""
+    from model.transformer import Transformer, init_random_
+
+    args = vit_args()
+    state = init_random_(Transformer(args), seed=1).state_dict()
+    exact = {n: (1 + 0.25 * torch.arange(state[n].numel()) / state[n].numel()).to(torch.bfloat16).float()
+             for n in VIT_NORMS}
+    rounded = dict(exact, **{"vision.norm.weight": exact["vision.norm.weight"] + 2.0 ** -12})
+    for label, norms, want in (("exact", exact, "BF16"), ("rounded", rounded, None)):
+        dst = C.save_official({**state, **norms}, args, tmp_path / label)
+        entries = stored(dst)
+        for name in VIT_NORMS:
+            dtype = want or ("F32" if name == "vision.norm.weight" else "BF16")
+            assert entries[name]["dtype"] == dtype, (label, name)
+        loaded, _ = C.load_state_dict(dst)
+        for name in VIT_NORMS:
+            assert loaded[name].dtype == torch.float32 and torch.equal(loaded[name], norms[name]), (label, name)
+
+
+def test_the_bundled_checkpoint_with_f32_vit_norms_still_loads():
+    from model.assets import bundled_model_dir
+
+    path = bundled_model_dir()
+    assert path is not None, "the bundled dsv41-tiny checkpoint is committed: its absence is a defect"
+    entries = stored(path)
+    norms = [n for n in entries if C.model_dtype(n, "BF16") == "F32" and C.accepted_dtypes(n, "BF16") != ("BF16",)]
+    assert norms and all(entries[n]["dtype"] in ("F32", "BF16") for n in norms)
+    state, _ = C.load_state_dict(path)
+    assert all(state[n].dtype == torch.float32 for n in norms)

@@ -3,16 +3,51 @@
 tests/fixtures/s0_tiny holds a tiny random checkpoint in the official layout and the numbers S0
 produced on it (docs/fidelity.md says how they were made; no S0 code is in this repository). Every
 layer mode occurs, Top-K is smaller than the visible entries, the candidate pool smaller than the
-blocks, and sequence A has exact bf16 ties at the Top-K boundary. With REF's numerics (bf16 index
-scores, the sparse-attention kernel's bf16 probabilities, FP8/FP4 GEMMs) our forward reproduces S0's
-logits bit for bit; the tolerances below only allow for a different BLAS summation order."""
+blocks, and sequence A has exact bf16 ties at the Top-K boundary.
+
+On the CPU flavour that made the golden (AVX-512 with oneDNN's bf16 paths, MKL's AVX-512 sgemm) our
+forward reproduces every recorded tensor bit for bit. Other x86-64 CPUs sum fp32 GEMMs (MKL's sgemm
+kernel, oneDNN's bf16 GEMMs) and ATen reductions in another order: the hc coefficients move by ~1e-7,
+a bf16 residual flips by one step, an FP4 cache entry or a near-tied Top-K / routing decision flips
+further down, and from there logits move by 0.1-1. The official code does exactly the same: rebuilt out of
+tree and run under emulated AVX2 / non-bf16 flavours, S0 drifts from its own golden exactly as our forward
+does (the two stay bit-identical to each other in every flavour). So the checks come in tiers set from
+that measured spread (docs/fidelity.md §7; tests/fixtures/s0_tiny/spread.json):
+
+* **bit-exact on every CPU**: Engram hashes (integer arithmetic); the embedding that enters layer 0;
+  discrete decisions computed from S0's own inputs on rows whose margin exceeds the measured noise
+  (Top-K rows with a relative boundary gap >= 1 %, routes with a biased-score gap >= 1e-3); the set
+  of invisible (-inf) index scores.
+* **component tier** (each sub-layer fed S0's recorded inputs, S0's decisions and S0's upstream
+  sub-layer outputs, so only that sub-layer's own arithmetic is compared): bf16 outputs within
+  2 bf16 steps of the tensor's scale with at most 2 % of the elements not bit-identical; fp32 hc
+  coefficients within 1e-3, router weights within 1e-4, the head within 1e-4.
+* **end-to-end tier**: full prefills compared over each sequence's robust prefix (the positions before
+  the first near-tied Top-K or routing decision), logits within 2e-2 and argmaxes equal where S0's
+  top-1 margin exceeds twice that; decode must still tell the `ref` quirk from `fixed`.
+* **same-flavour**: where this CPU reproduces S0's prefill of A bit for bit (it sums like the golden's
+  CPU), everything, decode included, must be bit-identical.
+"""
 
 from pathlib import Path
 
 import pytest
 import torch
 
+from model import mhc
+
 FIXTURE = Path(__file__).parent / "fixtures" / "s0_tiny"
+INDEX_LAYERS = (2, 4, 6, 8)
+KV_LAYERS = (2, 4, 6)
+
+# tiers; the measured spreads behind them are in docs/fidelity.md §7
+TOPK_GAP = 0.01  # relative Top-K boundary gap (bf16 scores: one step is 2^-8 = 0.0039)
+ROUTE_GAP = 1e-3  # gap between the k-th and (k+1)-th biased router score (measured noise <= 2e-7)
+BF16_STEPS = 2 ** -7  # component tier: |d| <= 2 bf16 steps of the tensor's largest value ...
+BF16_FRACTION = 0.02  # ... on at most 2 % of the elements (measured <= 0.5 %)
+PRE_ATOL, ROUTE_W_ATOL, HEAD_ATOL = 1e-3, 1e-4, 1e-4
+LOGITS_ATOL = 2e-2  # end-to-end, robust prefix only (measured <= 1.2e-7; one decision flip: 0.1-1)
+DECODE_RATIO = 0.5  # decode: distance to the own mode's golden against the other mode's
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +63,118 @@ def tokens(golden, name):
     return golden[f"{name}.tokens"].view(1, -1)
 
 
-@pytest.mark.parametrize("name", ["A", "B", "C"])
-def test_prefill_logits_match_the_official_code(s0, name):
+def component_run(model, golden, name):
+    """Every block fed S0's recorded input (`layer{i-1}.x_out`, or `engram_out` at the Engram layers) and
+    `pre`; inside it, the Top-K, candidate pool, routes and each sub-layer's output replaced by S0's after
+    ours was recorded. Returns our tensors under golden.pt's key names (plus `route_gap`)."""
+    from model.transformer import SharedState
+
+    g = lambda key: golden[f"{name}.{key}"]  # noqa: E731
+    ids = tokens(golden, name)
+    rows, _ = model.hasher(ids)
+    cache, shared, rec, undo = model.new_cache(1), SharedState(), {}, []
+
+    def patch(module, forward):
+        module.forward = forward
+        undo.append(module)
+
+    for i, block in enumerate(model.layers):
+        gate, attn, ffn, indexer = block.ffn.gate, block.attn, block.ffn, block.attn.indexer
+
+        def gate_fw(x, image_mask=None, i=i, gate=gate, orig=gate.forward):
+            w, idx = orig(x, image_mask)
+            assert gate.score_func == "sqrtsoftplus"  # the fixture's router, re-scored below for its margin
+            biased = torch.nn.functional.linear(x.float(), gate.weight.float()) / gate.gate_temp
+            biased = torch.nn.functional.softplus(biased).sqrt() + gate.bias
+            top = biased.topk(gate.topk + 1, dim=-1).values
+            rec[f"layer{i}.route_idx"], rec[f"layer{i}.route_w"] = idx, w
+            rec[f"layer{i}.route_gap"] = top[:, -2] - top[:, -1]
+            return g(f"layer{i}.route_w"), g(f"layer{i}.route_idx")
+
+        def attn_fw(*a, i=i, orig=attn.forward):
+            rec[f"layer{i}.attn_out"] = orig(*a)[0]
+            return g(f"layer{i}.attn_out")[None]
+
+        def ffn_fw(*a, i=i, orig=ffn.forward):
+            rec[f"layer{i}.ffn_out"] = orig(*a)[0]
+            return g(f"layer{i}.ffn_out")[None]
+
+        patch(gate, gate_fw), patch(attn, attn_fw), patch(ffn, ffn_fw)
+        if indexer is not None:
+            def index_fw(x, qr, keys, freqs, start_pos, shared, i=i, orig=indexer.forward):
+                top, scores = orig(x, qr, keys, freqs, start_pos, shared)
+                rec[f"layer{i}.topk"], rec[f"layer{i}.index_score"] = top[0], scores[0]
+                if i == 6:
+                    rec["layer6.candidates"] = shared.candidates[0]
+                    shared.candidates = g("layer6.candidates")[None]
+                return g(f"layer{i}.topk").long()[None], scores
+
+            patch(indexer, index_fw)
+    try:
+        with torch.inference_mode():
+            for i, block in enumerate(model.layers):
+                x = g("layer0.x_in") if i == 0 else g(f"layer{i - 1}.x_out")
+                pre = mhc.identity_pre(x[None]) if i == 0 else g(f"layer{i - 1}.pre_out")[None]
+                if block.engram is not None:
+                    rec[f"layer{i}.engram_out"] = block.engram(x[None], rows[:, :, block.spec.engram], None)[0]
+                    x = g(f"layer{i}.engram_out")
+                x_out, pre_out = block(x[None], pre, 0, cache, shared)
+                rec[f"layer{i}.x_out"], rec[f"layer{i}.pre_out"] = x_out[0], pre_out[0]
+                if block.spec.owns_kv:
+                    rec[f"layer{i}.compress_kv"] = cache.compressed(i)[0].to(torch.bfloat16)
+                    rec[f"layer{i}.index_k"] = cache.index_keys_for(i)[0].to(torch.bfloat16)
+            u = mhc.collapse(g("layer9.x_out")[None], g("layer9.pre_out")[None])
+            rec["logits_all"] = model.head(model.norm(u))[0]
+    finally:
+        for module in undo:
+            del module.forward
+    return rec
+
+
+@pytest.fixture(scope="module")
+def components(s0):
+    model, golden = s0
+    return {name: component_run(model, golden, name) for name in "ABC"}
+
+
+def assert_bf16_tier(ours, ref, what):
+    """Component tier for a bf16 tensor: within 2 bf16 steps of its largest value, and at most 2 % of the
+    elements not bit-identical (a scale of 1.01 or a wrong sign moves nearly all of them)."""
+    ours, ref = ours.float(), ref.float()
+    finite = torch.isfinite(ref)
+    assert torch.equal(finite, torch.isfinite(ours)), f"{what}: -inf pattern differs"
+    d = (ours[finite] - ref[finite]).abs()
+    bound = BF16_STEPS * ref[finite].abs().max().item()
+    assert d.max().item() <= bound, f"{what}: max |d| {d.max().item():.3g} > {bound:.3g}"
+    frac = (d > 0).float().mean().item()
+    assert frac <= BF16_FRACTION, f"{what}: {frac:.1%} of the elements differ"
+
+
+def topk_robust_rows(golden, name, layer):
+    gap = golden[f"{name}.layer{layer}.topk_boundary_gap"].float()
+    return ~golden[f"{name}.layer{layer}.topk_tie_at_boundary"] & (gap >= TOPK_GAP)
+
+
+def robust_prefix(golden, components, name):
+    """The positions before S0's first near-tied decision of this sequence (Top-K at any index layer, or
+    routing at any layer, the router's margin taken from S0's own inputs)."""
+    S = golden[f"{name}.tokens"].numel()
+    shaky = torch.zeros(S, dtype=torch.bool)
+    for layer in INDEX_LAYERS:
+        shaky |= ~topk_robust_rows(golden, name, layer)
+    for layer in range(10):
+        shaky |= components[name][f"layer{layer}.route_gap"] < ROUTE_GAP
+    return int(shaky.nonzero()[0]) if shaky.any() else S
+
+
+def same_flavour(s0):
+    """True where this CPU reproduces S0's prefill of A bit for bit (it sums like the golden's CPU)."""
     model, golden = s0
     with torch.inference_mode():
-        logits = model(tokens(golden, name), all_logits=True)[0]
-    ref = golden[f"{name}.logits_all"]
-    assert torch.equal(logits.argmax(-1), ref.argmax(-1))
-    assert (logits - ref).abs().max() < 1e-3  # measured: 0 (bit-identical) on the development machine
+        return torch.equal(model(tokens(golden, "A"), all_logits=True)[0], golden["A.logits_all"])
 
 
+# ------------------------------------------------------------------------------ bit-exact on every CPU
 def test_engram_hashes_match(s0):
     model, golden = s0
     for name in "ABC":
@@ -45,26 +182,115 @@ def test_engram_hashes_match(s0):
         assert torch.equal(rows[0], golden[f"{name}.engram_hash"])
 
 
-def test_compressed_caches_match(s0):
+def test_embedding_matches(s0):
+    model, golden = s0
+    for name in "ABC":
+        x = model.embed(tokens(golden, name))[0]
+        assert torch.equal(x.unsqueeze(1).expand(-1, 4, -1), golden[f"{name}.layer0.x_in"])
+
+
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_decisions_from_s0_inputs(s0, components, name):
+    """Top-K and routing computed from S0's own inputs agree exactly wherever S0's margin exceeds the tier."""
+    model, golden = s0
+    ours = components[name]
+    for layer in INDEX_LAYERS:
+        rows = topk_robust_rows(golden, name, layer)
+        assert rows.float().mean() > 0.5  # the check must cover most rows
+        assert torch.equal(ours[f"layer{layer}.topk"][rows], golden[f"{name}.layer{layer}.topk"].long()[rows]), layer
+    for layer in range(10):
+        rows = ours[f"layer{layer}.route_gap"] >= ROUTE_GAP
+        assert torch.equal(ours[f"layer{layer}.route_idx"][rows].sort(-1).values,
+                           golden[f"{name}.layer{layer}.route_idx"][rows].sort(-1).values), layer
+        w, ref = ours[f"layer{layer}.route_w"][rows], golden[f"{name}.layer{layer}.route_w"][rows]
+        assert (w - ref).abs().max() <= ROUTE_W_ATOL, layer
+
+
+# ------------------------------------------------------------------------------ component tier
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_components_from_s0_inputs(s0, components, name):
+    """Each sub-layer fed S0's inputs and S0's decisions: attention, Engram, MoE, mHC, compressor and
+    indexer arithmetic within the component tier; the head from S0's final residual within 1e-4."""
+    model, golden = s0
+    ours = components[name]
+    for layer in range(10):
+        for key in ("attn_out", "ffn_out", "x_out") + (("engram_out",) if layer in (1, 4) else ()):
+            what = f"{name}.layer{layer}.{key}"
+            assert_bf16_tier(ours[f"layer{layer}.{key}"], golden[what], what)
+        d = (ours[f"layer{layer}.pre_out"] - golden[f"{name}.layer{layer}.pre_out"]).abs().max()
+        assert d <= PRE_ATOL, f"{name}.layer{layer}.pre_out: {d:.3g}"
+    for layer in KV_LAYERS:
+        for key in ("compress_kv", "index_k"):
+            what = f"{name}.layer{layer}.{key}"
+            assert_bf16_tier(ours[f"layer{layer}.{key}"], golden[what], what)
+    for layer in INDEX_LAYERS:
+        assert_bf16_tier(ours[f"layer{layer}.index_score"], golden[f"{name}.layer{layer}.index_score"],
+                         f"{name}.layer{layer}.index_score")
+    assert (ours["logits_all"] - golden[f"{name}.logits_all"]).abs().max() <= HEAD_ATOL
+
+
+# ------------------------------------------------------------------------------ end-to-end tier
+@pytest.mark.parametrize("name,prefix", [("A", 20), ("B", 15), ("C", 12)])
+def test_prefill_logits_over_the_robust_prefix(s0, components, name, prefix):
+    model, golden = s0
+    assert robust_prefix(golden, components, name) == prefix  # docs/fidelity.md §7 records these
+    with torch.inference_mode():
+        logits = model(tokens(golden, name), all_logits=True)[0][:prefix]
+    ref = golden[f"{name}.logits_all"][:prefix]
+    assert (logits - ref).abs().max() <= LOGITS_ATOL
+    top2 = ref.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * LOGITS_ATOL
+    assert torch.equal(logits.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+def decode_steps(model, golden, seq, quirk):
+    with torch.inference_mode():
+        if seq == "decodeA":
+            ids = tokens(golden, "A")
+            cache = model.new_cache(1, ref_index_quirk=quirk)
+            model(ids[:, :64], cache=cache)
+            return torch.stack([model(ids[:, t:t + 1], start_pos=t, cache=cache)[0] for t in range(64, 80)])
+        fed = golden[f"greedyB.{'ref' if quirk else 'fixed'}.fed_tokens"]
+        cache = model.new_cache(1, ref_index_quirk=quirk)
+        model(tokens(golden, "B"), cache=cache)
+        return torch.stack([model(fed[t].view(1, 1), start_pos=37 + t, cache=cache)[0] for t in range(8)])
+
+
+@pytest.mark.parametrize("seq", ["decodeA", "greedyB"])
+@pytest.mark.parametrize("quirk,key,other", [(False, "fixed", "ref"), (True, "ref", "fixed")])
+def test_decode_steps_match(s0, seq, quirk, key, other):
+    """`ref` is S0 as released (its decode-time indexer quirk reproduced by ref_index_quirk=True); `fixed`
+    is S0 with the quirk fixed, our default. decodeA prefills A[:64], then feeds A[64..79]; greedyB
+    prefills B and feeds S0's greedy tokens. Both start past their sequence's robust prefix, so on another
+    CPU a near-tied prefill decision may already have flipped: there each mode must stay clearly closer to
+    its own golden than to the other mode's, over the steps where the quirk shows (squared per-step max |d|
+    at most half; measured <= 0.26), and so must the first step of decodeA, where both modes share the
+    prefill (measured <= 0.23). On the golden's CPU flavour: bit for bit."""
+    model, golden = s0
+    steps = decode_steps(model, golden, seq, quirk)
+    ref, alt = golden[f"{seq}.{key}.step_logits"], golden[f"{seq}.{other}.step_logits"]
+    shows = (ref - alt).abs().amax(-1) > 4 * LOGITS_ATOL  # steps where the quirk changes the logits
+    assert shows.sum() >= 7
+    same, cross = (steps - ref).abs().amax(-1), (steps - alt).abs().amax(-1)
+    assert same[shows].square().sum() <= DECODE_RATIO * cross[shows].square().sum(), (same, cross)
+    if seq == "decodeA":
+        assert same[0] <= DECODE_RATIO * cross[0], (same[0], cross[0])
+    if same_flavour(s0):
+        assert torch.equal(steps, ref)
+
+
+# ------------------------------------------------------------------------------ same CPU flavour
+def test_bit_identical_on_the_golden_cpu_flavour(s0):
+    """Where this CPU sums like the golden's (A's prefill reproduced bit for bit), every sequence's logits
+    and every published cache must be bit-identical too; elsewhere the tiers above apply."""
+    if not same_flavour(s0):
+        pytest.skip("this CPU sums fp32/bf16 GEMMs in another order than the golden's; tiers apply")
     model, golden = s0
     with torch.inference_mode():
+        for name in "BC":
+            assert torch.equal(model(tokens(golden, name), all_logits=True)[0], golden[f"{name}.logits_all"])
         cache = model.new_cache(1)
         model(tokens(golden, "A"), cache=cache)
-    for layer in (2, 4, 6):
+    for layer in KV_LAYERS:
         assert torch.equal(cache.compressed(layer)[0].to(torch.bfloat16), golden[f"A.layer{layer}.compress_kv"])
         assert torch.equal(cache.index_keys_for(layer)[0].to(torch.bfloat16), golden[f"A.layer{layer}.index_k"])
-
-
-@pytest.mark.parametrize("quirk,key", [(False, "fixed"), (True, "ref")])
-def test_decode_steps_match(s0, quirk, key):
-    """Prefill 64 tokens of A, then 16 one-token steps. `ref` is S0 as released (its decode-time
-    indexer quirk reproduced by ref_index_quirk=True); `fixed` is S0 with the quirk fixed, our default."""
-    model, golden = s0
-    ids = tokens(golden, "A")
-    with torch.inference_mode():
-        cache = model.new_cache(1, ref_index_quirk=quirk)
-        model(ids[:, :64], cache=cache)
-        steps = torch.stack([model(ids[:, t:t + 1], start_pos=t, cache=cache)[0] for t in range(64, 80)])
-    ref = golden[f"decodeA.{key}.step_logits"]
-    assert torch.equal(steps.argmax(-1), ref.argmax(-1))
-    assert (steps - ref).abs().max() < 1e-3

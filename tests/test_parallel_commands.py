@@ -1,10 +1,11 @@
 """`dsv41 eval`, `dsv41 bpb` and `dsv41 quantize-kv` under torchrun (two gloo processes on the CPU)
-against one process: the model split over both ranks (tensor parallelism, the --mp 2 checkpoint),
-and two model copies of one rank each (DSV41_TP=1, data parallelism).
+against one process: the model split over both ranks (tensor parallelism), loaded from the --mp 2
+checkpoint and from the official checkpoint with no convert step, and two model copies of one rank
+each (DSV41_TP=1, data parallelism).
 
-One torchrun launch per layout runs all three commands (this file run as a script: each rank calls
-the CLI's `main` once per command, with its stdout sent to a file of its own), which keeps the
-process start-ups, the slow part on a small machine, to two. The one-process reference runs the same
+One torchrun launch per way of running runs all three commands on each of its layouts (this file run
+as a script: each rank calls the CLI's `main` once per command, with its stdout sent to a file of its
+own), which keeps the process start-ups, the slow part on a small machine, to two. The one-process reference runs the same
 command lines in the test process.
 
 Everything runs offline: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are set and HF_HOME is a temporary
@@ -196,8 +197,13 @@ def one_process(small_checkpoint, inputs, tmp_path_factory) -> tuple[Path, dict]
     return out, {name: json.loads((out / f"{name}.rank0.out").read_text()) for name in codes}
 
 
-def launch(model: Path, inputs: Path, out: Path, env: dict | None = None) -> dict:
-    commands = command_lines(model, inputs, out)
+def launch(model: Path | dict[str, Path], inputs: Path, out: Path, env: dict | None = None) -> dict:
+    """The three commands on `model` in one torchrun launch: {command: rank 0's document}. With a dict
+    {layout: checkpoint} every layout's commands run in that one launch (the start-up paid once), and the
+    result is {layout: {command: document}}; layout L's files go to out/L."""
+    layouts = model if isinstance(model, dict) else {"": model}
+    commands = {f"{name}@{layout}" if layout else name: argv for layout, path in layouts.items()
+                for name, argv in command_lines(path, inputs, out / layout).items()}
     (out / "commands.json").write_text(json.dumps(commands))
     r = torchrun(2, str(Path(__file__)), str(out / "commands.json"), str(out), env=env)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -205,20 +211,30 @@ def launch(model: Path, inputs: Path, out: Path, env: dict | None = None) -> dic
         assert json.loads((out / f"rank{rank}.codes.json").read_text()) == {name: 0 for name in commands}, r.stderr[-4000:]
         for name in commands:  # rank 0 alone prints (and writes --output files)
             assert ((out / f"{name}.rank{rank}.out").read_text() != "") == (rank == 0), (name, rank)
-    return {name: json.loads((out / f"{name}.rank0.out").read_text()) for name in commands}
+    docs = {name: json.loads((out / f"{name}.rank0.out").read_text()) for name in commands}
+    if not isinstance(model, dict):
+        return docs
+    return {layout: {name: docs[f"{name}@{layout}"] for name in ("eval", "bpb", "quantize-kv")} for layout in layouts}
 
 
 # ---------------------------------------------------------------------------------- tests
-def test_commands_on_a_model_split_over_two_ranks_match_one_process(split_checkpoint, inputs, one_process, tmp_path):
-    """Tensor parallelism: both ranks run every forward of the --mp 2 checkpoint together; the sums
-    of the split matmuls are ordered differently, hence a float tolerance."""
+def test_commands_on_a_model_split_over_two_ranks_match_one_process(small_checkpoint, split_checkpoint, inputs,
+                                                                     one_process, tmp_path):
+    """Tensor parallelism: both ranks run every forward together, from the --mp 2 checkpoint (each rank
+    maps its own file) and from the official checkpoint itself (each rank cuts its part at load, no
+    convert step), both layouts in one launch. The sums of the split matmuls are ordered differently,
+    hence a float tolerance."""
     ref_dir, ref = one_process
-    got = launch(split_checkpoint, inputs, tmp_path)
-    assert got["eval"]["config"]["parallel"] == {"world": 2, "tp": 2, "model_copies": 1}
+    results = launch({"mp2": split_checkpoint, "official": small_checkpoint}, inputs, tmp_path)
     tol = {"rel": 1e-4, "abs": 1e-3}  # as tests/test_parallel.py's log-likelihoods
-    assert_same_eval(got["eval"], ref["eval"], tmp_path / "eval", ref_dir / "eval", tol)
-    assert_same_bpb(got["bpb"], ref["bpb"], tol)
-    assert_same_quantize_kv(got["quantize-kv"], ref["quantize-kv"], tol)
+    for layout, got in results.items():
+        assert got["eval"]["config"]["parallel"] == {"world": 2, "tp": 2, "model_copies": 1}, layout
+        assert_same_eval(got["eval"], ref["eval"], tmp_path / layout / "eval", ref_dir / "eval", tol)
+        assert_same_bpb(got["bpb"], ref["bpb"], tol)
+        assert_same_quantize_kv(got["quantize-kv"], ref["quantize-kv"], tol)
+    # the two layouts give each rank the same bytes (tests/test_torchrun_layouts.py), hence the same numbers
+    assert results["official"]["bpb"]["models"][0]["overall_bpb"] == results["mp2"]["bpb"]["models"][0]["overall_bpb"]
+    assert results["official"]["quantize-kv"]["formats"] == results["mp2"]["quantize-kv"]["formats"]
 
 
 def test_commands_on_two_model_copies_match_one_process(small_checkpoint, inputs, one_process, tmp_path):

@@ -36,10 +36,6 @@ def command(
     for b in wanted:
         if b not in bpb.COMPRESSORS:
             fail(f"--baselines: unknown compressor {b!r} (known: {', '.join(bpb.COMPRESSORS)})")
-    unavailable = [b for b in wanted if not bpb.compressor_available(b)]
-    if unavailable:
-        note(f"[yellow]note:[/] {', '.join(unavailable)} not installed (pip install zstandard); left out", markup=True)
-    wanted = [b for b in wanted if b not in unavailable]
     if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
         fail(f"--plot {plot}: use a .png, .svg or .pdf file name")
     corpora = []
@@ -49,11 +45,15 @@ def command(
         except bpb.CorpusError as e:
             fail(str(e))
     bpb.unique_names(corpora)
+    model_dirs = [resolve_model_dir(m) for m in (models or [None])]
+    # notes only once the input is known good: a bad-input error stays the one line on stderr
+    unavailable = [b for b in wanted if not bpb.compressor_available(b)]
+    if unavailable:
+        note(f"[yellow]note:[/] {', '.join(unavailable)} not installed (pip install zstandard); left out", markup=True)
+    wanted = [b for b in wanted if b not in unavailable]
     for c in corpora:
         if c.skipped:
             note(f"[yellow]note:[/] {c.name}: skipped {len(c.skipped)} file(s) that are not UTF-8 text", markup=True)
-
-    model_dirs = [resolve_model_dir(m) for m in (models or [None])]
     specs, seen = [], {}
     for d in model_dirs:
         name = d.name

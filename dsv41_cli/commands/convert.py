@@ -13,17 +13,22 @@ from dsv41_cli.console import EXIT_INTERNAL, err, fail, out, print_json
 
 def command(
     src: str = typer.Argument(..., help="Checkpoint directory to convert (official or runtime layout)."),
-    dst: str = typer.Argument(..., help="Output directory; must not exist. Written atomically."),
+    dst: Optional[str] = typer.Argument(None, help="Output directory; must not exist. Written atomically. "
+                                        "Optional with --verify."),
     mp: Optional[int] = typer.Option(None, "--mp", help="Model-parallel ranks of the runtime layout (default 1)."),
     expert_dtype: Optional[str] = typer.Option(
         None, "--expert-dtype", help="Routed experts in the runtime layout: fp4|fp8|bf16 (default fp4)."),
     to: str = typer.Option("runtime", "--to", help="runtime|official"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Verify SRC and print the plan; write nothing."),
     resume: bool = typer.Option(False, "--resume", help="Reuse the verified files of an interrupted conversion."),
+    verify: bool = typer.Option(False, "--verify", help="Also read every tensor of SRC: no NaN/inf, no NaN codes "
+                                "(and the runtime layout's sha256s). Without DST: verify only."),
     as_json: bool = JsonOpt,
 ):
-    from model.checkpoint import EXPERT_DTYPES, CheckpointError, convert, partial_dir
+    from model.checkpoint import EXPERT_DTYPES, CheckpointError, convert, partial_dir, verify_checkpoint
 
+    if dst is None and not verify:
+        fail("missing DST: give an output directory (or --verify to only verify SRC)")
     if to not in ("runtime", "official"):
         fail(f"--to must be runtime or official, not {to!r}")
     if to == "official" and (mp is not None or expert_dtype is not None):
@@ -33,6 +38,21 @@ def command(
     if mp is not None and mp < 1:
         fail(f"--mp must be at least 1, not {mp}")
     started = time.perf_counter()
+    if verify:
+        try:
+            checked = verify_checkpoint(src, None if as_json else BarProgress("verifying"))
+        except CheckpointError as e:
+            fail(f"{src}: {e}" if str(src) not in str(e) else str(e))
+        checked["seconds"] = round(time.perf_counter() - started, 3)
+        if dst is None:
+            if as_json:
+                print_json(checked)
+            else:
+                out.print(f"verified {checked['src']} ({checked['layout']} layout): {checked['tensors']:,} tensors, "
+                          f"{checked['bytes'] / 1e9:,.3f} GB, every value in format"
+                          + (", sha256 of every file as recorded" if checked["checksums"] else "")
+                          + f" ({checked['seconds']:.1f} s)")
+            return
     progress = None if (dry_run or as_json) else BarProgress()
     try:
         result = convert(src, dst, to=to, mp=mp or 1, expert_dtype=expert_dtype or "fp4", dry_run=dry_run,
@@ -44,6 +64,8 @@ def command(
 
         fail(f"{e}; finished files are kept in {partial_dir(Path(dst))}, rerun with --resume", code=EXIT_INTERNAL)
     result["seconds"] = round(time.perf_counter() - started, 3)
+    if verify:
+        result["verified"] = checked
     if as_json:
         print_json(result)
     elif dry_run:
@@ -89,14 +111,15 @@ class JsonProgress:
 class BarProgress(JsonProgress):
     """A rich progress bar on stderr: bytes written, tensors, speed, ETA."""
 
-    def __init__(self):
+    def __init__(self, label: str = "converting"):
         self.bar = None
+        self.label = label
 
     def start(self, total_bytes, total_tensors):
         from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                    TransferSpeedColumn)
 
-        self.bar = Progress(TextColumn("converting"), BarColumn(), DownloadColumn(),
+        self.bar = Progress(TextColumn(self.label), BarColumn(), DownloadColumn(),
                             TextColumn("{task.fields[tensors]:,}/{task.fields[total_tensors]:,} tensors"),
                             TransferSpeedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                             console=err, transient=False)

@@ -115,7 +115,7 @@ def command(
     net, args, tokenizer = load_on_ranks(model_dir, ctx)  # this rank's part of the model
     if use_dspark and not args.dspark_enabled:
         fail(f"--dspark: the checkpoint at {model_dir} has no DSpark drafter")
-    engine = Generator(net, tokenizer)
+    engine = Generator(net, tokenizer, source=model_dir)  # named by the non-finite-logits error
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature, top_p, ctx.same_seed(seed)),
         stop_ids=(tokenizer.eos_id,), prefill_chunk=prefill_chunk, dspark=use_dspark,
@@ -220,12 +220,15 @@ class _Stream:
             out.print()
 
 
-def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool, images: list | None = None) -> dict:
+def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool, images: list | None = None,
+            prompt_ids: list[int] | None = None) -> dict:
     """Generate for one encoded prompt; stream to the terminal or stay quiet; return the JSON document.
-    `images`: the image records of the prompt's placeholders (each expands to its image's span)."""
+    `images`: the image records of the prompt's placeholders (each expands to its image's span).
+    `prompt_ids`: the prompt's token ids when the caller has them (a conversation continued over the ids
+    already generated); else `prompt_text` is tokenized."""
     from model.encoding import parse_completion
 
-    ids = tokenizer.encode(prompt_text, allow_special=True)
+    ids = list(prompt_ids) if prompt_ids is not None else tokenizer.encode(prompt_text, allow_special=True)
     inputs = None
     if images or engine.args.image_token_id in ids:
         from model.encoding import IMAGE_PLACEHOLDER
@@ -297,6 +300,9 @@ def _interactive(engine, tokenizer, config, mode, effort, system, tools, images=
 
     ctx = ctx or current()
     history: list[dict] = []
+    # The conversation's token ids as the cache holds them after the last turn (prompts and generated ids),
+    # or None: then the next prompt is the whole conversation, rendered again.
+    cached_ids: list[int] | None = None
     pending_images = list(images or [])  # --image goes with the first message
     base = _turn("", system, tools)[:-1]  # the system message (and tools), if any
     if ctx.is_main:
@@ -309,7 +315,7 @@ def _interactive(engine, tokenizer, config, mode, effort, system, tools, images=
         if line.strip() == "/exit":
             break
         if line.strip() == "/clear":
-            history = []
+            history, cached_ids = [], None
             continue
         if not line.strip():
             continue
@@ -324,14 +330,33 @@ def _interactive(engine, tokenizer, config, mode, effort, system, tools, images=
         history.append({"role": "user", "content": parsed})
         try:
             prompt, records = encoding.encode_messages_with_images(base + history, mode=mode, effort=effort)
+            prompt_ids = None
+            if cached_ids is not None and not records:
+                # Continue over what the cache holds: only the new turn, rendered after its context (no BOS,
+                # no effort line). In thinking mode the model keeps its earlier reasoning, which the whole
+                # rendering would drop (docs/generation.md).
+                prompt = encoding.encode_messages(history[-1:], mode=mode, effort=effort, context=base + history[:-1])
+                prompt_ids = cached_ids + tokenizer.encode(prompt, allow_special=True)
         except ValueError as e:
             history.pop()
             err.print(f"[red]error:[/] {e}", markup=True)
             continue
-        doc = run_one(engine, tokenizer, config, prompt, mode, stream=ctx.is_main, images=records)
+        continued = prompt_ids is not None
+        if prompt_ids is None and not records:
+            prompt_ids = tokenizer.encode(prompt, allow_special=True)
+        doc = run_one(engine, tokenizer, config, prompt, mode, stream=ctx.is_main, images=records, prompt_ids=prompt_ids)
         reply = {"role": "assistant", "content": doc["content"]}
         if doc["reasoning"]:
             reply["reasoning_content"] = doc["reasoning"]
         if doc["tool_calls"]:
             reply["tool_calls"] = doc["tool_calls"]
         history.append(reply)
+        # The next turn continues over these ids only if this turn is exactly the official rendering of the
+        # new user message and the reply after their context (not after a cut or malformed reply, whose
+        # history entry differs from what the model wrote, and never with images).
+        cached_ids = None
+        if not records:
+            turn = (encoding.encode_messages(history[-2:], mode=mode, effort=effort, context=base + history[:-2])
+                    if continued else encoding.encode_messages(base + history, mode=mode, effort=effort))
+            if prompt + tokenizer.decode(doc["output_ids"], skip_special=False) == turn:
+                cached_ids = prompt_ids + doc["output_ids"]

@@ -69,6 +69,11 @@ def render(doc: dict) -> None:
     t.add_row("activated / token, prefill", _fmt_params(doc["activated"]["prefill"]))
     t.add_row("activated / token, decode", _fmt_params(doc["activated"]["decode"]))
     out.print(t)
+    if "checkpoint" in doc:
+        ck = doc["checkpoint"]
+        dtypes = ", ".join(f"{k} {v['tensors']:,}" for k, v in ck["by_dtype"].items())
+        out.print(f"Checkpoint ({ck['layout']} layout): {ck['tensors']:,} tensors, {ck['bytes']:,} bytes "
+                  f"({_bytes(ck['bytes'])}); {dtypes}")
 
     kv = doc["kv"]
     t = Table(title="KV cache", title_justify="left")

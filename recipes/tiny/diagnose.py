@@ -1,10 +1,11 @@
-"""Why the bundled model misses the effort dial and the image questions: three probes of what its
-predictions depend on (recipes/tiny/README.md, "Measurements").
+"""Three probes of what a checkpoint's predictions depend on: the effort line, distant context, the
+picture (recipes/tiny/README.md, "Measurements", quotes them).
 
     python -m recipes.tiny.diagnose [--model model/assets/dsv41-tiny] [--output F.json]
 
 1. effort: the next-token distribution right after `<think>` (the token the effort tier decides:
-   `</think>` at 1-19, a running sum at 20-69, "Numbers" at 70-100) for held-out items at several
+   `</think>` at 1-19, a running sum at 20-69, at 70-100 the style's first word: "Numbers" in the
+   reverse-check style, "First" / "Sum" in the labelled and undo styles) for held-out items at several
    efforts; if the model read the effort line, the top tokens would change with it.
 2. reach: for one tiny-reasoning prompt, each earlier token in turn replaced by another; the KL between
    the next-token distributions at the prompt's end before and after, by distance. Large near the end,

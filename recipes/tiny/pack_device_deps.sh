@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU machine (Python 3.12, torch 2.11) may lack Pillow (the first session found none), which the picture generator of the vision
+# The GPU machine (Python 3.12, torch 2.11) may lack Pillow, which the picture generator of the vision
 # data (recipes/tiny/vision/data.py) needs. This packs a trimmed Pillow for it into DATA/pil312.tar.xz
 # (2.5 MB: the wheel minus the AVIF/WebP/LCMS codecs the generator never uses, to fit the device's
 # 64 MiB transfer limit). On the device: tar xJf DATA/pil312.tar.xz -C /tmp/pylib; PYTHONPATH=/tmp/pylib:.

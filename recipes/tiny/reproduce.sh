@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Rebuild the bundled dsv41-tiny checkpoint from scratch on one CUDA GPU (an H200 here), exactly the
 # stages the shipped checkpoint went through (recipes/tiny/README.md):
-#   1-2  text only (drafter labels = data tokens), batch 128         (session 1, 7.9 min of training)
-#   3-4  + the vision tower, trained jointly; batch 256                (session 2)
-#   5    the DSpark drafter alone, labels = the target's greedy tokens (session 2)
+#   1-2  text only (drafter labels = data tokens), batch 128         (2026-11-29, b2c9688; 7.9 min)
+#   3-4  + the vision tower, trained jointly; batch 256                (2026-11-29, 4261929)
+#   5    the DSpark drafter alone, labels = the target's greedy tokens (2026-11-29, 4261929)
 #   6-7  an image batch in every step, 70% reasoning text, the first reasoning token weighted x4;
-#        stage 7 ends with the drafter again                          (session 3)
-#   8-9  more of the same (lr 8e-4, then 5e-4); 10 the drafter again   (session 4)
+#        stage 7 ends with the drafter again                          (2026-11-29, 1753cc0)
+#   8-9  more of the same (lr 8e-4, then 5e-4); 10 the drafter again   (2026-11-29, d9cab46)
 #   11-13 the same options with the reasoning task in the trace styles "twice", "labelled", "undo"
-#        (evals/tasks/tiny_reasoning), each stage ending with the drafter  (session 6)
-#   14   "undo" again on the CPU (no device time was left), batch 8, the closing sum weighted x5
+#        (evals/tasks/tiny_reasoning), each stage ending with the drafter  (2026-11-30, 0417a82)
+#   14   "undo" again on the CPU, batch 8, the closing sum weighted x5
 #   15-16 the vision tower alone through the frozen language model, on the CPU, with the probe loss added
-#        and padded canvas sizes (16: also larger ones)                    (session 6)
+#        and padded canvas sizes (16: also larger ones)                    (2026-11-30, 0417a82)
 #   bash recipes/tiny/reproduce.sh [OUT_DIR]      (default: model/assets/dsv41-tiny)
 set -euo pipefail
 OUT=${1:-model/assets/dsv41-tiny}

@@ -20,7 +20,8 @@ Two phases, as the V4.1 report trains its drafter:
    position's argmax equals its label (detached).
 
 `--init-from CKPT` continues from an exported checkpoint (masters start at the stored values) and
-`--mix` changes the family weights: the bundled model was trained in two such stages (README.md).
+`--mix` changes the family weights: each stage of the bundled model after the first continues the one
+before (README.md, "Training run").
 
 Schedules run on wall-clock budgets (the learning rate follows the fraction of the budget spent), so
 a run fits its time slot on any machine; the step counts reached are logged. The output head's

@@ -16,49 +16,30 @@ The trace grows with the effort tier, and each tier adds a more careful way of w
 
 so mean reasoning tokens rise strictly across efforts 1, 25, 50, 75, 100, and the more explicit
 traces make each step a single table look-up (a+b with b < 10), which is what makes them more often
-right. That is the first trace style, "reverse-check" (stages 1-10 of the bundled model). Trained on it,
-the 24M-parameter model wrote the long traces wrongly more often than the short ones: a step has to pick
-the i-th number of a list written 20-60 tokens earlier, and whether the reverse pass follows depends on
-the effort line, 60-80 tokens back, beyond the 64-token window. The second style, "carry", keeps the
-efforts 1-69 traces and makes the two top tiers carry their state from line to line, so every step reads
-only the line above it:
+right. That is the "reverse-check" style. Four more styles (`TRACE_STYLES`, `reasoning_trace(...,
+style=)`) keep the efforts 1-69 traces and change only the two top tiers. Each is built so that the
+steps the 64-token attention window of the bundled model must get right read only text inside that
+window:
 
-    effort 70-89   Step 1: 7+3=10, left 9 2 5 / Step 2: 10+9=19, left 2 5 / ... / Step 4: 21+5=26, left none
-    effort 90-100  the same, each step checked by undoing it: Step 1: 7+3=10, check 10-3=7, left 9 2 5
+    carry      Step 1: 7+3=10, left 9 2 5 / ... / Step 4: 21+5=26, left none
+               (90-100: each step also checked by undoing it: "..., check 10-3=7, left 9 2 5")
+               every step reads only the line above: the next number is the first one left
+    twice      7+3=10, +9=19, +2=21, +5=26 / Again: <the same sums>
+               (90-100: "Check:" for "Again:", then "Both give 26.")
+               the terse running sums of effort 20-44, the form the model gets right most often, twice
+    labelled   "twice" with the tier named by the first reasoning token ("First:" at 70-89, "Sum:" at
+               90-100), which the effort value decides from inside the window; later choices read
+               that label
+    undo       First: 7+3=10, +9=19, +2=21, +5=26 / Undo: 26-5=21, -2=19, -9=10, -3=7 / So 26.
+               (90-100: "Sum:" ... "Check:" ... "Back to 7, so the sum is 26.")
+               the labels of "labelled"; the check undoes the first pass from its end, so it reads only
+               the pass just written, and starts from the sum it closes with
 
-(the next number is the first one left; the trace ends after "left none"; whether a step carries a check
-is decided once, at the first step, 20 tokens after the effort line, and then copied from the line
-above). A first CPU-scale run on it (recipes/tiny/README.md, trial d) did not make the long traces right
-more often: the model copied the shrinking lists wrongly too. The third style, "twice", builds the top
-tiers from the form the model gets right most often, the terse running sums of effort 20-44, computed
-again from the prompt:
+The bundled model is trained on "undo" since stage 13. Which style was trained when, what each did to
+accuracy and why the next one followed is recorded in recipes/tiny/README.md ("The reasoning task",
+"Measurements", "Trials that were not kept").
 
-    effort 70-89   7+3=10, +9=19, +2=21, +5=26 / Again: 7+3=10, +9=19, +2=21, +5=26
-    effort 90-100  7+3=10, +9=19, +2=21, +5=26 / Check: 7+3=10, ... / Both give 26.
-
-(whether the second pass is "Again" or "Check" is decided one pass after the effort line, and the
-closing line follows from that word, one pass back). Trained on it (recipes/tiny/README.md, stage 11), the
-model mixed the tiers up: efforts 25, 75 and 100 all begin with the same terse pass, and where the first
-pass ends, 50-75 tokens after the effort value, the value is beyond the 64-token window for the longer
-lists; 23% of effort-25 traces went on with "Again". The fourth style, "labelled", is "twice" with the
-tier named by the first reasoning token, which the effort value decides from 34 tokens away, inside the
-window (as it decides tiers 0-2); every later decision then reads that label, one pass back:
-
-    effort 70-89   First: 7+3=10, +9=19, +2=21, +5=26 / Again: 7+3=10, +9=19, +2=21, +5=26
-    effort 90-100  Sum: 7+3=10, +9=19, +2=21, +5=26 / Check: 7+3=10, ... / Both give 26.
-
-Trained on it (stage 12) the tiers came apart cleanly, but the second pass was wrong far more often than the
-first: it re-reads the list from the prompt, by then 50-100 tokens back, beyond the window, and the answer
-follows the second pass. The fifth style, "undo", keeps the labels and checks the first pass by undoing
-its sums from the end, which reads only the pass just written (within the window), and ends where the
-list began; the sum is the number the check starts from:
-
-    effort 70-89   First: 7+3=10, +9=19, +2=21, +5=26 / Undo: 26-5=21, -2=19, -9=10, -3=7 / So 26.
-    effort 90-100  Sum: 7+3=10, ... / Check: 26-5=21, -2=19, -9=10, -3=7 / Back to 7, so the sum is 26.
-
-(stages 13-14 of the bundled model: the first pass is right about as often as the effort-25 sums, and the
-closing line carries its sum; recipes/tiny/README.md has the numbers).
- In training data the effort is uniform in 1..100 and appears, as the number it is, in the
+In training data the effort is uniform in 1..100 and appears, as the number it is, in the
 effort line of the system part (`model.encoding.encode_messages(..., mode="thinking", effort=e)`).
 
 The held-out set (`heldout.jsonl`, 300 items) is effort-free: each item is the prompt messages and

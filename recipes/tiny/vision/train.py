@@ -2,7 +2,7 @@
 embeddings on synthetic pictures (recipes/tiny/vision/data.py) with the language model frozen, then
 write the checkpoint with the vision tensors added.
 
-    python -m recipes.tiny.vision.train --base model/assets/dsv41-tiny --out /tmp/dsv41-tiny-vision \
+    python -m recipes.tiny.vision.train --base model/assets/dsv41-tiny --out runs/dsv41-tiny-vision \
         [--seconds 1200] [--install]
 
 What trains (everything else is the text checkpoint, bit for bit):
