@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import flash_stack as fs  # noqa: E402
-from model.engine import Generator  # noqa: E402
+from dsv41.model.engine import Generator  # noqa: E402
 
 TARGET = 1.8
 

@@ -29,8 +29,8 @@ def is_launch(name: str) -> bool:
 
 
 def build(device):
-    from model.config import preset
-    from model.transformer import Transformer, init_random_
+    from dsv41.model.config import preset
+    from dsv41.model.transformer import Transformer, init_random_
 
     model = Transformer(preset("tiny"))
     init_random_(model, 0)

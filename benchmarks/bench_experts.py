@@ -30,7 +30,7 @@ REF_MAX_T = 64
 
 def make_experts(device=None):
     """384 experts' stored tensors, each its own allocation as a checkpoint loads them."""
-    from model.kernels.experts import ExpertWeights
+    from dsv41.model.kernels.experts import ExpertWeights
 
     device = device or DEVICE
     lists = {n: [] for n in ("w1", "s1", "w3", "s3", "w2", "s2")}
@@ -43,8 +43,8 @@ def make_experts(device=None):
 
 
 def run(json_path=None, quick=False):
-    from model.kernels import experts as ek
-    from model.kernels import reference
+    from dsv41.model.kernels import experts as ek
+    from dsv41.model.kernels import reference
 
     ew = make_experts()
     per_expert = 3 * INTER * DIM * (1 / 2 + 1 / 32)

@@ -33,14 +33,14 @@ VARIANTS = (("wq_a", 1, dict(split=1)), ("wq_a", 1, dict(fuse=False)), ("wq_a", 
 
 
 def _weight(N, K):
-    from model import formats
+    from dsv41.model import formats
 
     w = torch.randn(N, K, device=DEVICE)
     return formats.quant_fp8_weight(w)
 
 
 def run(json_path=None, quick=False):
-    from model.kernels import gemm, reference
+    from dsv41.model.kernels import gemm, reference
 
     rows = []
     weights = {name: (_weight(N, K), N, K) for name, N, K in SHAPES}

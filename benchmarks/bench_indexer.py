@@ -31,8 +31,8 @@ def pool_blocks(B: int, N: int, block: int = 8) -> torch.Tensor:
 
 
 def run(json_path=None):
-    from model import formats
-    from model.kernels.indexer import indexer_scores, indexer_topk, launch_config
+    from dsv41.model import formats
+    from dsv41.model.kernels.indexer import indexer_scores, indexer_topk, launch_config
 
     rows = []
     for ctx in (65536, 262144, 1 << 20):

@@ -15,7 +15,7 @@ D = 512
 
 
 def run(json_path=None):
-    from model.kernels import quant, reference
+    from dsv41.model.kernels import quant, reference
 
     rows = []
     for M in (64, 65536, 1 << 20):

@@ -19,8 +19,8 @@ N_S, DIM = 4, 5120
 
 
 def run(json_path=None):
-    from model.kernels import reference
-    from model.kernels.mhc import launch_config, mhc_step
+    from dsv41.model.kernels import reference
+    from dsv41.model.kernels.mhc import launch_config, mhc_step
 
     rows = []
     n_mix = (N_S + 2) * N_S

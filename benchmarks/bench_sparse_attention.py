@@ -30,7 +30,7 @@ CASES = [("decode B=64 ctx=8K (N=4K)", 64, 1, 4096),
 
 
 def make(B, T, N, device="cuda"):
-    from model import formats
+    from dsv41.model import formats
 
     q = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
     wc, ws = formats.pack_fp8_ue8m0(torch.randn(B, KW, D, device=device))
@@ -43,8 +43,8 @@ def make(B, T, N, device="cuda"):
 
 
 def run(json_path=None, variant="both"):
-    from model.kernels import reference
-    from model.kernels import sparse_attention as sa
+    from dsv41.model.kernels import reference
+    from dsv41.model.kernels import sparse_attention as sa
 
     rows = []
     for label, B, T, N in CASES:

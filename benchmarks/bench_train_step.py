@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 
 def timed_steps(model, sampler, device, batch: int, steps: int, vision=None) -> float:
-    from recipes.tiny.train import train_backbone
+    from dsv41.recipes.tiny.train import train_backbone
 
     torch.cuda.synchronize()
     t = time.time()
@@ -40,8 +40,8 @@ def main() -> None:
     ap.add_argument("--batches", default="32,64,128,256")
     ap.add_argument("--steps", type=int, default=3)
     a = ap.parse_args()
-    from recipes.tiny.config import tiny_config
-    from recipes.tiny.train import (FAMILY_WEIGHTS, VisionJob, WindowSampler, build_trainable, load_streams,
+    from dsv41.recipes.tiny.config import tiny_config
+    from dsv41.recipes.tiny.train import (FAMILY_WEIGHTS, VisionJob, WindowSampler, build_trainable, load_streams,
                                     load_token_map)
 
     torch.backends.cuda.matmul.allow_tf32 = True

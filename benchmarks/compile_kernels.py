@@ -64,7 +64,7 @@ def compile_one(fn, types, consts, divisible, num_warps, num_stages, target):
 
 
 def cases(quick: bool):
-    from model.kernels import _triton_gemm as K
+    from dsv41.model.kernels import _triton_gemm as K
 
     g_types = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", y_ptr="*bf16", M="i32", N="i32", K="i32", KP="i32",
                    stride_xm="i32", stride_ym="i32", split_stride="i32", stride_wn="i32", stride_sn="i32")
@@ -107,8 +107,8 @@ def cases(quick: bool):
 def sparse_attention_cases(quick: bool):
     """The decode split kernel (all 64 heads, D=512, FP8 window + FP4 main) and its combine kernel, at the
     configuration model/kernels/sparse_attention.py launches, and the tile kernel it replaces for decode."""
-    from model.kernels import _triton_sparse_attention as S
-    from model.kernels import sparse_attention as sa
+    from dsv41.model.kernels import _triton_sparse_attention as S
+    from dsv41.model.kernels import sparse_attention as sa
 
     seg_types = dict(codes_ptr="*u8", scales_ptr="*u8", stride_cb="i32", stride_cr="i32", stride_sb="i32",
                      stride_sr="i32", idx_ptr="*i32", stride_ib="i32", stride_it="i32", K="i32")
@@ -143,8 +143,8 @@ def sparse_attention_cases(quick: bool):
 def indexer_mhc_cases(quick: bool):
     """The indexer and mHC residual kernels at the configurations indexer.launch_config / mhc.launch_config
     pick for V4.1-Flash (32 heads x 128; n = 4, d = 5120, bf16 residual)."""
-    from model.kernels import _triton_indexer as I
-    from model.kernels import _triton_mhc as Mh
+    from dsv41.model.kernels import _triton_indexer as I
+    from dsv41.model.kernels import _triton_mhc as Mh
 
     i_types = dict(q_ptr="*fp32", w_ptr="*fp32", codes_ptr="*u8", scales_ptr="*u8", cand_ptr="*i32", vis_ptr="*i32",
                    out_ptr="*fp32", T="i32", H="i32", N="i32", C="i32", stride_qb="i32", stride_qt="i32",

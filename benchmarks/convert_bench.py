@@ -81,9 +81,9 @@ def main() -> None:
         return child(opts.child)
 
     sys.path.insert(0, str(REPO))
-    from model.checkpoint import expected_tensors, itemsize
-    from model.engram import engram_table_rows
-    from model.fixtures import fixture_args
+    from dsv41.model.checkpoint import expected_tensors, itemsize
+    from dsv41.model.engram import engram_table_rows
+    from dsv41.model.fixtures import fixture_args
 
     args = fixture_args(vision=False, dim=opts.dim, moe_inter_dim=opts.dim, n_routed_experts=opts.experts,
                         dspark_n_routed_experts=opts.experts, engram_vocab_size=opts.engram_vocab)
@@ -99,7 +99,7 @@ def main() -> None:
             shutil.rmtree(src)
         t = time.perf_counter()
         subprocess.run([sys.executable, "-c", "import sys, json; sys.path.insert(0, sys.argv[1]); "
-                        "from model.fixtures import write_random_official; from model.config import ModelArgs; "
+                        "from dsv41.model.fixtures import write_random_official; from dsv41.model.config import ModelArgs; "
                         "write_random_official(sys.argv[2], ModelArgs.from_dict(json.loads(sys.argv[3])), n_shards=6)",
                         str(REPO), str(src), json.dumps(args.to_dict())], check=True)  # its memory is not ours
         made = time.perf_counter() - t

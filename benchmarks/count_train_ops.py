@@ -72,7 +72,7 @@ class HostReads(TorchFunctionMode):
 
 
 def _random_sampler(vocab: int, seed: int = 0):
-    from recipes.tiny.train import WindowSampler
+    from dsv41.recipes.tiny.train import WindowSampler
 
     g = torch.Generator().manual_seed(seed)
     stream = torch.randint(3, vocab, (200_000,), generator=g)
@@ -80,7 +80,7 @@ def _random_sampler(vocab: int, seed: int = 0):
 
 
 def _step(model, sampler, device, batch: int, context: int) -> None:
-    from recipes.tiny.train import train_backbone
+    from dsv41.recipes.tiny.train import train_backbone
 
     train_backbone(model, sampler, device, 1e9, batch, context, 1e-4, max_steps=1, log=lambda _: None)
 
@@ -115,10 +115,10 @@ def _is_sync(event) -> bool:
 
 
 def count(device: str, batch: int, context: int, seed: int = 0) -> dict:
-    from model.engram import build_compressed_token_map
-    from model.tokenizer import load_tokenizer
-    from recipes.tiny.config import tiny_config
-    from recipes.tiny.train import build_trainable
+    from dsv41.model.engram import build_compressed_token_map
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.recipes.tiny.config import tiny_config
+    from dsv41.recipes.tiny.train import build_trainable
 
     torch.manual_seed(seed)
     args = tiny_config(trainable=True)

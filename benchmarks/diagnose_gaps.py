@@ -49,7 +49,7 @@ def note(section: str, case: str, fn, graph: bool = True, **extra) -> None:
 def sparse_attention() -> None:
     import bench_sparse_attention as bsa
 
-    from model.kernels import sparse_attention as sa
+    from dsv41.model.kernels import sparse_attention as sa
 
     B, N = 64, 4096
     q, wc, ws, mc, ms, sink, widx, midx = bsa.make(B, 1, N)
@@ -84,8 +84,8 @@ def sparse_attention() -> None:
 def indexer() -> None:
     from bench_indexer import POOL, pool_blocks
 
-    from model import formats
-    from model.kernels.indexer import indexer_scores, indexer_topk
+    from dsv41.model import formats
+    from dsv41.model.kernels.indexer import indexer_scores, indexer_topk
 
     H, DK, B = 32, 128, 4
     q = formats.mxfp4_fake_quant(torch.randn(B, 1, H, DK, device="cuda"))
@@ -106,7 +106,7 @@ def indexer() -> None:
 
 
 def mhc() -> None:
-    from model.kernels import mhc as mk
+    from dsv41.model.kernels import mhc as mk
 
     n, d = 4, 5120
     original = mk.launch_config

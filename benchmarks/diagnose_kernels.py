@@ -30,10 +30,10 @@ def compiled_info(jit_fn):
 def main():
     import bench_sparse_attention as bsa
 
-    from model.kernels import _triton_indexer, _triton_mhc, _triton_quant, _triton_sparse_attention
-    from model.kernels import sparse_attention as sa
-    from model.kernels.indexer import indexer_scores
-    from model.kernels.mhc import mhc_step
+    from dsv41.model.kernels import _triton_indexer, _triton_mhc, _triton_quant, _triton_sparse_attention
+    from dsv41.model.kernels import sparse_attention as sa
+    from dsv41.model.kernels.indexer import indexer_scores
+    from dsv41.model.kernels.mhc import mhc_step
 
     q, wc, ws, mc, ms, sink, widx, midx = bsa.make(64, 1, 4096)
     call = lambda: sa.sparse_attention_packed(q, wc, ws, mc, ms, sink, widx, midx, 0.04)  # noqa: E731
@@ -43,7 +43,7 @@ def main():
     dense = lambda: sa.sparse_attention(q, kv, sink, idx, 0.04)  # noqa: E731
     print(f"sparse attn decode B=64 bf16 rows (no decode): {bench(dense) * 1e6:.1f} us")
     print("sparse attention kernels (regs, spills):", compiled_info(_triton_sparse_attention.kernel))
-    from model import formats
+    from dsv41.model import formats
 
     qi = formats.mxfp4_fake_quant(torch.randn(4, 1, 32, 128, device="cuda"))
     w = torch.randn(4, 1, 32, device="cuda")

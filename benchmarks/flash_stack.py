@@ -18,7 +18,7 @@ before layers 1 and 14), the DSpark stages (n_mtp_layers = 0) and the vision tow
 the weights take about 60 GB; `n_experts` reduces the routed experts (the active 6 per token stay) when
 that does not fit.
 
-Weights are random (the scales of `model.transformer.init_random_`), generated on the device: the model
+Weights are random (the scales of `dsv41.model.transformer.init_random_`), generated on the device: the model
 is built on the meta device, materialized with `to_empty`, and each group of same-shaped FP4 experts is
 quantized in one call (init_random_ draws every weight on the CPU, which at this size takes minutes).
 
@@ -39,11 +39,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model import formats  # noqa: E402
-from model.cache import INDEX_KEY_CODEC, KVCache, Rows  # noqa: E402
-from model.config import ModelArgs, preset  # noqa: E402
-from model.layers import Linear  # noqa: E402
-from model.transformer import Transformer, init_random_param_  # noqa: E402
+from dsv41.model import formats  # noqa: E402
+from dsv41.model.cache import INDEX_KEY_CODEC, KVCache, Rows  # noqa: E402
+from dsv41.model.config import ModelArgs, preset  # noqa: E402
+from dsv41.model.layers import Linear  # noqa: E402
+from dsv41.model.transformer import Transformer, init_random_param_  # noqa: E402
 
 STACK_RATIOS = (0, 2, 2, 2, 1, 1, 1, 1)
 STACK_KV_SOURCES = (1, 4)

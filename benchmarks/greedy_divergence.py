@@ -31,8 +31,8 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def main(argv=None) -> int:
     from dsv41_cli.commands.generate import input_file_prompts
-    from model import encoding
-    from model.checkpoint import load_model
+    from dsv41.model import encoding
+    from dsv41.model.checkpoint import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("a", type=Path)

@@ -31,7 +31,7 @@ def main() -> int:
     import bench_gemm
     import kernels_common
 
-    from model.kernels import experts, gemm
+    from dsv41.model.kernels import experts, gemm
 
     kernels_common._CEILINGS = {"copy_GBps": 1000.0, "bf16_TFLOPs": 100.0, "copy_bytes": 0, "matmul_shape": []}
 

@@ -31,7 +31,7 @@ def resolve_device(device: str) -> str:
 
 def resolve_model_dir(model: Optional[str]) -> Path:
     """The checkpoint directory to use: --model / DSV41_MODEL, else the bundled model."""
-    from model.assets import bundled_model_dir
+    from dsv41.model.assets import bundled_model_dir
 
     if model:
         p = Path(model).expanduser()
@@ -61,20 +61,20 @@ def tune_threads(args, device: str) -> None:
 
 # ---------------------------------------------------------------------------------- torchrun
 def start_ranks(device: str):
-    """Where this process stands (`model.parallel.ParallelContext`): one process, or one rank of
+    """Where this process stands (`dsv41.model.parallel.ParallelContext`): one process, or one rank of
     `torchrun --nproc-per-node N -m dsv41_cli COMMAND`, which joins the process group for `--device`.
     Rank 0 owns the console: the other ranks' stdout goes to /dev/null (their stderr stays), and
     commands keep progress, notes and file writes on `ctx.is_main`. Call it before reading inputs."""
-    from model.parallel import init_from_env
+    from dsv41.model.parallel import init_from_env
 
     return init_from_env(resolve_device(device))
 
 
 def load_on_ranks(model_dir: Path, ctx):
     """(model, args, tokenizer) for this process: the whole model in one process, this rank's part
-    of it under torchrun (`model.parallel.load_model_parallel`; every rank of a model copy must call
+    of it under torchrun (`dsv41.model.parallel.load_model_parallel`; every rank of a model copy must call
     it). Bad checkpoints end the command with the one-line error."""
-    from model.parallel import load_model_parallel
+    from dsv41.model.parallel import load_model_parallel
 
     try:
         model, args, tokenizer = load_model_parallel(model_dir, ctx.device, ctx)

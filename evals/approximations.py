@@ -14,7 +14,7 @@ Reported per approximation: KL(reference || approximation) of the next-token dis
 K + 1 positions after the prompt (mean and 99th percentile, nats), top-1 agreement there, the length of
 the identical prefix of 16 greedy tokens, and the prompt tokens run through the decoder (the saving).
 
-    python -m evals.approximations FILE_OR_DIR... [--model DIR] [--prompt-tokens 512] [--docs 16]
+    python -m dsv41.evals.approximations FILE_OR_DIR... [--model DIR] [--prompt-tokens 512] [--docs 16]
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from model.engine import GenerationConfig, Generator
-from model.prefix_cache import PrefixCache
+from dsv41.model.engine import GenerationConfig, Generator
+from dsv41.model.prefix_cache import PrefixCache
 
 
 def _texts(paths: list[str], min_chars: int) -> list[str]:
@@ -146,8 +146,8 @@ def main(argv=None) -> None:
     ap.add_argument("--docs", type=int, default=16)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    from model.assets import bundled_model_dir
-    from model.checkpoint import load_model
+    from dsv41.model.assets import bundled_model_dir
+    from dsv41.model.checkpoint import load_model
 
     torch.set_num_threads(1)
     model, _, tok = load_model(a.model or bundled_model_dir())

@@ -67,7 +67,7 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], n_scored: Sequenc
     of fp32 logits. on_done(i, score) is called as sequence i (original order) is scored. check_greedy
     False skips the argmax pass (the greedy flag is then meaningless).
 
-    ctx: a `model.parallel.ParallelContext` when running under torchrun. Every rank must call this
+    ctx: a `dsv41.model.parallel.ParallelContext` when running under torchrun. Every rank must call this
     with the same sequences. With several model copies (DSV41_TP) the batches are dealt out to the
     copies and the scores gathered, so every rank returns all of them; each batch is exactly the one
     a single process runs, so the scores are a single process's. Then on_done is called only for the
@@ -385,7 +385,7 @@ def run_bpb(models: Iterable[ModelSpec], corpora: list[Corpus], *, window: str =
 
     max_ctx 0 means each model's training context (`original_seq_len`), capped by `max_seq_len`.
     progress: an object with start(label, total_tokens) / advance(n) / stop(), or None.
-    ctx: a `model.parallel.ParallelContext` under torchrun (every rank calls this with the same
+    ctx: a `dsv41.model.parallel.ParallelContext` under torchrun (every rank calls this with the same
     arguments and gets the same document; model copies divide the windows)."""
     stride = parse_window(window)
     out = {"window": window, "max_ctx": max_ctx, "models": [], "baselines": {}}

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
-from model.encoding import EFFORT_PRESETS, THINK_END, THINK_START
+from dsv41.model.encoding import EFFORT_PRESETS, THINK_END, THINK_START
 
 DEFAULT_EFFORTS = (1, 25, 50, 75, 100)
 PREFILL_CHUNK = 2048
@@ -130,7 +130,7 @@ def generate(model, tokenizer, requests: Sequence[GenRequest], *, batch_size: in
     """Generate for every request; results in request order. on_done(i, output) as each finishes."""
     import torch
 
-    from model.engine import SamplingConfig, token_distribution
+    from dsv41.model.engine import SamplingConfig, token_distribution
 
     device = model.embed.weight.device
     eos = tokenizer.eos_id
@@ -247,7 +247,7 @@ class TinyReasoning:
     name = "tiny-reasoning"
 
     def __init__(self, max_new_tokens: int = 256, path: str | os.PathLike | None = None):
-        from evals.tasks import tiny_reasoning
+        from dsv41.evals.tasks import tiny_reasoning
 
         self.module, self.path, self.max_new_tokens = tiny_reasoning, path, max_new_tokens
 
@@ -312,7 +312,7 @@ def run_lm_eval_sweep(model, tokenizer, task: str, efforts: Sequence[int] = DEFA
     token counts come from the adapter's generation log."""
     import tempfile
 
-    from evals.lm_eval_model import DSV41LM, make_task_manager, run_tasks
+    from dsv41.evals.lm_eval_model import DSV41LM, make_task_manager, run_tasks
 
     points, samples, chosen = [], [], None
     with tempfile.TemporaryDirectory(prefix="dsv41-tasks-") as generated:
@@ -373,7 +373,7 @@ def sweep_csv(doc: dict) -> str:
 
 def write_sweep(doc: dict, out_dir: Path, plot: bool = True) -> list[Path]:
     """sweep.json (points and per-item samples), sweep.csv and sweep.png under out_dir."""
-    from evals.reports import write_atomic
+    from dsv41.evals.reports import write_atomic
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -381,7 +381,7 @@ def write_sweep(doc: dict, out_dir: Path, plot: bool = True) -> list[Path]:
     write_atomic(paths[0], json.dumps(doc, indent=2) + "\n")
     write_atomic(paths[1], sweep_csv(doc))
     if plot:
-        from evals.plots import plot_sweep
+        from dsv41.evals.plots import plot_sweep
 
         png = out_dir / "sweep.png"
         plot_sweep(doc, png)

@@ -1,12 +1,12 @@
 """The lm-evaluation-harness model `dsv41`: a `TemplateLM` over our model, tokenizer and engine.
 
-    from evals.lm_eval_model import DSV41LM          # importing registers the name "dsv41"
+    from dsv41.evals.lm_eval_model import DSV41LM          # importing registers the name "dsv41"
     lm = DSV41LM(pretrained="path/to/checkpoint", mode="thinking", effort=75)
     lm_eval.simple_evaluate(model=lm, tasks=[...])
 
 or, from lm-eval's own command line (the module must be imported first, which `-m` does not do)::
 
-    python -c "import evals.lm_eval_model, sys; from lm_eval.__main__ import cli_evaluate; \\
+    python -c "import dsv41.evals.lm_eval_model, sys; from lm_eval.__main__ import cli_evaluate; \\
                sys.argv[0] = 'lm-eval'; cli_evaluate()" run --model dsv41 \\
         --model_args pretrained=CKPT,mode=thinking,effort=75 --tasks gsm8k --apply_chat_template
 
@@ -56,9 +56,9 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from evals.bpb import DEFAULT_LOGITS_BYTES, plan_batches, score_sequences
-from evals.effort import GenRequest, generate
-from model import encoding
+from dsv41.evals.bpb import DEFAULT_LOGITS_BYTES, plan_batches, score_sequences
+from dsv41.evals.effort import GenRequest, generate
+from dsv41.model import encoding
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,10 @@ class DSV41LM(TemplateLM):
         already loaded pair instead (tests, `dsv41 eval`). mode: None (raw text), "thinking" or
         "chat". effort: 1..100 or low/high/max. max_gen_toks: overrides every task's generation
         length. progress: an object with start(label, total)/advance(n)/stop() for long calls.
-        ctx: the `model.parallel.ParallelContext` the model was loaded under (default: the current
+        ctx: the `dsv41.model.parallel.ParallelContext` the model was loaded under (default: the current
         one; loading from `pretrained` under torchrun starts it and loads this rank's part)."""
         super().__init__()
-        from model import parallel
+        from dsv41.model import parallel
 
         if mode in ("", "none", "None"):
             mode = None
@@ -90,7 +90,7 @@ class DSV41LM(TemplateLM):
         self.mode = mode
         self.effort = encoding.parse_effort(effort)
         if model is None:
-            from model.assets import bundled_model_dir
+            from dsv41.model.assets import bundled_model_dir
 
             path = Path(pretrained) if pretrained else bundled_model_dir()
             if path is None:
@@ -376,7 +376,7 @@ def make_task_manager(tasks: list[str], generated_dir, include_path: list[str] |
     only when a task is not ours or the user's."""
     from lm_eval.tasks import TaskManager
 
-    from evals.tasks import include_paths, write_generated_tasks
+    from dsv41.evals.tasks import include_paths, write_generated_tasks
 
     write_generated_tasks(generated_dir)
     paths = include_paths(generated_dir, include_path, tasks)
@@ -398,7 +398,7 @@ def run_tasks(lm: DSV41LM, tasks: list[str], task_manager, *, limit: int | float
     results on local rank 0 only, and every rank gets rank 0's."""
     import lm_eval
 
-    from evals.tasks import serve_local_data
+    from dsv41.evals.tasks import serve_local_data
 
     lm.open_request_cache(cache_path)  # ours, not lm-eval's use_cache: one file rank 0 keeps (see _answer)
     try:

@@ -109,7 +109,7 @@ def plot_sweep(doc: dict, path: str | os.PathLike, title: str | None = None) -> 
     reasoning and mean output tokens per effort."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    from evals.effort import PRESET_OF
+    from dsv41.evals.effort import PRESET_OF
 
     plt = _pyplot()
     pts = sorted(doc["points"], key=lambda p: p["effort"])

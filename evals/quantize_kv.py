@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from evals.bpb import Corpus, bits_per_byte, rolling_windows, tokenize_corpus
+from dsv41.evals.bpb import Corpus, bits_per_byte, rolling_windows, tokenize_corpus
 
 REFERENCE = "bf16"
 FORMATS = ("fp4", "fp8", "bf16")  # model.cache.MAIN_FORMATS (named here so that parsing needs no torch)
@@ -104,7 +104,7 @@ def compare_batch(model, windows: Sequence[tuple[list[int], int]], formats: Sequ
     and compare every format's next-token distributions with the bf16 run's."""
     import torch
 
-    from model.cache import KVCache
+    from dsv41.model.cache import KVCache
 
     device = model.embed.weight.device
     T = max(len(seq) for seq, _ in windows) - 1
@@ -161,11 +161,11 @@ def evaluate(model, tokenizer, corpora: Sequence[Corpus], formats: Sequence[str]
     capped by max_seq_len). max_tokens: score at most
     this many tokens of each corpus (whole documents in order, the last one cut; its bytes are those of
     the decoded kept tokens). progress(tokens_done, tokens_total) is called after every batch.
-    ctx: a `model.parallel.ParallelContext` under torchrun; every rank calls this with the same
+    ctx: a `dsv41.model.parallel.ParallelContext` under torchrun; every rank calls this with the same
     arguments and gets the same document. Model copies (DSV41_TP) divide the batches; the statistics
     are summed in batch order, so the document is a single process's. progress then counts this
     copy's share."""
-    from model.ledger import kv_ledger
+    from dsv41.model.ledger import kv_ledger
 
     args = model.args
     max_ctx = max_ctx or min(args.original_seq_len, args.max_seq_len)
@@ -244,7 +244,7 @@ def evaluate(model, tokenizer, corpora: Sequence[Corpus], formats: Sequence[str]
 
 def _ledger_global(args, fmt: str) -> float:
     """The ledger's global KV per token with the main entries in `fmt` (the official ledger is fp4)."""
-    from model import formats as F
+    from dsv41.model import formats as F
 
     entry = {"fp4": F.packed_nbytes("fp4_e4m3", args.head_dim), "fp8": F.packed_nbytes("fp8_ue8m0", args.head_dim),
              "bf16": 2 * args.head_dim}[fmt]

@@ -120,7 +120,7 @@ def run_suite(suite: Suite, evaluate_row: Callable[[SuiteRow], dict], explain: C
     """Evaluate every runnable row; a row that fails is marked with the reason, the rest go on.
     evaluate_row(row) runs the row's task (in `row_mode(row, suite, mode_override)`) and returns
     lm-eval's results."""
-    from evals.tasks import resolve
+    from dsv41.evals.tasks import resolve
 
     rows = []
     for row in suite.rows:

@@ -22,12 +22,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model import formats
-from model.cache import WINDOW_CODEC
-from model.config import LayerSpec, ModelArgs
-from model.indexer import Indexer
-from model.kernels import sparse_attention as kernels_attention
-from model.layers import Linear, RMSNorm, qat, rope_frequencies_on, rope_tail, storage_dtype
+from dsv41.model import formats
+from dsv41.model.cache import WINDOW_CODEC
+from dsv41.model.config import LayerSpec, ModelArgs
+from dsv41.model.indexer import Indexer
+from dsv41.model.kernels import sparse_attention as kernels_attention
+from dsv41.model.layers import Linear, RMSNorm, qat, rope_frequencies_on, rope_tail, storage_dtype
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
@@ -45,7 +45,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
     """
     if q.is_cuda and q.dtype == kv.dtype == torch.bfloat16 and not (
             torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or sink.requires_grad)):
-        from model.kernels import sparse_attention as kernels, use_triton
+        from dsv41.model.kernels import sparse_attention as kernels, use_triton
 
         if use_triton(q, kv) and kernels.supported(q, kv.size(-1)):
             return kernels.sparse_attention(q, kv, sink, idx, scale)

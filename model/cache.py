@@ -35,10 +35,10 @@ from typing import Callable
 
 import torch
 
-from model import formats
-from model.config import ModelArgs
-from model.kernels import quant as kernels_quant
-from model.layers import qat
+from dsv41.model import formats
+from dsv41.model.config import ModelArgs
+from dsv41.model.kernels import quant as kernels_quant
+from dsv41.model.layers import qat
 
 
 # ------------------------------------------------------------------------------------------- codecs

@@ -52,8 +52,8 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from model import formats
-from model.config import ModelArgs
+from dsv41.model import formats
+from dsv41.model.config import ModelArgs
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -561,7 +561,7 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[tuple[int, ...], str]]:
 
 @lru_cache(maxsize=16)
 def _inventory(args_json: str) -> tuple:
-    from model.ledger import parameter_inventory
+    from dsv41.model.ledger import parameter_inventory
 
     args = ModelArgs.from_dict(json.loads(args_json))
     return tuple((name, (tuple(shape), release_dtype(name, st_name(dtype))))
@@ -764,7 +764,7 @@ def _read_json(path: Path, what: str) -> dict:
 def load_args(path: str | os.PathLike) -> ModelArgs:
     """ModelArgs of a checkpoint directory (either layout): config.json, plus for the runtime layout
     the storage dtypes from runtime.json."""
-    from model.config import load_config
+    from dsv41.model.config import load_config
 
     path = Path(path)
     try:
@@ -1844,8 +1844,8 @@ def load_model(path: str | os.PathLike, device: str = "cpu"):
     (official: FP8 linears and FP4 experts; runtime: bf16 wo_a and the converted expert dtype; BF16
     ViT norm weights widened to F32), strictly: a missing or unexpected name is an error. On CPU the
     weights stay memory-mapped."""
-    from model.tokenizer import load_tokenizer
-    from model.transformer import Transformer
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.model.transformer import Transformer
 
     path = Path(path)
     state, args = load_state_dict(path)

@@ -478,7 +478,7 @@ def preset(name: str) -> ModelArgs:
         raise ValueError(f"unknown config {name!r}; choose one of {', '.join(PRESETS)} or give a config.json path")
     args = PRESETS[name]()
     if args.engram_layer_ids and not any(args.engram_num_embeddings):
-        from model.engram import engram_table_rows  # the table sizes are the sums of the bucket primes
+        from dsv41.model.engram import engram_table_rows  # the table sizes are the sums of the bucket primes
 
         args = args.replace(engram_num_embeddings=engram_table_rows(args))
     return args

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import mhc
-from model.config import LayerSpec, ModelArgs
-from model.layers import Linear, RMSNorm, storage_dtype
-from model.transformer import Block
+from dsv41.model import mhc
+from dsv41.model.config import LayerSpec, ModelArgs
+from dsv41.model.layers import Linear, RMSNorm, storage_dtype
+from dsv41.model.transformer import Block
 
 
 class MarkovHead(nn.Module):

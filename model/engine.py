@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from model import dspark
-from model.cache import KVCache
-from model.checkpoint import CheckpointError
+from dsv41.model import dspark
+from dsv41.model.cache import KVCache
+from dsv41.model.checkpoint import CheckpointError
 
 
 @dataclass
@@ -458,7 +458,7 @@ def generate_chat(generator: Generator, messages: list[dict], tools: list[dict] 
     the V4.1 chat encoding (thinking mode with `effort`, chat mode when effort is None), generated,
     and returned as the completion text the model wrote, special tokens included (reasoning,
     `</think>`, content, any DSML block, end-of-sentence unless cut), with its token count."""
-    from model import encoding
+    from dsv41.model import encoding
 
     tok = generator.tokenizer
     if tok is None:

@@ -155,7 +155,7 @@ def _write_cached_map(path: Path, token_map: np.ndarray) -> None:
 def build_compressed_token_map(tokenizer, cache_dir: str | os.PathLike | None | bool = None) -> tuple[torch.Tensor, int]:
     """Compressed id of every token id: (int64 tensor [vocab_size], number of distinct ids).
 
-    tokenizer: `model.tokenizer.Tokenizer`, a Hugging Face fast tokenizer or a `tokenizers.Tokenizer`.
+    tokenizer: `dsv41.model.tokenizer.Tokenizer`, a Hugging Face fast tokenizer or a `tokenizers.Tokenizer`.
     Cached in memory by the tokenizer's fingerprint (the sha256 of its file), and on disk under
     `cache_dir` (default `default_cache_dir()`; False disables the disk cache). Returns a fresh
     tensor each call."""
@@ -372,8 +372,8 @@ class EngramEmbedding(nn.Module):
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         if self.trainable:
-            from model.formats import fp8_fake_quant
-            from model.layers import qat
+            from dsv41.model.formats import fp8_fake_quant
+            from dsv41.model.layers import qat
 
             return qat(fp8_fake_quant, self.weight[rows], self.block).to(torch.bfloat16)
         values = self.weight[rows].float().unflatten(-1, (-1, self.block))  # [..., head_dim/block, block]
@@ -382,7 +382,7 @@ class EngramEmbedding(nn.Module):
 
 
 def _fp8_linear_module(in_features: int, out_features: int, block: int, trainable: bool = False) -> nn.Module:
-    from model.layers import Linear
+    from dsv41.model.layers import Linear
 
     return Linear(in_features, out_features, dtype=torch.float8_e4m3fn, block=block, trainable=trainable)
 

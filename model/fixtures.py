@@ -3,7 +3,7 @@ real FP8 + UE8M0 and packed-FP4 encodings, the Engram tables in shards of their 
 tensors, config.json and tokenizer files), for tests and benchmarks.
 
 * `write_official_fixture` builds `Transformer(args)` with `init_random_` (every tensor quantized into
-  its storage format by `model.formats`) and writes its state dict: a small checkpoint that loads and
+  its storage format by `dsv41.model.formats`) and writes its state dict: a small checkpoint that loads and
   runs.
 * `write_random_official` draws valid encodings byte by byte, one tensor at a time, without building
   the model: multi-GB checkpoints for converter benchmarks in seconds (the weights are noise).
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model.checkpoint import expected_tensors, save_official
-from model.config import ModelArgs, preset
+from dsv41.model.checkpoint import expected_tensors, save_official
+from dsv41.model.config import ModelArgs, preset
 
 # a vision tower small enough for tests, with every tensor kind of the real one
 TINY_VISION = dict(vision_n_layers=1, vision_dim=32, vision_n_heads=2, vision_inter_dim=32)
@@ -37,13 +37,13 @@ def fixture_args(vision: bool = True, **changes) -> ModelArgs:
 @lru_cache(maxsize=1)
 def _tokenizer_json() -> str:
     """The bundled tokenizer with V4.1's token names, as a checkpoint would ship it."""
-    from model.tokenizer import load_tokenizer
+    from dsv41.model.tokenizer import load_tokenizer
 
     return load_tokenizer().backend.to_str()
 
 
 def _tokenizer_dir() -> Path:
-    from model.tokenizer import bundled_tokenizer_path
+    from dsv41.model.tokenizer import bundled_tokenizer_path
 
     return bundled_tokenizer_path().parent  # its tokenizer_config.json
 
@@ -52,7 +52,7 @@ def write_official_fixture(dst: str | os.PathLike, args: ModelArgs | None = None
                            n_shards: int = 4, tokenizer: bool = True) -> Path:
     """A random model of `args` (default: `fixture_args()`) in the official layout at `dst`:
     n_shards - (number of Engram tables) backbone shards plus one shard per Engram table."""
-    from model.transformer import Transformer, init_random_
+    from dsv41.model.transformer import Transformer, init_random_
 
     args = args or fixture_args()
     model = Transformer(args)

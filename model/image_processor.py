@@ -12,7 +12,7 @@ of S0 decides where the spec is vague): an image file becomes ViT patches and a 
       patches    p x p tiles in reading order, each flattened (channel, row, col) -> [H/p * W/p, 3 p p]
 
 The language model reads n_h (n_w + 1) + 2 positions per image: START, n_h rows of (n_w IMG + NEWLINE),
-END (`model.vision.image_token_types`).
+END (`dsv41.model.vision.image_token_types`).
 
 Pillow is imported only when an image is actually loaded: text-only use never needs it.
 """

@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import formats
-from model.config import LayerSpec, ModelArgs
-from model.kernels import indexer as kernels_indexer
-from model.kernels import use_triton
-from model.layers import Linear, RMSNorm, qat, rope_tail, storage_dtype
+from dsv41.model import formats
+from dsv41.model.config import LayerSpec, ModelArgs
+from dsv41.model.kernels import indexer as kernels_indexer
+from dsv41.model.kernels import use_triton
+from dsv41.model.layers import Linear, RMSNorm, qat, rope_tail, storage_dtype
 
 
 def visible_counts(start_pos: int, seqlen: int, ratio: int, device) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import formats, kernels
+from dsv41.model import formats, kernels
 
 FP4 = "fp4"  # packed E2M1 experts are stored as int8 bytes ("I8" in safetensors), two values per byte
 
@@ -173,7 +173,7 @@ class Linear(nn.Module):
         elif self._kernel_usable(x):
             # the same "fast" numbers from a Triton kernel that dequantizes the stored weight in registers
             # (CUDA only; no fp32 copy of the weight is cached). model/kernels/gemm.py
-            from model.kernels import gemm
+            from dsv41.model.kernels import gemm
 
             fn = gemm.fp8_block_gemm if self.kind == "fp8" else gemm.fp4_gemm
             y = fn(x, self.weight, self.scale, self.block)

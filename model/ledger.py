@@ -23,8 +23,8 @@ from collections import Counter
 
 import torch
 
-from model import formats
-from model.config import ModelArgs
+from dsv41.model import formats
+from dsv41.model.config import ModelArgs
 
 COMPONENTS = ("backbone", "engram", "dspark", "vision")
 
@@ -56,7 +56,7 @@ def parameter_inventory(args: ModelArgs, fast: bool = True) -> list[tuple[str, t
     the full construction)."""
     if args.family == "v4":
         return _v4_inventory(args)
-    from model.transformer import Transformer
+    from dsv41.model.transformer import Transformer
 
     small = args.replace(n_routed_experts=1, n_activated_experts=1, dspark_n_routed_experts=1,
                          dspark_n_activated_experts=1) if fast else args
@@ -221,10 +221,10 @@ def kv_comparison(args: ModelArgs, baseline: ModelArgs) -> dict:
 
 def checkpoint_ledger(args: ModelArgs, inventory=None) -> dict:
     """Tensors and bytes of the official-layout checkpoint of `args`, in the release's storage dtypes
-    (`model.checkpoint.expected_tensors`: the ViT norm weights BF16): in total and per safetensors
+    (`dsv41.model.checkpoint.expected_tensors`: the ViT norm weights BF16): in total and per safetensors
     dtype, as a tally of the shard headers gives them. V4.1-Flash: 96,085 tensors, 510,286,023,000
     bytes (BF16 520, F32 387, F8_E4M3 357, F8_E8M0 47,589, I8 47,232)."""
-    from model.checkpoint import inventory_totals, release_dtype, st_name
+    from dsv41.model.checkpoint import inventory_totals, release_dtype, st_name
 
     entries = [(name, shape, release_dtype(name, st_name(dtype)))
                for name, shape, dtype in inventory or parameter_inventory(args)]
@@ -245,7 +245,7 @@ def info(args: ModelArgs, path: str | None = None) -> dict:
         "checkpoint": checkpoint_ledger(args, inventory),
     }
     if args.family == "v4.1":  # the report's comparison: V4.1's KV ledger against V4-Flash's
-        from model.config import preset
+        from dsv41.model.config import preset
 
         doc["kv_vs_v4_flash"] = kv_comparison(args, preset("v4-flash"))
     return doc

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import formats
-from model.config import LayerSpec, ModelArgs
-from model.kernels import experts as expert_kernels
-from model.layers import FP4, Linear, qat, storage_dtype, weight_grid
+from dsv41.model import formats
+from dsv41.model.config import LayerSpec, ModelArgs
+from dsv41.model.kernels import experts as expert_kernels
+from dsv41.model.layers import FP4, Linear, qat, storage_dtype, weight_grid
 
 
 class Gate(nn.Module):

@@ -3,9 +3,9 @@ launched by torchrun), the way the official inference code runs V4.1 (REF's para
 
 The split is applied to a built model from the outside: `apply_tensor_parallel(model, rank, world)`
 swaps a few modules for their parallel forms and narrows others in place; no module of the model
-asks how many ranks there are. What each rank holds is exactly what `model.checkpoint.rank_part`
+asks how many ranks there are. What each rank holds is exactly what `dsv41.model.checkpoint.rank_part`
 assigns it (the table `NAME_MAP`), so a rank loads its `model{r}-mp{N}.safetensors` as is, or
-cuts the same tensors from a checkpoint of any other layout at load (`model.checkpoint.load_rank`):
+cuts the same tensors from a checkpoint of any other layout at load (`dsv41.model.checkpoint.load_rank`):
 
     part of the model              held by rank r of N                       combined by
     embed (and DSpark markov embed) vocabulary rows [r V/N, (r+1) V/N)       all-reduce (one rank has the row)
@@ -57,13 +57,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from model import formats
-from model.dspark import MarkovHead
-from model.engram import EngramEmbedding
-from model.indexer import Indexer
-from model.layers import FP4, GEMM_MODE, Linear, qat
-from model.moe import MoE
-from model.transformer import Head
+from dsv41.model import formats
+from dsv41.model.dspark import MarkovHead
+from dsv41.model.engram import EngramEmbedding
+from dsv41.model.indexer import Indexer
+from dsv41.model.layers import FP4, GEMM_MODE, Linear, qat
+from dsv41.model.moe import MoE
+from dsv41.model.transformer import Head
 
 TP_ENV = "DSV41_TP"  # model-parallel size when it should be smaller than the world (the rest is data parallel)
 TIMEOUT_ENV = "DSV41_DIST_TIMEOUT"  # seconds a collective may wait before the process gives up
@@ -459,8 +459,8 @@ def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -
     there; with weights, each rank keeps its part of them (cut by the checkpoint's own rules, so the
     result equals loading `model{rank}-mp{world}.safetensors`). `group`: the process group of the
     ranks sharing this model (None: the default group). world = 1 returns the model unchanged."""
-    from model.attention import Attention
-    from model.checkpoint import check_mp
+    from dsv41.model.attention import Attention
+    from dsv41.model.checkpoint import check_mp
 
     if world == 1:
         return model
@@ -496,7 +496,7 @@ def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -
         model.head = VocabParallelHead(args.vocab_size, args.dim, world, group)
 
     if has_weights:
-        from model.checkpoint import check_state_matches
+        from dsv41.model.checkpoint import check_state_matches
 
         local = shard_state(full, args, rank, world)
         check_state_matches(model, local, f"rank {rank} of {world}: the rank's tensors")
@@ -507,7 +507,7 @@ def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -
 
 def shard_state(full: dict[str, torch.Tensor], args, rank: int, world: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s part of a whole state dict, by the checkpoint's split rules (`rank_part`)."""
-    from model.checkpoint import rank_part, st_name
+    from dsv41.model.checkpoint import rank_part, st_name
 
     shapes = {n: (tuple(t.shape), st_name(t.dtype)) for n, t in full.items()}
     out = {}
@@ -532,10 +532,10 @@ def shard_state(full: dict[str, torch.Tensor], args, rank: int, world: int) -> d
 
 def load_rank_weights(path: str | os.PathLike, rank: int, world: int) -> dict[str, torch.Tensor]:
     """What rank `rank` of `world` holds of the checkpoint at `path`, from any layout
-    (`model.checkpoint.load_rank_state`: its rank file when the runtime checkpoint was converted with
+    (`dsv41.model.checkpoint.load_rank_state`: its rank file when the runtime checkpoint was converted with
     --mp world; otherwise cut from the files, official or runtime of another mp, reading only this
     rank's slices)."""
-    from model.checkpoint import load_rank_state
+    from dsv41.model.checkpoint import load_rank_state
 
     return load_rank_state(path, rank, world)
 
@@ -543,14 +543,14 @@ def load_rank_weights(path: str | os.PathLike, rank: int, world: int) -> dict[st
 def load_model_parallel(path: str | os.PathLike, device: str | None = None, ctx: ParallelContext | None = None):
     """(model, args, tokenizer) for this process: the whole model in one process, else this rank's part
     of it (`apply_tensor_parallel` on the meta device, then this rank's tensors). Same contract as
-    `model.checkpoint.load_model`; every rank of a model copy must call it. Any layout loads under any
-    rank count `check_mp` allows (official, runtime mp 1, runtime mp N; `model.checkpoint.load_rank`);
+    `dsv41.model.checkpoint.load_model`; every rank of a model copy must call it. Any layout loads under any
+    rank count `check_mp` allows (official, runtime mp 1, runtime mp N; `dsv41.model.checkpoint.load_rank`);
     the model is built in the dtypes of the rank's tensors (the runtime layout's: wo_a bf16, which
     computes what the official FP8 wo_a does, as both are dequantized to bf16 before use)."""
-    from model.checkpoint import (CheckpointError, check_mp, check_state_matches, fill_meta_model, load_args,
+    from dsv41.model.checkpoint import (CheckpointError, check_mp, check_state_matches, fill_meta_model, load_args,
                                   load_model, load_rank)
-    from model.tokenizer import load_tokenizer
-    from model.transformer import Transformer
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.model.transformer import Transformer
 
     ctx = ctx or current()
     device = device or ctx.device
@@ -582,7 +582,7 @@ def memory_plan(args, mp: int, context: int, batch: int = 1, expert_dtype: str =
     wo_a bf16, routed experts in `expert_dtype`, block scales included) and its KV cache for `batch`
     sequences of `context` tokens (`kv_cache_bytes`). Every rank holds the whole KV cache: there is
     one latent KV head (MQA), which REF replicates too. Activations and workspace are not counted."""
-    from model.checkpoint import check_mp, expected_tensors, itemsize, rank_tensors, runtime_args
+    from dsv41.model.checkpoint import check_mp, expected_tensors, itemsize, rank_tensors, runtime_args
 
     check_mp(args, mp)
     target = runtime_args(args, expert_dtype)

@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import formats, mhc
-from model.attention import Attention
-from model.cache import KVCache
-from model.config import LayerSpec, ModelArgs
-from model.kernels import mhc as kernels_mhc
-from model.layers import Linear, RMSNorm
-from model.moe import MoE
+from dsv41.model import formats, mhc
+from dsv41.model.attention import Attention
+from dsv41.model.cache import KVCache
+from dsv41.model.config import LayerSpec, ModelArgs
+from dsv41.model.kernels import mhc as kernels_mhc
+from dsv41.model.layers import Linear, RMSNorm
+from dsv41.model.moe import MoE
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.engram = None
         if spec.engram is not None:
-            from model.engram import Engram
+            from dsv41.model.engram import Engram
 
             self.engram = Engram(args, spec.id)
         n_mix, width = (2 + args.hc_mult) * args.hc_mult, args.hc_mult * args.dim
@@ -118,11 +118,11 @@ class Transformer(nn.Module):
         self.head = Head(args.vocab_size, args.dim)
         self.mtp = nn.ModuleList()
         if args.dspark_enabled:
-            from model.dspark import DSparkStage
+            from dsv41.model.dspark import DSparkStage
 
             self.mtp.extend(DSparkStage(args, spec, k) for k, spec in enumerate(self.plan.extra))
         if args.vision_enabled:
-            from model.vision import Aligner, VisionTransformer
+            from dsv41.model.vision import Aligner, VisionTransformer
 
             self.vision = VisionTransformer(args)
             self.aligner = Aligner(args)
@@ -141,8 +141,8 @@ class Transformer(nn.Module):
     def hasher(self):
         """Token ids -> Engram table rows; built on first use from the tokenizer (it needs the vocabulary)."""
         if self._hasher is None and self.args.engram_layer_ids:
-            from model.engram import NgramHasher
-            from model.tokenizer import load_tokenizer
+            from dsv41.model.engram import NgramHasher
+            from dsv41.model.tokenizer import load_tokenizer
 
             tok = self._tokenizer or load_tokenizer()
             self._hasher = NgramHasher.from_tokenizer(self.args, tok).to(self.embed.weight.device)
@@ -152,7 +152,7 @@ class Transformer(nn.Module):
     def merge_image_embeddings(self, h: torch.Tensor, images, start_pos: int = 0) -> torch.Tensor:
         """h [B, T, dim] with each image span replaced by its embeddings: START/NEWLINE/END learned,
         IMAGE slots the aligner rows of the ViT features (vision.py). Out of place, differentiable."""
-        from model import vision
+        from dsv41.model import vision
 
         flat = [(b, img) for b, row in enumerate(images) for img in (row or ())]
         rows = vision.encode_images(self.vision, self.aligner, [img for _, img in flat], self.batch_images)
@@ -217,7 +217,7 @@ class Transformer(nn.Module):
         if images is not None and not any(images):
             images = None
         if images is not None:
-            from model import vision  # text-only forwards never load the vision code
+            from dsv41.model import vision  # text-only forwards never load the vision code
 
             if isinstance(images[0], vision.ImageInput):  # a flat list: the images of a one-sequence batch
                 images = [images]

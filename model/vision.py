@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.config import ModelArgs
+from dsv41.model.config import ModelArgs
 
 # token types of an image span (TEXT marks every other position)
 TEXT, IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = -1, 0, 1, 2, 3
@@ -200,7 +200,7 @@ def expand_image_placeholders(ids: Sequence[int], images: Sequence, args: ModelA
     images: one entry per placeholder: an image record of the chat encoding, a path, bytes or a PIL
     image. Returns (ids, token_types, image inputs); span positions all carry `image_token_id`, and
     token_types tell START / IMAGE / NEWLINE / END apart (TEXT elsewhere)."""
-    from model.image_processor import preprocess
+    from dsv41.model.image_processor import preprocess
 
     placeholder = args.image_token_id
     n_placeholders = sum(1 for t in ids if t == placeholder)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from model import encoding
+from dsv41.model import encoding
 
 CONTROL_TOKENS = [
     encoding.BOS, encoding.EOS, "<｜▁pad▁｜>", encoding.USER, encoding.ASSISTANT, encoding.SYSTEM,
@@ -32,10 +32,10 @@ def small_tokenizer() -> Tokenizer:
 
 def make_small_checkpoint(dst: str | Path, seed: int = 0) -> Path:
     """Write the checkpoint (vocab_size 512, the tokenizer's size)."""
-    from model.config import preset
-    from model.engram import build_compressed_token_map
-    from model.fixtures import write_official_fixture
-    from model.tokenizer import Tokenizer as DsTokenizer
+    from dsv41.model.config import preset
+    from dsv41.model.engram import build_compressed_token_map
+    from dsv41.model.fixtures import write_official_fixture
+    from dsv41.model.tokenizer import Tokenizer as DsTokenizer
 
     dst = Path(dst)
     tok = small_tokenizer()

@@ -36,14 +36,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_args():
-    from model.config import preset
+    from dsv41.model.config import preset
 
     return preset("tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_args):
-    from model.transformer import Transformer, init_random_
+    from dsv41.model.transformer import Transformer, init_random_
 
     model = Transformer(tiny_args)
     init_random_(model, seed=0)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evals import bpb
+from dsv41.evals import bpb
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ("Le cœur a ses raisons que la raison ne connaît point. "  # non-ASCII: bytes != characters
@@ -30,7 +30,7 @@ def small_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def loaded(small_ckpt):
-    from model.checkpoint import load_model
+    from dsv41.model.checkpoint import load_model
 
     return load_model(small_ckpt)
 
@@ -167,11 +167,11 @@ def test_corpus_bpb_is_a_ratio_of_sums(loaded, tmp_path):
 
 def test_strided_no_worse_than_disjoint_on_the_trained_model(tmp_path):
     """More context per scored token must not hurt a trained language model (the bundled one)."""
-    from model.assets import bundled_model_dir
+    from dsv41.model.assets import bundled_model_dir
 
     path = bundled_model_dir()
     assert path is not None, "the bundled dsv41-tiny checkpoint is committed: its absence is a defect"
-    from model.checkpoint import load_model
+    from dsv41.model.checkpoint import load_model
 
     model, args, tok = load_model(path)
     rows = [json.loads(line) for line in (ROOT / "recipes/tiny/heldout/prose.jsonl").read_text().splitlines()[:2]]
@@ -183,7 +183,7 @@ def test_strided_no_worse_than_disjoint_on_the_trained_model(tmp_path):
 
 def test_directory_corpus_and_several_models(loaded, tmp_path):
     pytest.importorskip("matplotlib")
-    from evals.plots import plot_bpb
+    from dsv41.evals.plots import plot_bpb
 
     d = tmp_path / "corpus"
     (d / "sub").mkdir(parents=True)

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import checkpoint as C
-from model import formats
-from model.fixtures import fixture_args, write_official_fixture
-from model.ledger import parameter_inventory
+from dsv41.model import checkpoint as C
+from dsv41.model import formats
+from dsv41.model.fixtures import fixture_args, write_official_fixture
+from dsv41.model.ledger import parameter_inventory
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_shards_read_identically_with_the_safetensors_library(official):
 
 def test_encodings_decode_to_the_model_that_was_written(official):
     """The stored FP8 bytes and scales decode to the fixture model's weights (fixture seed 1)."""
-    from model.transformer import Transformer, init_random_
+    from dsv41.model.transformer import Transformer, init_random_
 
     model = init_random_(Transformer(fixture_args()), seed=1)
     state, _ = C.load_state_dict(official)

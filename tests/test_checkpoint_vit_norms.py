@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import checkpoint as C
-from model import vision as V
-from model.fixtures import _tokenizer_dir, _tokenizer_json, fixture_args
+from dsv41.model import checkpoint as C
+from dsv41.model import vision as V
+from dsv41.model.fixtures import _tokenizer_dir, _tokenizer_json, fixture_args
 
 IMG_ID = 500  # the placeholder must be one of the tiny model's 512 ids
 VIT_NORMS = ("vision.blocks.0.norm1.weight", "vision.blocks.0.norm2.weight", "vision.norm.weight")
@@ -49,7 +49,7 @@ def pair(tmp_path_factory) -> dict[str, Path]:
     """The same model twice: ViT norms stored F32 (as S0 declares them, and as checkpoints written before
     the writer followed the release are) and BF16 (as released, and as `save_official` writes them). The
     norm values are random but bf16-representable, so both hold exactly the same numbers."""
-    from model.transformer import Transformer, init_random_
+    from dsv41.model.transformer import Transformer, init_random_
 
     args = vit_args()
     model = init_random_(Transformer(args), seed=4)
@@ -81,7 +81,7 @@ def test_the_release_stores_65_vit_norm_vectors_in_bf16():
     """The evidence: the only tensors allowed another dtype are the 65 ViT norm vectors of 1024 of
     V4.1-Flash, and storing them as BF16 saves exactly the 133,120 bytes by which the released index's
     total_size falls short of our all-F32 inventory."""
-    from model.config import preset
+    from dsv41.model.config import preset
 
     expected = C.expected_tensors(preset("v4.1-flash"))
     flexible = {n: s for n, (s, d) in expected.items() if C.accepted_dtypes(n, d) != (d,)}
@@ -197,7 +197,7 @@ def test_other_dtypes_are_still_refused_with_one_line(pair, tmp_path, capsys, te
 
 
 def test_save_official_refuses_bf16_outside_the_vit_norms(tmp_path):
-    from model.transformer import Transformer
+    from dsv41.model.transformer import Transformer
 
     args = vit_args()
     state = Transformer(args).state_dict()
@@ -215,7 +215,7 @@ RELEASE = {"tensors": 96_085, "bytes": 510_286_023_000,
 def test_the_inventory_matches_the_release_tensor_for_tensor_count_and_byte_for_byte():
     """From the inventory alone (the model on the meta device, no weights): every dtype's count and the
     byte total of the released shard headers."""
-    from model.config import preset
+    from dsv41.model.config import preset
 
     expected = C.expected_tensors(preset("v4.1-flash"))
     totals = C.inventory_totals((n, s, d) for n, (s, d) in expected.items())
@@ -239,7 +239,7 @@ def test_info_json_reports_the_release_numbers(capsys):
 def test_the_writer_stores_vit_norms_as_released(tmp_path):
     """F32 norms that BF16 holds exactly are written BF16 (as released); F32 values BF16 would round stay
     F32 (lossless); either way the checkpoint verifies and loads them back exactly, as F32."""
-    from model.transformer import Transformer, init_random_
+    from dsv41.model.transformer import Transformer, init_random_
 
     args = vit_args()
     state = init_random_(Transformer(args), seed=1).state_dict()
@@ -258,7 +258,7 @@ def test_the_writer_stores_vit_norms_as_released(tmp_path):
 
 
 def test_the_bundled_checkpoint_with_f32_vit_norms_still_loads():
-    from model.assets import bundled_model_dir
+    from dsv41.model.assets import bundled_model_dir
 
     path = bundled_model_dir()
     assert path is not None, "the bundled dsv41-tiny checkpoint is committed: its absence is a defect"

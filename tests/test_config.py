@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from model.config import ModelArgs, load_config, preset
+from dsv41.model.config import ModelArgs, load_config, preset
 
 # spec/architecture.md §4.1: (mode, kv source, index source) of every V4.1-Flash backbone layer
 EXPECTED_V41 = {0: ("swa", None, None), 1: ("swa", None, None)}

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from model import checkpoint as C
-from model.fixtures import write_official_fixture
+from dsv41.model import checkpoint as C
+from dsv41.model.fixtures import write_official_fixture
 
 REPO = Path(__file__).resolve().parents[1]
 

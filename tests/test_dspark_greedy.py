@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.engine import GenerationConfig, Generator
+from dsv41.model.engine import GenerationConfig, Generator
 
 # bound on max |verification logit - one-token-step logit| at any generated position (fp32 logits of the
 # tiny bf16 test model). Measured 2026-12-01 on the prompts below: at most 0.0058 under the AVX-512, AVX2
@@ -140,9 +140,9 @@ BUNDLED_BOUND = 2.5
 
 @pytest.mark.slow
 def test_readme_prompt_on_the_bundled_model():
-    from model import encoding
-    from model.assets import bundled_model_dir
-    from model.checkpoint import load_model
+    from dsv41.model import encoding
+    from dsv41.model.assets import bundled_model_dir
+    from dsv41.model.checkpoint import load_model
 
     path = bundled_model_dir()
     assert path is not None, "the bundled dsv41-tiny checkpoint is committed: its absence is a defect"

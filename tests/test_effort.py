@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from evals import effort
-from evals.effort import GenRequest, generate, wilson_interval
+from dsv41.evals import effort
+from dsv41.evals.effort import GenRequest, generate, wilson_interval
 
 # offline lm-eval and datasets, a throwaway HF_HOME: set up in conftest.py, before any import
 
@@ -30,7 +30,7 @@ def small_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def loaded(small_ckpt):
-    from model.checkpoint import load_model
+    from dsv41.model.checkpoint import load_model
 
     return load_model(small_ckpt)
 
@@ -113,7 +113,7 @@ def test_reasoning_that_never_closes_has_no_answer_and_budget_forces_think_end(t
 def test_generation_matches_the_engine(loaded):
     """Greedy decoding over the KV cache gives the engine's tokens; batching equal-length prompts
     gives each row its own."""
-    from model.engine import GenerationConfig, Generator
+    from dsv41.model.engine import GenerationConfig, Generator
 
     model, _, tok = loaded
     prompts = [ids_of(tok, "<｜begin▁of▁sentence｜><｜User｜>abc<｜Assistant｜>"),
@@ -190,7 +190,7 @@ metric_list:
 metadata: {{version: 1.0}}
 """)
     prompts = []
-    import evals.lm_eval_model as M
+    import dsv41.evals.lm_eval_model as M
 
     real_generate = M.generate
 

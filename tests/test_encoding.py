@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from model.encoding import (
+from dsv41.model.encoding import (
     BOS,
     CALLS_OPEN,
     DSML,
@@ -906,8 +906,8 @@ def test_prefix_cache_holds_the_reply_for_the_next_turn(tiny_model, tmp_path):
     (within its TTL) makes that hit exact."""
     import torch
 
-    from model.engine import GenerationConfig, Generator
-    from model.prefix_cache import PrefixCache
+    from dsv41.model.engine import GenerationConfig, Generator
+    from dsv41.model.prefix_cache import PrefixCache
 
     gen = Generator(tiny_model)
     ids = torch.randint(3, 512, (31,), generator=torch.Generator().manual_seed(5)).tolist()

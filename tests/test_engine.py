@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from model import dspark
-from model.engine import GenerationConfig, Generator, Sampler, SamplingConfig, filter_top_p
+from dsv41.model import dspark
+from dsv41.model.engine import GenerationConfig, Generator, Sampler, SamplingConfig, filter_top_p
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_rollback_restores_the_cache(tiny_model, gen):
         gen.prefill(cache, ids)
         cache.checkpoint()
         tiny_model(torch.tensor([extra]), start_pos=cache.pos, cache=cache)
-        from model.engine import _engram_history
+        from dsv41.model.engine import _engram_history
 
         cache.rollback(len(ids) + 2, _engram_history(tiny_model, ids + extra[:2]))
         after = tiny_model(torch.tensor([[5, 6, 7]]), start_pos=cache.pos, cache=cache, all_logits=True)
@@ -169,7 +169,7 @@ def run_cli(*argv, cwd=None):
 
 
 def test_print_prompt_equals_the_encoder():
-    from model.encoding import encode_messages
+    from dsv41.model.encoding import encode_messages
 
     r = run_cli("generate", "Hello", "--system", "Be exact.", "--effort", "max", "--print-prompt")
     assert r.returncode == 0, r.stderr
@@ -242,7 +242,7 @@ def test_ced_replay_runs_the_decoder_on_the_tail_only(tiny_model, tiny_args):
 
 
 def test_prefix_cache_exact_hit_and_bounded_replay(gen, tmp_path):
-    from model.prefix_cache import PrefixCache
+    from dsv41.model.prefix_cache import PrefixCache
 
     ids = prompt(40, seed=12)
     cfg = lambda pc, **kw: GenerationConfig(max_new_tokens=8, stop_ids=(), prefix_cache=pc, **kw)

@@ -9,9 +9,9 @@ import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
-from model import engram as E
-from model.formats import quant_fp8_weight
-from model.tokenizer import bundled_tokenizer_path, load_tokenizer
+from dsv41.model import engram as E
+from dsv41.model.formats import quant_fp8_weight
+from dsv41.model.tokenizer import bundled_tokenizer_path, load_tokenizer
 
 # The released V4.1-Flash Engram settings (spec §5)
 REAL = SimpleNamespace(engram_layer_ids=(1, 14), engram_num_embeddings=(384006168, 384016682),

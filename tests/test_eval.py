@@ -39,7 +39,7 @@ def small_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def loaded(small_ckpt):
-    from model.checkpoint import load_model
+    from dsv41.model.checkpoint import load_model
 
     return load_model(small_ckpt)
 
@@ -102,7 +102,7 @@ def mmlu_pro_dir(tmp_path_factory):
 
 
 def make_lm(loaded, **kw):
-    from evals.lm_eval_model import DSV41LM
+    from dsv41.evals.lm_eval_model import DSV41LM
 
     model, _, tok = loaded
     return DSV41LM(model=model, tokenizer=tok, **kw)
@@ -174,7 +174,7 @@ def test_loglikelihood_and_greedy(loaded):
 
 
 def test_chat_template_and_cache_identity(loaded):
-    from model import encoding
+    from dsv41.model import encoding
 
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "2+2?"}]
     lm = make_lm(loaded, mode="thinking", effort=30)
@@ -224,7 +224,7 @@ def test_eval_cli_multiple_choice_and_generation_offline(loaded, small_ckpt, tas
 
 def test_resume_from_request_cache(loaded, task_dir, tmp_path, monkeypatch):
     """A rerun with the same cache answers from it: the model is not called again."""
-    import evals.lm_eval_model as M
+    import dsv41.evals.lm_eval_model as M
 
     cache = str(tmp_path / "cache")
     with __import__("tempfile").TemporaryDirectory() as gen:
@@ -261,8 +261,8 @@ def test_mmlu_pro_from_data_dir(small_ckpt, mmlu_pro_dir, tmp_path):
 def test_mmlu_pro_thinking_takes_the_last_answer(loaded, mmlu_pro_dir, monkeypatch):
     """The thinking variant scores the last 'answer is (X)' of the answer; lm-eval's extraction
     and metric run on it (generation stubbed so the answer text is known)."""
-    import evals.lm_eval_model as M
-    from evals.effort import GenOutput
+    import dsv41.evals.lm_eval_model as M
+    from dsv41.evals.effort import GenOutput
 
     def fake_generate(model, tok, requests, batch_size=8, on_done=None):
         outs = [GenOutput("First the answer is (A). No: the answer is (E).", "reasoning", [1, 2, 3], 1, "eos")
@@ -282,7 +282,7 @@ def test_mmlu_pro_thinking_takes_the_last_answer(loaded, mmlu_pro_dir, monkeypat
 
 
 def test_local_split_files(tmp_path):
-    from evals.tasks import local_split_files, resolve
+    from dsv41.evals.tasks import local_split_files, resolve
 
     (tmp_path / "openai" / "gsm8k" / "main").mkdir(parents=True)
     (tmp_path / "openai" / "gsm8k" / "main" / "test.jsonl").write_text("{}\n")
@@ -300,7 +300,7 @@ def test_bad_input_exits_2(small_ckpt, task_dir, tmp_path):
     assert r.returncode == 2 and "--mode" in r.stderr and r.stdout == ""
     r = run_cli("eval", "--suite", "table9", "--model", small_ckpt)
     assert r.returncode == 2 and "unknown suite" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    import evals.lm_eval_model as M
+    import dsv41.evals.lm_eval_model as M
 
     with pytest.raises(M.UnknownTask, match="no_such_task_anywhere"):
         M.make_task_manager(["no_such_task_anywhere"], tmp_path / "gen", [str(task_dir)])
@@ -308,7 +308,7 @@ def test_bad_input_exits_2(small_ckpt, task_dir, tmp_path):
 
 # ------------------------------------------------------------------------------------ suites and reports
 def test_table_suites_keep_every_row_and_the_references():
-    from evals.reports import load_suite, render_html, render_markdown, run_suite
+    from dsv41.evals.reports import load_suite, render_html, render_markdown, run_suite
 
     for name, must_have in (("table1", ["MMLU-Pro (EM)", "74.1", "73.5", "85.7", "51.5"]),
                             ("table3", ["GPQA Diamond (Pass@1)", "90.9", "3471", "74.2", "Terminal-Bench 2.1"])):

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import mhc
+from dsv41.model import mhc
 
 FIXTURE = Path(__file__).parent / "fixtures" / "s0_tiny"
 INDEX_LAYERS = (2, 4, 6, 8)
@@ -52,7 +52,7 @@ DECODE_RATIO = 0.5  # decode: distance to the own mode's golden against the othe
 
 @pytest.fixture(scope="module")
 def s0():
-    from model.checkpoint import load_model
+    from dsv41.model.checkpoint import load_model
 
     model, args, _ = load_model(FIXTURE)
     golden = torch.load(FIXTURE / "golden.pt", weights_only=True)
@@ -67,7 +67,7 @@ def component_run(model, golden, name):
     """Every block fed S0's recorded input (`layer{i-1}.x_out`, or `engram_out` at the Engram layers) and
     `pre`; inside it, the Top-K, candidate pool, routes and each sub-layer's output replaced by S0's after
     ours was recorded. Returns our tensors under golden.pt's key names (plus `route_gap`)."""
-    from model.transformer import SharedState
+    from dsv41.model.transformer import SharedState
 
     g = lambda key: golden[f"{name}.{key}"]  # noqa: E731
     ids = tokens(golden, name)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as Fnn
 
-from model import formats as F
+from dsv41.model import formats as F
 
 # --------------------------------------------------------------------------------------------------
 # Scalar references

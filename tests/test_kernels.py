@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from model import formats  # noqa: E402
-from model.kernels import indexer, mhc, quant, reference, sparse_attention  # noqa: E402
+from dsv41.model import formats  # noqa: E402
+from dsv41.model.kernels import indexer, mhc, quant, reference, sparse_attention  # noqa: E402
 
 CPU = not torch.cuda.is_available()
 interp = pytest.mark.skipif(not CPU or os.environ.get("TRITON_INTERPRET") != "1",
@@ -151,7 +151,7 @@ def test_sparse_attention_split_decode_interpreted(shape):
         widx[2] = -1
     sink = sink * 3
     B, _, H, D = q.shape
-    from model.kernels.sparse_attention import split_config
+    from dsv41.model.kernels.sparse_attention import split_config
 
     _, _, seg_splits = split_config(B, [widx.size(-1), midx.size(-1)], D, 132)
     assert sum(seg_splits) > 1  # the merge is exercised
@@ -197,7 +197,7 @@ def test_sparse_attention_split_empty_segments_interpreted():
 def test_sparse_attention_split_config():
     """Splits: about 2 x SMs programs, at least one tile each, none empty, every tile covered; B=1 gets one
     split per tile of its lists."""
-    from model.kernels.sparse_attention import split_config
+    from dsv41.model.kernels.sparse_attention import split_config
 
     for rows, counts, D in [(1, [128, 512], 512), (8, [128, 512], 512), (64, [128, 512], 512),
                             (4096, [128, 512], 512), (3, [70, 150], 64), (1, [5], 64), (2, [0, 33], 512)]:
@@ -217,7 +217,7 @@ def test_sparse_attention_dense_rows_interpreted():
     q, *_ = attention_case(1, 2, 4, 64, 4, 4, 2, 2, seed=3)
     kv = torch.randn(1, 30, 64).bfloat16()
     idx = torch.randint(-1, 30, (1, 2, 37))
-    from model.attention import sparse_attention as model_ref
+    from dsv41.model.attention import sparse_attention as model_ref
 
     sink = torch.randn(4)
     out = sparse_attention.sparse_attention(q, kv, sink, idx, 0.125, force_triton=True)
@@ -350,7 +350,7 @@ def test_pack_gpu_bit_exact(shape):
 # ---------------------------------------------------------------------------------- the model's forward
 # The entry points that run only on the Triton path of each kernel the model's forward calls.
 def _model_kernels() -> dict:
-    from model.indexer import Indexer
+    from dsv41.model.indexer import Indexer
 
     return {"sparse attention (packed)": (sparse_attention, "_launch"), "indexer": (indexer, "launch_config"),
             "indexer pool (gather)": (Indexer, "pool_topk"), "mHC": (mhc, "launch_config"),
@@ -363,8 +363,8 @@ MODEL_KERNELS = _model_kernels()
 def model_logits_on_kernels(monkeypatch, device: str, kernel_path, reference_path, batch=2, prefill=16, steps=2):
     """The tiny random model's logits over a prefill and `steps` decode steps, once under `reference_path`
     and once under `kernel_path` (context managers), and how often each MODEL_KERNELS entry ran in the latter."""
-    from model.config import preset
-    from model.transformer import Transformer, init_random_
+    from dsv41.model.config import preset
+    from dsv41.model.transformer import Transformer, init_random_
 
     model = init_random_(Transformer(preset("tiny")), 0).to(device).eval()
     ids = torch.randint(0, 500, (batch, prefill + steps), generator=torch.Generator().manual_seed(0)).to(device)
@@ -395,7 +395,7 @@ def expected_model_kernel_calls(steps: int) -> dict:
     source at every second position): attention and mHC in every layer (two mHC steps), the indexer in
     each index layer (the Reindex layers in the gather mode, over their candidate pool), the window packer in
     every layer plus the main packer per written group."""
-    from model.config import preset
+    from dsv41.model.config import preset
 
     args = preset("tiny")
     calls = 1 + steps
@@ -412,7 +412,7 @@ def test_model_forward_on_the_kernels_interpreted(monkeypatch):
     the model (packed KV read in the attention kernel, packed index keys, single-pass mHC, fused packing)."""
     import contextlib
 
-    from model import kernels
+    from dsv41.model import kernels
 
     out, ref, calls = model_logits_on_kernels(monkeypatch, "cpu", kernels.forced, contextlib.nullcontext,
                                               batch=1, prefill=12, steps=1)

@@ -26,9 +26,9 @@ CPU = not torch.cuda.is_available()
 if CPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a Triton kernel is defined
 
-from model import formats, kernels  # noqa: E402
-from model.kernels import experts as ek  # noqa: E402
-from model.kernels import gemm, reference  # noqa: E402
+from dsv41.model import formats, kernels  # noqa: E402
+from dsv41.model.kernels import experts as ek  # noqa: E402
+from dsv41.model.kernels import gemm, reference  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not kernels.triton_available(), reason="Triton (the `kernels` extra) is not installed")
 interp = pytest.mark.skipif(not kernels.triton_available() or not CPU or os.environ.get("TRITON_INTERPRET") != "1",
@@ -92,8 +92,8 @@ def fp4_weight(N, K, seed, device=DEV):
 
 def make_moe(dim, inter, n_experts, topk, expert_dtype="fp4", seed=0, device=DEV):
     """A routed MoE layer with random stored weights (every scale byte in 2^-7 .. 2^0)."""
-    from model.config import LayerPlan, preset
-    from model.moe import MoE
+    from dsv41.model.config import LayerPlan, preset
+    from dsv41.model.moe import MoE
 
     args = preset("tiny").replace(dim=dim, moe_inter_dim=inter, n_routed_experts=n_experts,
                                   n_activated_experts=topk, expert_dtype=expert_dtype)
@@ -128,7 +128,7 @@ GEMM_CONFIGS = [None, dict(BM=16, BN=16, BK=32, split=1, fuse=False, num_warps=4
 # ---------------------------------------------------------------------------------- references = the model
 @pytest.mark.parametrize("kind", ["fp8", "fp4"])
 def test_gemm_references_are_the_linear_fast_path(kind):
-    from model.layers import FP4, Linear
+    from dsv41.model.layers import FP4, Linear
 
     lin = Linear(96, 40, FP4 if kind == "fp4" else torch.float8_e4m3fn, 32)
     w, s = (fp4_weight if kind == "fp4" else fp8_weight)(40, 96, seed=1, device="cpu")
@@ -259,7 +259,7 @@ def test_routed_experts_interpreted(fmt):
 def test_linear_and_moe_dispatch_to_the_kernels_interpreted(monkeypatch):
     """With the device check forced (as on CUDA), Linear and MoE.forward run the kernels and agree with
     the torch path; "exact" mode and inputs that need a gradient stay on the torch path."""
-    from model import layers
+    from dsv41.model import layers
 
     moe = make_moe(64, 96, 4, 2)
     x = activations(6, 64, torch.bfloat16, seed=10).view(2, 3, 64)

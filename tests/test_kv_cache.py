@@ -4,10 +4,10 @@ comparison formats, persistent export/import, rollback of packed rings."""
 import pytest
 import torch
 
-from model import formats
-from model.cache import BF16, FP4_E4M3, FP8_UE8M0, MAIN_FORMATS, MXFP4, KVCache
-from model.config import preset
-from model.ledger import kv_ledger
+from dsv41.model import formats
+from dsv41.model.cache import BF16, FP4_E4M3, FP8_UE8M0, MAIN_FORMATS, MXFP4, KVCache
+from dsv41.model.config import preset
+from dsv41.model.ledger import kv_ledger
 
 
 def hard_values(shape, seed=0) -> torch.Tensor:
@@ -97,8 +97,8 @@ def test_model_hands_the_cache_unrounded_values_and_reads_back_the_qat_values(ti
 
 
 def test_training_forward_keeps_gradients_and_equals_the_packed_forward(tiny_args):
-    from model.layers import rope_frequencies
-    from model.transformer import Transformer, init_random_
+    from dsv41.model.layers import rope_frequencies
+    from dsv41.model.transformer import Transformer, init_random_
 
     rope_frequencies.cache_clear()  # tables built under inference_mode by earlier tests cannot take grads
 
@@ -141,7 +141,7 @@ def test_full_width_global_kv_bytes_per_token(fmt, want):
 
 
 def test_tiny_model_cache_bytes_equal_the_ledger(tiny_model, tiny_args):
-    from model.engine import cache_bytes_per_token
+    from dsv41.model.engine import cache_bytes_per_token
 
     cache = tiny_model.new_cache(2)
     with torch.inference_mode():

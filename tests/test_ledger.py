@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from model.config import preset
-from model.ledger import info, parameter_inventory
+from dsv41.model.config import preset
+from dsv41.model.ledger import info, parameter_inventory
 
 
 @pytest.fixture(scope="module")

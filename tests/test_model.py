@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from model import mhc
-from model.attention import Compressor, sparse_attention, window_indices
-from model.cache import CompressorState
-from model.indexer import select_candidate_blocks, visible_counts
-from model.layers import apply_rope, rope_frequencies
+from dsv41.model import mhc
+from dsv41.model.attention import Compressor, sparse_attention, window_indices
+from dsv41.model.cache import CompressorState
+from dsv41.model.indexer import select_candidate_blocks, visible_counts
+from dsv41.model.layers import apply_rope, rope_frequencies
 
 
 # ------------------------------------------------------------------------------------------- mHC
@@ -183,8 +183,8 @@ def test_incremental_decode_matches_full_forward(tiny_model, tiny_args):
 
 
 def test_state_dict_with_official_names_loads_strictly(tiny_model, tiny_args):
-    from model.ledger import parameter_inventory
-    from model.transformer import Transformer
+    from dsv41.model.ledger import parameter_inventory
+    from dsv41.model.transformer import Transformer
 
     sd = tiny_model.state_dict()
     inv = {n: (s, d) for n, s, d in parameter_inventory(tiny_args)}

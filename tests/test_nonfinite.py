@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import checkpoint as C
-from model.engine import NonFiniteLogits, Sampler, SamplingConfig
+from dsv41.model import checkpoint as C
+from dsv41.model.engine import NonFiniteLogits, Sampler, SamplingConfig
 
 
 def corrupt(ckpt: Path, tensor: str, nbytes: int = 4096, byte: bytes = b"\xff") -> Path:
@@ -165,7 +165,7 @@ def test_the_sampler_refuses_non_finite_logits(temperature):
 
 
 def test_speculative_verification_checks_the_target_logits(tiny_model):
-    from model.engine import Generator
+    from dsv41.model.engine import Generator
 
     gen = Generator(tiny_model, source="ckpt")
     target = torch.randn(3, 8)

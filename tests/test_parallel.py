@@ -36,7 +36,7 @@ def scenario(model, tokenizer) -> dict:
     """Everything compared between one process and two: logits of a padded batch, log-likelihoods of
     (context, continuation) pairs, bits per byte of a text, greedy generation (whole and chunked
     prefill), DSpark speculative generation, and seeded sampling."""
-    from model.engine import GenerationConfig, Generator, SamplingConfig
+    from dsv41.model.engine import GenerationConfig, Generator, SamplingConfig
 
     out = {}
     with torch.inference_mode():
@@ -55,7 +55,7 @@ def scenario(model, tokenizer) -> dict:
         out["bpb"] = nll_bits / len(tokenizer.decode(ids[1:]).encode("utf-8"))  # the first token is not predicted
     # the same through evals/bpb.py, which `dsv41 bpb` and the lm-eval adapter use: right-padded batches
     # run through the KV cache in chunks of 8 positions
-    from evals.bpb import bits_per_byte, rolling_windows, score_sequences
+    from dsv41.evals.bpb import bits_per_byte, rolling_windows, score_sequences
 
     chunked = dict(pad_id=tokenizer.pad_id, batch_size=2, max_logits_bytes=2 * 8 * model.args.vocab_size * 4)
     scored = score_sequences(model, [c + x for c, x in PAIRS], [len(x) for _, x in PAIRS], **chunked)
@@ -76,8 +76,8 @@ def scenario(model, tokenizer) -> dict:
 def worker(whole_dir: str, split_dir: str, out_dir: str) -> None:
     """One rank (run under torchrun): the scenario on the model loaded from the --mp 2 checkpoint, the
     logits of the whole model split in memory, and the context's helpers."""
-    from model import parallel
-    from model.checkpoint import load_model
+    from dsv41.model import parallel
+    from dsv41.model.checkpoint import load_model
 
     ctx = parallel.init_from_env("cpu")
     model, _, tokenizer = parallel.load_model_parallel(split_dir, "cpu", ctx)
@@ -118,7 +118,7 @@ def adapter_scenario(model, tokenizer, ctx, cache: Path) -> dict:
     try:
         from lm_eval.api.instance import Instance
 
-        import evals.lm_eval_model as M
+        import dsv41.evals.lm_eval_model as M
     except ImportError:
         return {}
 
@@ -180,7 +180,7 @@ def small_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def split_checkpoint(small_checkpoint, tmp_path_factory) -> Path:
     """The small checkpoint converted for two ranks (`dsv41 convert --mp 2`)."""
-    from model.checkpoint import convert
+    from dsv41.model.checkpoint import convert
 
     dst = tmp_path_factory.mktemp("mp2") / "mp2"
     convert(small_checkpoint, dst, mp=2)
@@ -191,8 +191,8 @@ def split_checkpoint(small_checkpoint, tmp_path_factory) -> Path:
 def test_the_split_is_the_checkpoints_split(split_checkpoint):
     """apply_tensor_parallel on a whole model keeps, for each rank, exactly the tensors (names, shapes,
     bytes) of that rank's file written by `convert --mp 2`."""
-    from model import parallel
-    from model.checkpoint import load_model, load_rank_state
+    from dsv41.model import parallel
+    from dsv41.model.checkpoint import load_model, load_rank_state
 
     for rank in range(2):
         model, _, _ = load_model(split_checkpoint)  # the whole model, assembled from both rank files
@@ -209,8 +209,8 @@ def test_the_split_is_the_checkpoints_split(split_checkpoint):
 
 def test_a_model_split_over_two_gloo_processes_computes_what_one_process_does(small_checkpoint, split_checkpoint,
                                                                             tmp_path):
-    from model import parallel
-    from model.checkpoint import load_model
+    from dsv41.model import parallel
+    from dsv41.model.checkpoint import load_model
 
     r = torchrun(2, str(Path(__file__)), str(small_checkpoint), str(split_checkpoint), str(tmp_path))
     assert r.returncode == 0, r.stderr[-4000:]
@@ -284,8 +284,8 @@ def test_torchrun_interactive_reads_stdin_on_rank_0(split_checkpoint):
 
 
 def test_memory_plan_counts_the_rank_files_and_the_cache(split_checkpoint, tiny_model):
-    from model import parallel
-    from model.checkpoint import load_args, load_rank_state
+    from dsv41.model import parallel
+    from dsv41.model.checkpoint import load_args, load_rank_state
 
     args = load_args(split_checkpoint)
     plan = parallel.memory_plan(args, 2, context=40, batch=2)

@@ -44,7 +44,7 @@ DOCS = ["Tensor parallel ranks must agree on every token, byte for byte, or the 
 @pytest.fixture(scope="module")
 def split_checkpoint(small_checkpoint, tmp_path_factory) -> Path:
     """The small checkpoint converted for two ranks (`dsv41 convert --mp 2`)."""
-    from model.checkpoint import convert
+    from dsv41.model.checkpoint import convert
 
     dst = tmp_path_factory.mktemp("mp2") / "mp2"
     convert(small_checkpoint, dst, mp=2)
@@ -124,7 +124,7 @@ def run_commands(commands: dict[str, list[str]], out: Path, rank: int = 0) -> di
 
 def worker(commands_file: str, out_dir: str) -> None:
     """One rank (under torchrun): every command, then its exit codes in rank{R}.codes.json."""
-    from model.parallel import init_from_env
+    from dsv41.model.parallel import init_from_env
 
     ctx = init_from_env("cpu")  # as the first command would; its stdout quieting then stays out of the way
     rank = ctx.rank

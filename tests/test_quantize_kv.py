@@ -7,14 +7,14 @@ import sys
 import pytest
 import torch
 
-from evals.bpb import Corpus, Document, score_corpus
-from evals.quantize_kv import evaluate, parse_formats
-from model.ledger import kv_ledger
+from dsv41.evals.bpb import Corpus, Document, score_corpus
+from dsv41.evals.quantize_kv import evaluate, parse_formats
+from dsv41.model.ledger import kv_ledger
 
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    from model.checkpoint import load_model
+    from dsv41.model.checkpoint import load_model
     from tests.checkpoints import make_small_checkpoint
 
     ckpt = make_small_checkpoint(tmp_path_factory.mktemp("qkv") / "ckpt")
@@ -64,8 +64,8 @@ def test_max_tokens_cuts_each_corpus(small):
 
 
 def test_parse_formats():
-    from evals.quantize_kv import FORMATS
-    from model.cache import MAIN_FORMATS
+    from dsv41.evals.quantize_kv import FORMATS
+    from dsv41.model.cache import MAIN_FORMATS
 
     assert set(FORMATS) == set(MAIN_FORMATS)
     assert parse_formats("fp4, bf16") == ["fp4", "bf16"]

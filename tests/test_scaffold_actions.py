@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from evals.scaffolds.actions import FormatError, ToolCall, coerce_arguments, read_action, write_action
-from evals.scaffolds.scaffold import builtin_scaffold_names, load_scaffold
-from evals.scaffolds.tasks import FunctionCallingItem, check_calls, values_match
-from model.encoding import DSML, EOS, THINK_END, render_tool_calls
+from dsv41.evals.scaffolds.actions import FormatError, ToolCall, coerce_arguments, read_action, write_action
+from dsv41.evals.scaffolds.scaffold import builtin_scaffold_names, load_scaffold
+from dsv41.evals.scaffolds.tasks import FunctionCallingItem, check_calls, values_match
+from dsv41.model.encoding import DSML, EOS, THINK_END, render_tool_calls
 
 BASH = load_scaffold("dsml").tools
 FORMATS = {"dsml": {}, "json": {}, "xml": {}, "backticks": {"fence_tag": "bash", "call_fence_tag": "python"}}

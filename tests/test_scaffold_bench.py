@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from dsv41_cli.app import main as cli_main
-from evals.scaffolds.actions import ToolCall, write_action
-from evals.scaffolds.backends import BackendError, OracleBackend
-from evals.scaffolds.bench import markdown_table, run_bench, write_report
-from evals.scaffolds.loop import run_agent_episode, run_function_calling_item
-from evals.scaffolds.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
-from evals.scaffolds.scaffold import builtin_scaffold_names, load_scaffold
-from evals.scaffolds.tasks import TaskError, load_tasks
+from dsv41.evals.scaffolds.actions import ToolCall, write_action
+from dsv41.evals.scaffolds.backends import BackendError, OracleBackend
+from dsv41.evals.scaffolds.bench import markdown_table, run_bench, write_report
+from dsv41.evals.scaffolds.loop import run_agent_episode, run_function_calling_item
+from dsv41.evals.scaffolds.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+from dsv41.evals.scaffolds.scaffold import builtin_scaffold_names, load_scaffold
+from dsv41.evals.scaffolds.tasks import TaskError, load_tasks
 
 SCAFFOLDS = ["dsml", "openai-tools", "xml", "backticks"]
 
@@ -249,8 +249,8 @@ def test_scaffold_file_errors(tmp_path):
 
 def test_report_files(tmp_path):
     episodes = []
-    from evals.scaffolds.bench import summarize
-    from evals.scaffolds.loop import EpisodeResult
+    from dsv41.evals.scaffolds.bench import summarize
+    from dsv41.evals.scaffolds.loop import EpisodeResult
 
     for scaffold, passed in (("xml", [1, 1, 0, 1]), ("dsml", [1, 0, 0, 0])):
         for i, ok in enumerate(passed):
@@ -331,7 +331,7 @@ def test_cli_refuses_to_run_without_the_jail(tmp_path, capsys, monkeypatch):
 def test_local_backend_runs_the_engine_under_a_scaffold(jail, bundled, small_checkpoint):
     """The local backend: the dsv41 engine answers inside the agent loop. A random model will not
     solve anything; what matters is that its completions go through the same parser and accounting."""
-    from evals.scaffolds.backends import LocalBackend, local_backend_available
+    from dsv41.evals.scaffolds.backends import LocalBackend, local_backend_available
 
     assert local_backend_available()
     backend = LocalBackend(small_checkpoint, "cpu", max_new_tokens=6)

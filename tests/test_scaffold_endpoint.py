@@ -11,13 +11,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from dsv41_cli.app import main as cli_main
-from evals.scaffolds.actions import read_action
-from evals.scaffolds.backends import BackendError, BackendFatal, EndpointBackend, completion_text
-from evals.scaffolds.bench import run_bench
-from evals.scaffolds.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
-from evals.scaffolds.scaffold import load_scaffold
-from evals.scaffolds.tasks import load_tasks
-from model.encoding import DSML, EOS, render_tool_calls
+from dsv41.evals.scaffolds.actions import read_action
+from dsv41.evals.scaffolds.backends import BackendError, BackendFatal, EndpointBackend, completion_text
+from dsv41.evals.scaffolds.bench import run_bench
+from dsv41.evals.scaffolds.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+from dsv41.evals.scaffolds.scaffold import load_scaffold
+from dsv41.evals.scaffolds.tasks import load_tasks
+from dsv41.model.encoding import DSML, EOS, render_tool_calls
 
 
 class Stub:

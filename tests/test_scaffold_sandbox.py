@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from evals.scaffolds.actions import ToolCall, write_action
-from evals.scaffolds.bench import run_bench
-from evals.scaffolds.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
-from evals.scaffolds.scaffold import load_scaffold
-from evals.scaffolds.tasks import load_tasks
+from dsv41.evals.scaffolds.actions import ToolCall, write_action
+from dsv41.evals.scaffolds.bench import run_bench
+from dsv41.evals.scaffolds.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+from dsv41.evals.scaffolds.scaffold import load_scaffold
+from dsv41.evals.scaffolds.tasks import load_tasks
 
 FAST = SandboxLimits(wall_seconds=2.5, cpu_seconds=1, memory_bytes=512 << 20, max_processes=48,
                      max_output_bytes=256 << 10, workspace_bytes=32 << 20, workspace_files=2_000,

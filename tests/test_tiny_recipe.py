@@ -11,14 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from evals.tasks import tiny_reasoning as task
+from dsv41.evals.tasks import tiny_reasoning as task
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------------ the task
 def test_effort_tiers_and_strictly_longer_traces():
-    from model.tokenizer import load_tokenizer
+    from dsv41.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     assert [task.effort_tier(e) for e in (1, 19, 20, 44, 45, 69, 70, 89, 90, 100)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
@@ -80,7 +80,7 @@ def test_labelled_styles_name_the_tier_in_their_first_token(style, tier3, tier4)
     """"labelled" and "undo": efforts 70-89 and 90-100 start with their own word, so the effort line decides
     the tier at the first reasoning token (tiers 1 and 2 both start with the first number); "undo" checks
     the first pass by undoing its sums from the end, back to the first number."""
-    from model.tokenizer import load_tokenizer
+    from dsv41.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
     numbers = [7, 3, 9, 2, 5]
@@ -97,9 +97,9 @@ def test_labelled_styles_name_the_tier_in_their_first_token(style, tier3, tier4)
 
 
 def test_both_trace_styles_hold_the_same_problems(tmp_path):
-    from model.tokenizer import load_tokenizer
-    from recipes.tiny import build_data as B
-    from recipes.tiny.train import load_streams
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.recipes.tiny import build_data as B
+    from dsv41.recipes.tiny.train import load_streams
 
     tok = load_tokenizer()
     held = task.load_items()
@@ -166,10 +166,10 @@ def test_generate_items_excludes_heldout_lists():
 @pytest.fixture(scope="module")
 def trainable_tiny():
     """preset('tiny') as a trainable fp32 model, through the recipe's own builder."""
-    from model.config import preset
-    from model.engram import build_compressed_token_map
-    from model.tokenizer import load_tokenizer
-    from recipes.tiny.train import build_trainable
+    from dsv41.model.config import preset
+    from dsv41.model.engram import build_compressed_token_map
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.recipes.tiny.train import build_trainable
 
     args = preset("tiny").replace(trainable=True)
     token_map, _ = build_compressed_token_map(load_tokenizer())
@@ -177,7 +177,7 @@ def trainable_tiny():
 
 
 def test_chunked_ce_matches_full_cross_entropy():
-    from recipes.tiny.train import chunked_ce
+    from dsv41.recipes.tiny.train import chunked_ce
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(3, 7, 16, generator=g, requires_grad=True)
@@ -192,7 +192,7 @@ def test_chunked_ce_matches_full_cross_entropy():
 
 
 def test_weighted_ce_scales_only_the_weighted_tokens():
-    from recipes.tiny.train import chunked_ce, think_start_weights
+    from dsv41.recipes.tiny.train import chunked_ce, think_start_weights
 
     g = torch.Generator().manual_seed(1)
     h = torch.randn(2, 5, 16, generator=g)
@@ -209,7 +209,7 @@ def test_weighted_ce_scales_only_the_weighted_tokens():
 
 
 def test_think_end_weights_mark_the_stop_or_verify_decision():
-    from recipes.tiny.train import think_end_weights
+    from dsv41.recipes.tiny.train import think_end_weights
 
     END, NL, CHECK, STEP = 9, 5, 7, 6
     targets = torch.tensor([[STEP, 1, NL, STEP, 1, NL, CHECK, 2, NL, 3],   # a step, then the verification pass
@@ -223,9 +223,9 @@ def test_reasoning_weights_on_real_traces():
     """With the real tokenizer: effort 100 weights the newline and "Check" that start the verification pass,
     effort 75 the `</think>` after its last step, effort 1 the first reasoning token (`</think>`) by the
     larger of the two weights; rows without reasoning are unweighted."""
-    from evals.tasks import tiny_reasoning as task
-    from model.tokenizer import load_tokenizer
-    from recipes.tiny.train import reasoning_weights
+    from dsv41.evals.tasks import tiny_reasoning as task
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.recipes.tiny.train import reasoning_weights
 
     tok = load_tokenizer()
     assert reasoning_weights(tok, 1.0, 1.0) is None
@@ -244,9 +244,9 @@ def test_reasoning_weights_on_real_traces():
 
 
 def test_closing_sum_weights_mark_the_sum_the_answer_copies():
-    from evals.tasks import tiny_reasoning as task
-    from model.tokenizer import load_tokenizer
-    from recipes.tiny.train import closing_sum_weights, reasoning_weights
+    from dsv41.evals.tasks import tiny_reasoning as task
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.recipes.tiny.train import closing_sum_weights, reasoning_weights
 
     PERIOD, END = 8, 9
     targets = torch.tensor([[3, 4, 26, PERIOD, END, 1, 26], [26, PERIOD, 2, END, 1, 26, PERIOD]])
@@ -262,7 +262,7 @@ def test_closing_sum_weights_mark_the_sum_the_answer_copies():
 
 
 def test_selection_bias_rule_moves_toward_balance():
-    from recipes.tiny.train import update_selection_bias
+    from dsv41.recipes.tiny.train import update_selection_bias
 
     class Fake:
         pass
@@ -276,7 +276,7 @@ def test_selection_bias_rule_moves_toward_balance():
 
 
 def test_backbone_step_reduces_loss_and_keeps_bias_out_of_the_optimizer(trainable_tiny):
-    from recipes.tiny.train import WindowSampler, train_backbone
+    from dsv41.recipes.tiny.train import WindowSampler, train_backbone
 
     model = trainable_tiny
     stream = torch.arange(2000) % 97 + 3  # a periodic sequence: learnable within a few steps
@@ -294,7 +294,7 @@ def test_backbone_step_reduces_loss_and_keeps_bias_out_of_the_optimizer(trainabl
 
 
 def test_dspark_blocks_are_anchor_plus_next_tokens(trainable_tiny):
-    from recipes.tiny.train import dspark_batch, dspark_loss
+    from dsv41.recipes.tiny.train import dspark_batch, dspark_loss
 
     model = trainable_tiny
     model.zero_grad(set_to_none=True)
@@ -322,7 +322,7 @@ def test_dspark_blocks_are_anchor_plus_next_tokens(trainable_tiny):
 def test_dspark_target_labels_are_the_targets_greedy_tokens(trainable_tiny):
     """Self-distillation: the label of block position i is the target's argmax at the position whose
     next token it predicts, i.e. what greedy verification would accept there."""
-    from recipes.tiny.train import dspark_batch, greedy_next
+    from dsv41.recipes.tiny.train import dspark_batch, greedy_next
 
     model = trainable_tiny
     S = model.args.dspark_block_size
@@ -342,10 +342,10 @@ def test_dspark_target_labels_are_the_targets_greedy_tokens(trainable_tiny):
 def test_text_checkpoint_grows_a_fresh_vision_tower(trainable_tiny, tmp_path):
     """--init-from a text-only checkpoint into the vision config: text tensors load as stored, the
     tower keeps its random init, and bias_vl starts from the text selection bias."""
-    from model.engram import build_compressed_token_map
-    from model.fixtures import TINY_VISION
-    from model.tokenizer import load_tokenizer
-    from recipes.tiny.train import build_trainable, load_into_trainable_, official_state_dict, write_official
+    from dsv41.model.engram import build_compressed_token_map
+    from dsv41.model.fixtures import TINY_VISION
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.recipes.tiny.train import build_trainable, load_into_trainable_, official_state_dict, write_official
 
     text = trainable_tiny
     write_official(official_state_dict(text, text.args), text.args, tmp_path / "text", None)
@@ -368,11 +368,11 @@ def test_text_checkpoint_grows_a_fresh_vision_tower(trainable_tiny, tmp_path):
 def test_joint_image_steps_train_the_tower_and_balance_bias_vl(trainable_tiny):
     """Backbone steps with image batches: the reply loss is logged, the tower and the image-span
     embeddings learn, and bias_vl moves only by the aux-loss-free sign rule (whole steps of gamma)."""
-    from model.engram import build_compressed_token_map
-    from model.fixtures import TINY_VISION
-    from model.tokenizer import load_tokenizer
-    from recipes.tiny.config import VISION
-    from recipes.tiny.train import VisionJob, WindowSampler, build_trainable, train_backbone
+    from dsv41.model.engram import build_compressed_token_map
+    from dsv41.model.fixtures import TINY_VISION
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.recipes.tiny.config import VISION
+    from dsv41.recipes.tiny.train import VisionJob, WindowSampler, build_trainable, train_backbone
 
     args = trainable_tiny.args.replace(**{**VISION, **TINY_VISION})
     token_map, _ = build_compressed_token_map(load_tokenizer())
@@ -394,8 +394,8 @@ def test_joint_image_steps_train_the_tower_and_balance_bias_vl(trainable_tiny):
 
 
 def test_export_is_the_official_layout_and_computes_what_training_computed(trainable_tiny, tmp_path):
-    from model.checkpoint import load_model
-    from recipes.tiny.train import official_state_dict, round_dense_to_bf16_, write_official
+    from dsv41.model.checkpoint import load_model
+    from dsv41.recipes.tiny.train import official_state_dict, round_dense_to_bf16_, write_official
 
     model = trainable_tiny
     round_dense_to_bf16_(model)
@@ -425,7 +425,7 @@ def test_export_is_the_official_layout_and_computes_what_training_computed(train
 
 # ------------------------------------------------------------------------------------ evaluation
 def test_strided_bits_score_every_token_once(tiny_model):
-    from recipes.tiny.evaluate import document_bits
+    from dsv41.recipes.tiny.evaluate import document_bits
 
     class SmallVocab:  # the tiny preset has 512 ids: map text to ids below that
         bos_id = 0
@@ -451,7 +451,7 @@ def test_strided_bits_score_every_token_once(tiny_model):
 
 
 def test_wilson_interval_and_compressor_baselines():
-    from recipes.tiny.evaluate import compressor_bpb, wilson_interval
+    from dsv41.recipes.tiny.evaluate import compressor_bpb, wilson_interval
 
     lo, hi = wilson_interval(0.0, 100)
     assert lo == 0.0 and 0.0 < hi < 0.05
@@ -465,9 +465,9 @@ BUNDLED = REPO / "model" / "assets" / "dsv41-tiny"
 
 def test_bundled_checkpoint_layout_and_size():
     # the checkpoint is committed: its absence is a defect, so this fails (never skips) without it
-    from model.assets import bundled_model_dir
-    from model.config import load_config
-    from recipes.tiny.config import tiny_config
+    from dsv41.model.assets import bundled_model_dir
+    from dsv41.model.config import load_config
+    from dsv41.recipes.tiny.config import tiny_config
 
     assert bundled_model_dir() == BUNDLED
     # the HF config carries no name; the bundled model has the recipe's vision tower
@@ -498,7 +498,7 @@ def _generate_json(*args: str) -> dict:
 def test_bundled_checkpoint_loads_strictly_and_answers():
     """The README's main command, greedy: the bundled model loads (strictly, no --model) and gives the
     trace and the answer the README quotes. Checked on AVX-512/AMX and with oneDNN and ATen held to AVX2."""
-    from model.checkpoint import load_model
+    from dsv41.model.checkpoint import load_model
 
     model, args, tok = load_model(BUNDLED)
     assert tok.id_to_token(128799) == "<｜System｜>"
@@ -516,7 +516,7 @@ def test_bundled_model_names_the_colour_of_the_readme_picture(mode, reasoning):
 
 
 def test_trace_forms_name_each_style_of_reply():
-    from recipes.tiny.trace_forms import trace_form
+    from dsv41.recipes.tiny.trace_forms import trace_form
 
     numbers = [7, 3, 9, 2, 5]
     got = {(style, e): trace_form(task.reasoning_trace(numbers, e, style))

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from model.tokenizer import (
+from dsv41.model.tokenizer import (
     IMAGE_PLACEHOLDER,
     SYSTEM_TOKEN,
     V41_RENAMED_TOKENS,

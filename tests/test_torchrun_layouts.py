@@ -82,7 +82,7 @@ def one_process(argv: list[str]) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def bundled() -> Path:
-    from model.assets import bundled_model_dir
+    from dsv41.model.assets import bundled_model_dir
 
     path = bundled_model_dir()
     if path is None:
@@ -155,7 +155,7 @@ def test_an_impossible_split_is_the_one_line_error(bundled, capsys):
     import typer
 
     from dsv41_cli.common import load_on_ranks
-    from model.parallel import ParallelContext
+    from dsv41.model.parallel import ParallelContext
 
     for rank in range(3):
         with pytest.raises(typer.Exit) as e:
@@ -172,9 +172,9 @@ def four_way(tmp_path_factory) -> dict[str, Path]:
     at mp 4 the index-head weights are single rows inside one scale block, so neighbouring ranks share
     a scale row, and the Engram tables' last parts are zero-padded), in the official layout and
     converted to runtime mp 1, 2 and 4."""
-    from model.checkpoint import convert
-    from model.config import preset
-    from model.fixtures import write_official_fixture
+    from dsv41.model.checkpoint import convert
+    from dsv41.model.config import preset
+    from dsv41.model.fixtures import write_official_fixture
 
     root = tmp_path_factory.mktemp("four-way")
     args = preset("tiny").replace(n_heads=8, o_groups=4, index_n_heads=4)
@@ -186,7 +186,7 @@ def four_way(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("mp", [2, 4])
 def test_a_rank_loads_its_part_from_any_layout_as_the_converter_writes_it(four_way, mp):
-    from model.checkpoint import load_args, load_rank, load_rank_state, runtime_args
+    from dsv41.model.checkpoint import load_args, load_rank, load_rank_state, runtime_args
 
     for rank in range(mp):
         want = load_rank_state(four_way[f"mp{mp}"], rank, mp)  # the rank file itself
@@ -203,7 +203,7 @@ def test_a_rank_loads_its_part_from_any_layout_as_the_converter_writes_it(four_w
 def test_a_rank_maps_what_it_can_rather_than_copying(four_way):
     """From runtime mp 1, a replicated tensor and a row slice (the rank's vocabulary rows) stay views of
     the memory-mapped file; only column slices (wo_b) are copies, of the rank's part alone."""
-    from model.checkpoint import load_rank_state, open_runtime, open_tensor
+    from dsv41.model.checkpoint import load_rank_state, open_runtime, open_tensor
 
     whole = open_runtime(four_way["mp1"]).ranks[0]
     state = load_rank_state(four_way["mp1"], 1, 2)

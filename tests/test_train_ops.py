@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import formats
-from model.layers import qat, weight_grid
+from dsv41.model import formats
+from dsv41.model.layers import qat, weight_grid
 
 
 def _weights(shape, seed):
@@ -64,8 +64,8 @@ def test_constants_are_built_once_and_keep_negative_zero():
 
 
 def _trainable_moe(seed=0):
-    from model.config import LayerPlan, preset
-    from model.moe import MoE
+    from dsv41.model.config import LayerPlan, preset
+    from dsv41.model.moe import MoE
 
     args = preset("tiny").replace(dim=64, moe_inter_dim=64, n_routed_experts=6, n_activated_experts=2,
                                   expert_dtype="fp4", trainable=True)

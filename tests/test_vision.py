@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from model import vision as V
-from model.config import ModelArgs, preset
-from model.image_processor import fit_token_budget, num_image_tokens, plan_image_grid, preprocess
+from dsv41.model import vision as V
+from dsv41.model.config import ModelArgs, preset
+from dsv41.model.image_processor import fit_token_budget, num_image_tokens, plan_image_grid, preprocess
 
 PIL = pytest.importorskip("PIL.Image")
 
@@ -32,7 +32,7 @@ def vision_args(**changes) -> ModelArgs:
 
 @pytest.fixture(scope="module")
 def vmodel():
-    from model.transformer import Transformer, init_random_
+    from dsv41.model.transformer import Transformer, init_random_
 
     model = Transformer(vision_args())
     init_random_(model, seed=1)
@@ -308,7 +308,7 @@ def test_image_span_sees_itself_whole_and_text_stays_causal(vmodel):
 
 
 def test_chunked_prefill_keeps_image_spans_whole(vmodel):
-    from model.engine import Generator, _chunk_bounds
+    from dsv41.model.engine import Generator, _chunk_bounds
 
     assert _chunk_bounds(20, 4, [(3, 11)]) == [(0, 11), (11, 15), (15, 19), (19, 20)]  # 4 falls inside the span
     assert _chunk_bounds(20, 4, [(4, 11)]) == [(0, 4), (4, 11), (11, 15), (15, 19), (19, 20)]
@@ -328,7 +328,7 @@ def test_chunked_prefill_keeps_image_spans_whole(vmodel):
 
 
 def test_text_only_logits_are_identical_with_and_without_the_vision_tower(vmodel):
-    from model.transformer import Transformer
+    from dsv41.model.transformer import Transformer
 
     text_args = vmodel.args.replace(vision_n_layers=0)
     text_model = Transformer(text_args).eval()
@@ -345,5 +345,5 @@ def test_text_only_logits_are_identical_with_and_without_the_vision_tower(vmodel
 
 def test_text_only_code_paths_do_not_import_the_vision_code():
     code = ("import sys, model.transformer, model.engine\n"
-            "assert 'model.vision' not in sys.modules and 'PIL' not in sys.modules, sorted(sys.modules)\n")
+            "assert 'dsv41.model.vision' not in sys.modules and 'PIL' not in sys.modules, sorted(sys.modules)\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -37,11 +37,11 @@ def run_cli(capsys):
 def vision_checkpoint(tmp_path_factory):
     from checkpoints import small_tokenizer
 
-    from model import encoding
-    from model.config import preset
-    from model.engram import build_compressed_token_map
-    from model.fixtures import write_official_fixture
-    from model.tokenizer import Tokenizer as DsTokenizer
+    from dsv41.model import encoding
+    from dsv41.model.config import preset
+    from dsv41.model.engram import build_compressed_token_map
+    from dsv41.model.fixtures import write_official_fixture
+    from dsv41.model.tokenizer import Tokenizer as DsTokenizer
 
     dst = tmp_path_factory.mktemp("vision_ckpt") / "ckpt"
     tok = small_tokenizer()
@@ -68,7 +68,7 @@ def vision_checkpoint(tmp_path_factory):
 
 
 def test_print_prompt_puts_the_images_before_the_text(tmp_path, run_cli):
-    from model.encoding import IMAGE_PLACEHOLDER
+    from dsv41.model.encoding import IMAGE_PLACEHOLDER
 
     image = tmp_path / "a.png"
     PIL.new("RGB", (8, 8)).save(image)
@@ -87,10 +87,10 @@ def test_print_prompt_puts_the_images_before_the_text(tmp_path, run_cli):
 
 
 def test_generate_with_an_image_matches_the_library(vision_checkpoint, tmp_path, run_cli):
-    from model.checkpoint import load_model
-    from model.encoding import encode_messages_with_images
-    from model.engine import GenerationConfig, Generator
-    from model.vision import expand_image_placeholders
+    from dsv41.model.checkpoint import load_model
+    from dsv41.model.encoding import encode_messages_with_images
+    from dsv41.model.engine import GenerationConfig, Generator
+    from dsv41.model.vision import expand_image_placeholders
 
     ckpt, image = vision_checkpoint
     common = ["--model", str(ckpt), "--max-new-tokens", "6", "--temperature", "0", "--json", "--mode", "chat"]

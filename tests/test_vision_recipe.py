@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("PIL.Image")
 
-from recipes.tiny.vision import accuracy as A  # noqa: E402
-from recipes.tiny.vision import data as D  # noqa: E402
+from dsv41.recipes.tiny.vision import accuracy as A  # noqa: E402
+from dsv41.recipes.tiny.vision import data as D  # noqa: E402
 
 
 def test_examples_are_reproducible_and_say_what_is_drawn():
@@ -60,10 +60,10 @@ def test_heldout_pictures_differ_from_training_pictures():
 
 
 def test_training_sequences_match_the_cli_prompt():
-    from model.config import ModelArgs
-    from model.encoding import encode_messages_with_images
-    from model.tokenizer import load_tokenizer
-    from recipes.tiny.vision.train import VISION, encode_example
+    from dsv41.model.config import ModelArgs
+    from dsv41.model.encoding import encode_messages_with_images
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.recipes.tiny.vision.train import VISION, encode_example
 
     tok = load_tokenizer()
     args = ModelArgs().replace(**VISION)
@@ -81,12 +81,12 @@ def test_training_sequences_match_the_cli_prompt():
 
 
 def test_continuing_a_tower_trains_only_the_image_path(tmp_path):
-    """`recipes.tiny.vision.train --continue-tower`: the checkpoint's own tower, aligner and span embeddings
+    """`dsv41.recipes.tiny.vision.train --continue-tower`: the checkpoint's own tower, aligner and span embeddings
     become fp32 masters with gradients; every language-model tensor stays frozen as stored."""
     from pathlib import Path
 
     from tests.checkpoints import make_small_checkpoint
-    from recipes.tiny.vision.train import TRAINED_PREFIXES, build
+    from dsv41.recipes.tiny.vision.train import TRAINED_PREFIXES, build
 
     bundled = Path(__file__).resolve().parents[1] / "model" / "assets" / "dsv41-tiny"
     model, args, _, names = build(bundled, keep_tower=True)
@@ -102,9 +102,9 @@ def test_continuing_a_tower_trains_only_the_image_path(tmp_path):
 
 
 def test_padded_sides_are_padded_and_never_held_out():
-    from model.config import ModelArgs
-    from model.image_processor import plan_image_grid
-    from recipes.tiny.vision.train import VISION
+    from dsv41.model.config import ModelArgs
+    from dsv41.model.image_processor import plan_image_grid
+    from dsv41.recipes.tiny.vision.train import VISION
 
     args = ModelArgs().replace(**VISION)
     padded = D.PADDED_SIDES + D.LARGE_SIDES
@@ -118,8 +118,8 @@ def test_a_stage_two_step_with_probes_moves_only_the_image_path(monkeypatch):
     aligner change, no language-model tensor does, and the probes are not part of the model."""
     from pathlib import Path
 
-    from recipes.tiny.vision import train as vision_train
-    from recipes.tiny.vision.train import build, train
+    from dsv41.recipes.tiny.vision import train as vision_train
+    from dsv41.recipes.tiny.vision.train import build, train
 
     monkeypatch.setattr(vision_train, "lr_at", lambda frac, peak: peak)  # no warmup: one step must move
     bundled = Path(__file__).resolve().parents[1] / "model" / "assets" / "dsv41-tiny"

@@ -24,7 +24,7 @@ def command(
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
 ):
-    from evals import bpb
+    from dsv41.evals import bpb
 
     ctx = start_ranks(device)  # one process, or one rank under torchrun: rank 0 prints, plots and shows progress
     note = err.print if ctx.is_main else (lambda *a, **k: None)
@@ -72,7 +72,7 @@ def command(
     if not ctx.is_main:  # every rank computed the same document; rank 0 reports it
         return
     if plot is not None:
-        from evals.plots import plot_bpb
+        from dsv41.evals.plots import plot_bpb
 
         plot_bpb(doc, plot)
         err.print(f"[dim]plot written to {plot}[/dim]", markup=True)

@@ -25,7 +25,7 @@ def command(
                                 "(and the runtime layout's sha256s). Without DST: verify only."),
     as_json: bool = JsonOpt,
 ):
-    from model.checkpoint import EXPERT_DTYPES, CheckpointError, convert, partial_dir, verify_checkpoint
+    from dsv41.model.checkpoint import EXPERT_DTYPES, CheckpointError, convert, partial_dir, verify_checkpoint
 
     if dst is None and not verify:
         fail("missing DST: give an output directory (or --verify to only verify SRC)")

@@ -28,7 +28,7 @@ def command(
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
 ):
-    from model.encoding import parse_effort
+    from dsv41.model.encoding import parse_effort
 
     try:
         effort_list = [parse_effort(e) for e in efforts.split(",") if e.strip()]
@@ -54,7 +54,7 @@ def command(
         except ImportError:
             fail("sweep.png needs matplotlib (pip install 'dsv41[plots]'), or pass --no-plot")
 
-    from model.checkpoint import load_model
+    from dsv41.model.checkpoint import load_model
 
     dev = resolve_device(device)
     model_dir = resolve_model_dir(model)
@@ -65,7 +65,7 @@ def command(
     tune_threads(args, dev)
 
     from dsv41_cli.commands.eval_cmd import StepProgress, explain_failure
-    from evals import effort
+    from dsv41.evals import effort
 
     progress = StepProgress(unit="items" if bundled else "")
     if bundled:
@@ -76,8 +76,8 @@ def command(
         except ValueError as e:
             fail(str(e))
     else:
-        from evals.lm_eval_model import UnknownTask
-        from evals.tasks import resolve
+        from dsv41.evals.lm_eval_model import UnknownTask
+        from dsv41.evals.tasks import resolve
 
         name = resolve(task, "thinking")
         try:
@@ -108,7 +108,7 @@ def command(
 def _print_table(doc: dict) -> None:
     from rich.table import Table
 
-    from evals.effort import PRESET_OF
+    from dsv41.evals.effort import PRESET_OF
 
     table = Table(title=f"effort sweep: {doc['task']}" + (f" ({doc['metric']})" if doc.get("metric") else ""))
     for col in ("effort", "accuracy", "95% CI", "reasoning tokens", "output tokens", "n"):

@@ -89,7 +89,7 @@ def command(
 ):
     if mode is not None and mode not in ("thinking", "chat"):
         fail(f"--mode must be thinking or chat, not {mode!r}")
-    from model import encoding
+    from dsv41.model import encoding
 
     try:
         effort_value = encoding.parse_effort(effort)
@@ -107,7 +107,7 @@ def command(
 
     suite_spec = None
     if suite:
-        from evals.reports import SuiteError, load_suite
+        from dsv41.evals.reports import SuiteError, load_suite
 
         try:
             suite_spec = load_suite(suite)
@@ -124,7 +124,7 @@ def command(
     model_dir = resolve_model_dir(model)
     net, args, tokenizer = load_on_ranks(model_dir, ctx)
 
-    from evals.lm_eval_model import DSV41LM
+    from dsv41.evals.lm_eval_model import DSV41LM
 
     progress = StepProgress(enabled=ctx.is_main)
 
@@ -160,8 +160,8 @@ def _cache_path(output: Path | None, lm, settings: dict) -> str | None:
 
 
 def _evaluate(names, lm, limit, num_fewshot, data_dir, include_path, output, confirm, settings):
-    from evals.lm_eval_model import make_task_manager, run_tasks
-    from evals.tasks import resolve
+    from dsv41.evals.lm_eval_model import make_task_manager, run_tasks
+    from dsv41.evals.tasks import resolve
 
     resolved = [resolve(n, lm.mode) for n in names]
     with tempfile.TemporaryDirectory(prefix="dsv41-tasks-") as generated:
@@ -182,7 +182,7 @@ def explain_failure(e: Exception) -> str:
 
 
 def _run_tasks(names, lm, settings, limit, num_fewshot, data_dir, include_path, output, confirm, as_json):
-    from evals.lm_eval_model import UnknownTask
+    from dsv41.evals.lm_eval_model import UnknownTask
 
     try:
         resolved, results = _evaluate(names, lm, limit, num_fewshot, data_dir, include_path, output, confirm, settings)
@@ -192,14 +192,14 @@ def _run_tasks(names, lm, settings, limit, num_fewshot, data_dir, include_path, 
         if os.environ.get("DSV41_DEBUG"):
             raise
         fail(explain_failure(e))
-    from evals.lm_eval_model import metrics_of
+    from dsv41.evals.lm_eval_model import metrics_of
 
     doc = {"results": metrics_of(results), "config": {**settings, "tasks": resolved,
                                                        "served_locally": results.get("served_locally", [])}}
     if not lm.ctx.is_main:  # every rank holds rank 0's results; rank 0 reports them
         return
     if output is not None:
-        from evals.reports import write_eval_outputs
+        from dsv41.evals.reports import write_eval_outputs
 
         write_eval_outputs(output, results, doc)
     if as_json:
@@ -213,7 +213,7 @@ def _run_tasks(names, lm, settings, limit, num_fewshot, data_dir, include_path, 
 def _print_table(results: dict) -> None:
     from rich.table import Table
 
-    from evals.reports import result_rows
+    from dsv41.evals.reports import result_rows
 
     table = Table(title="dsv41 eval", show_lines=False)
     for col in ("Task", "Filter", "n-shot", "Metric", "", "Value", "± Stderr"):
@@ -225,7 +225,7 @@ def _print_table(results: dict) -> None:
 
 
 def _run_suite(suite, make_lm, mode, settings, limit, num_fewshot, data_dir, include_path, output, confirm, as_json):
-    from evals.reports import row_mode, run_suite, write_report
+    from dsv41.evals.reports import row_mode, run_suite, write_report
 
     output = output or Path(f"eval-{suite.name}")
 
@@ -234,7 +234,7 @@ def _run_suite(suite, make_lm, mode, settings, limit, num_fewshot, data_dir, inc
         return _evaluate([row.task], lm, limit, row.shots if num_fewshot is None else num_fewshot, data_dir,
                          include_path, output, confirm, settings)[1]
 
-    from model.parallel import current
+    from dsv41.model.parallel import current
 
     is_main = current().is_main
     report = run_suite(suite, evaluate_row, explain_failure,
@@ -247,7 +247,7 @@ def _run_suite(suite, make_lm, mode, settings, limit, num_fewshot, data_dir, inc
     if as_json:
         print_json(report)
     else:
-        from evals.reports import render_markdown
+        from dsv41.evals.reports import render_markdown
 
         out.print(render_markdown(report), markup=False)
         err.print(f"[dim]report written to {', '.join(str(p) for p in paths)}[/dim]", markup=True)

@@ -46,7 +46,7 @@ def command(
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
 ):
-    from model import encoding
+    from dsv41.model import encoding
 
     if mode not in ("thinking", "chat"):
         fail(f"--mode must be thinking or chat, not {mode!r}")
@@ -109,7 +109,7 @@ def command(
         sys.stdout.flush()
         return
 
-    from model.engine import GenerationConfig, Generator, SamplingConfig
+    from dsv41.model.engine import GenerationConfig, Generator, SamplingConfig
 
     model_dir = resolve_model_dir(model)
     net, args, tokenizer = load_on_ranks(model_dir, ctx)  # this rank's part of the model
@@ -122,7 +122,7 @@ def command(
         thinking_budget=thinking_budget if mode == "thinking" else None,
         think_end_id=tokenizer.token_to_id(encoding.THINK_END), ced=ced)
     if prefix_cache is not None:
-        from model.prefix_cache import PrefixCache
+        from dsv41.model.prefix_cache import PrefixCache
 
         try:
             config.prefix_cache = PrefixCache(prefix_cache)
@@ -145,7 +145,7 @@ def command(
 
 
 def _turn(text: str, system: str | None, tools: list | None, images: list[dict] | None = None) -> list[dict]:
-    from model import encoding
+    from dsv41.model import encoding
 
     content = text
     if images:  # the images first, then the text (whose <image>path</image> tags stay where they are)
@@ -226,13 +226,13 @@ def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool
     `images`: the image records of the prompt's placeholders (each expands to its image's span).
     `prompt_ids`: the prompt's token ids when the caller has them (a conversation continued over the ids
     already generated); else `prompt_text` is tokenized."""
-    from model.encoding import parse_completion
+    from dsv41.model.encoding import parse_completion
 
     ids = list(prompt_ids) if prompt_ids is not None else tokenizer.encode(prompt_text, allow_special=True)
     inputs = None
     if images or engine.args.image_token_id in ids:
-        from model.encoding import IMAGE_PLACEHOLDER
-        from model.vision import expand_image_placeholders
+        from dsv41.model.encoding import IMAGE_PLACEHOLDER
+        from dsv41.model.vision import expand_image_placeholders
 
         placeholder = tokenizer.token_to_id(IMAGE_PLACEHOLDER)
         if engine.args.vision_enabled and placeholder is not None and placeholder != engine.args.image_token_id:
@@ -295,8 +295,8 @@ def _reasoning_tokens(ids: list[int], tokenizer, mode: str) -> int:
 
 
 def _interactive(engine, tokenizer, config, mode, effort, system, tools, images=None, ctx=None) -> None:
-    from model import encoding
-    from model.parallel import current
+    from dsv41.model import encoding
+    from dsv41.model.parallel import current
 
     ctx = ctx or current()
     history: list[dict] = []

@@ -22,8 +22,8 @@ def command(
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
 ):
-    from model.config import load_config, resolve_config
-    from model.ledger import info
+    from dsv41.model.config import load_config, resolve_config
+    from dsv41.model.ledger import info
 
     if model and config:
         fail("give --model or --config, not both")
@@ -38,7 +38,7 @@ def command(
         fail(str(e))
     doc = info(args, path)
     if mp is not None or context is not None or batch != 1:
-        from model.parallel import memory_plan
+        from dsv41.model.parallel import memory_plan
 
         try:
             doc["parallel"] = memory_plan(args, mp or 1, args.max_seq_len if context is None else context, batch)

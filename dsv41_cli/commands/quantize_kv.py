@@ -24,8 +24,8 @@ def command(
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
 ):
-    from evals.bpb import CorpusError, load_corpus, unique_names
-    from evals.quantize_kv import evaluate, parse_formats
+    from dsv41.evals.bpb import CorpusError, load_corpus, unique_names
+    from dsv41.evals.quantize_kv import evaluate, parse_formats
 
     ctx = start_ranks(device)  # one process, or one rank under torchrun: rank 0 prints and shows progress
     try:

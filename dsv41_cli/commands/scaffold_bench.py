@@ -17,14 +17,14 @@ DEFAULT_SCAFFOLDS = "dsml,openai-tools,xml,backticks"
 
 
 def _backend_choices() -> list[str]:
-    from evals.scaffolds.backends import local_backend_available
+    from dsv41.evals.scaffolds.backends import local_backend_available
 
     return (["local"] if local_backend_available() else []) + ["endpoint", "oracle"]
 
 
 def parse_efforts(text: str) -> list[int | None]:
     """`--efforts`: a comma list of 1..100, low|high|max, or chat (no thinking)."""
-    from model.encoding import parse_effort
+    from dsv41.model.encoding import parse_effort
 
     efforts: list[int | None] = []
     for part in (p.strip() for p in text.split(",")):
@@ -68,11 +68,11 @@ def command(
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
 ):
-    from evals.scaffolds.backends import BackendFatal, EndpointBackend, OracleBackend, effort_label
-    from evals.scaffolds.bench import markdown_table, run_bench, write_report
-    from evals.scaffolds.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
-    from evals.scaffolds.scaffold import load_scaffold
-    from evals.scaffolds.tasks import TaskError, load_tasks
+    from dsv41.evals.scaffolds.backends import BackendFatal, EndpointBackend, OracleBackend, effort_label
+    from dsv41.evals.scaffolds.bench import markdown_table, run_bench, write_report
+    from dsv41.evals.scaffolds.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+    from dsv41.evals.scaffolds.scaffold import load_scaffold
+    from dsv41.evals.scaffolds.tasks import TaskError, load_tasks
 
     choices = _backend_choices()
     if backend is None:
@@ -128,7 +128,7 @@ def command(
             fail(str(e))
     else:  # local: the dsv41 engine
         from dsv41_cli.common import resolve_device, resolve_model_dir
-        from evals.scaffolds.backends import LocalBackend
+        from dsv41.evals.scaffolds.backends import LocalBackend
 
         runner = LocalBackend(resolve_model_dir(model), resolve_device(device))
 

@@ -6,14 +6,14 @@ BFCL-style function-calling items), ``backends`` (oracle, OpenAI-compatible endp
 ``loop`` (the one agent loop), ``bench`` (running the matrix and reporting). See docs/scaffold-bench.md.
 """
 
-from evals.scaffolds.actions import Action, FormatError, ToolCall, read_action, write_action
-from evals.scaffolds.backends import (Backend, BackendError, BackendFatal, EndpointBackend, OracleBackend,
+from dsv41.evals.scaffolds.actions import Action, FormatError, ToolCall, read_action, write_action
+from dsv41.evals.scaffolds.backends import (Backend, BackendError, BackendFatal, EndpointBackend, OracleBackend,
                                       local_backend_available)
-from evals.scaffolds.bench import markdown_table, plot_report, run_bench, write_report
-from evals.scaffolds.loop import EpisodeResult, run_agent_episode, run_function_calling_item
-from evals.scaffolds.sandbox import CommandResult, Sandbox, SandboxLimits, SandboxUnavailable
-from evals.scaffolds.scaffold import Scaffold, builtin_scaffold_names, load_scaffold
-from evals.scaffolds.tasks import AgentTask, FunctionCallingItem, TaskError, bundled_tasks_dir, check_calls, load_tasks
+from dsv41.evals.scaffolds.bench import markdown_table, plot_report, run_bench, write_report
+from dsv41.evals.scaffolds.loop import EpisodeResult, run_agent_episode, run_function_calling_item
+from dsv41.evals.scaffolds.sandbox import CommandResult, Sandbox, SandboxLimits, SandboxUnavailable
+from dsv41.evals.scaffolds.scaffold import Scaffold, builtin_scaffold_names, load_scaffold
+from dsv41.evals.scaffolds.tasks import AgentTask, FunctionCallingItem, TaskError, bundled_tasks_dir, check_calls, load_tasks
 
 __all__ = [
     "Action", "AgentTask", "Backend", "BackendError", "BackendFatal", "CommandResult", "EndpointBackend",

@@ -13,7 +13,7 @@ natively, else None. ``effort`` is 1..100 for thinking mode or None for chat mod
 included: in thinking mode ``{reasoning}</think>{content}``, then ``\\n\\n`` and a DSML calls block when
 there are native tool calls, then ``<｜end▁of▁sentence｜>`` when generation stopped by itself (not at
 a length limit). Every scaffold reads actions out of this text with the one completion parser,
-:func:`model.encoding.parse_completion`. ``output_tokens`` is the number of generated tokens (None when
+:func:`dsv41.model.encoding.parse_completion`. ``output_tokens`` is the number of generated tokens (None when
 the backend cannot tell).
 
 A backend may also have ``begin(task, scaffold)``, called before each episode (the oracle uses it).
@@ -25,7 +25,7 @@ Backends here:
   the parsers and the loop, not a model.
 * :class:`EndpointBackend` talks to any OpenAI-compatible ``/chat/completions`` URL (key from an
   environment variable, retries with exponential backoff, a per-request timeout).
-* :class:`LocalBackend` runs the dsv41 engine in-process (``model.engine.generate_chat``) on a
+* :class:`LocalBackend` runs the dsv41 engine in-process (``dsv41.model.engine.generate_chat``) on a
   checkpoint directory, with effort through the chat encoding.
 """
 
@@ -39,8 +39,8 @@ import urllib.error
 import urllib.request
 from typing import Protocol, runtime_checkable
 
-from evals.scaffolds.actions import ToolCall, write_action
-from model.encoding import EFFORT_PRESETS, EOS, THINK_END, render_tool_calls
+from dsv41.evals.scaffolds.actions import ToolCall, write_action
+from dsv41.model.encoding import EFFORT_PRESETS, EOS, THINK_END, render_tool_calls
 
 
 class BackendError(RuntimeError):
@@ -77,7 +77,7 @@ class TokenCounter:
         with self._lock:
             if self._tokenizer is None and not self._failed:
                 try:
-                    from model.tokenizer import load_tokenizer
+                    from dsv41.model.tokenizer import load_tokenizer
 
                     self._tokenizer = load_tokenizer(self.path)
                 except Exception:  # noqa: BLE001 - token counts are optional, the bench is not
@@ -314,8 +314,8 @@ class LocalBackend:
     name = "local"
 
     def __init__(self, model_dir, device: str = "cpu", max_new_tokens: int = 512):
-        from model.checkpoint import load_model
-        from model.engine import Generator
+        from dsv41.model.checkpoint import load_model
+        from dsv41.model.engine import Generator
 
         model, self.args, self.tokenizer = load_model(model_dir, device=device)
         self.generator = Generator(model, self.tokenizer)
@@ -323,7 +323,7 @@ class LocalBackend:
         self._lock = threading.Lock()  # one model, one forward at a time (run_bench may use threads)
 
     def chat(self, messages, tools, effort):
-        from model.engine import generate_chat
+        from dsv41.model.engine import generate_chat
 
         with self._lock:
             return generate_chat(self.generator, messages, tools, effort, self.max_new_tokens)
@@ -336,7 +336,7 @@ def local_backend_available() -> bool:
     if "LocalBackend" not in globals():
         return False
     try:
-        from model import engine
+        from dsv41.model import engine
     except ImportError:
         return False
     return callable(getattr(engine, "generate_chat", None))

@@ -21,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from evals.scaffolds.backends import effort_label
-from evals.scaffolds.loop import EpisodeResult, run_agent_episode, run_function_calling_item
-from evals.scaffolds.sandbox import Sandbox
-from evals.scaffolds.scaffold import Scaffold
-from evals.scaffolds.tasks import AgentTask, FunctionCallingItem
+from dsv41.evals.scaffolds.backends import effort_label
+from dsv41.evals.scaffolds.loop import EpisodeResult, run_agent_episode, run_function_calling_item
+from dsv41.evals.scaffolds.sandbox import Sandbox
+from dsv41.evals.scaffolds.scaffold import Scaffold
+from dsv41.evals.scaffolds.tasks import AgentTask, FunctionCallingItem
 
 
 def run_bench(backend, scaffolds: list[Scaffold], tasks: list[AgentTask], items: list[FunctionCallingItem],

@@ -3,7 +3,7 @@
 A scaffold is everything about the harness that is not the model or the task (spec/toolkit-anchors.md
 §5, after mini-swe-agent's benchmark configs): the system prompt, how the task is put to the model,
 the tool schema, how actions are written and read back, how command output is returned, and what the
-model is told when its reply cannot be read. The agent loop (:mod:`evals.scaffolds.loop`) is the same
+model is told when its reply cannot be read. The agent loop (:mod:`dsv41.evals.scaffolds.loop`) is the same
 for all of them.
 
 Keys of a scaffold file::
@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evals.scaffolds.actions import FORMATS
+from dsv41.evals.scaffolds.actions import FORMATS
 
 DEFAULT_SENTINEL = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 BUILTIN_ORDER = ("dsml", "openai-tools", "xml", "backticks")
@@ -55,8 +55,7 @@ def render_template(template: str, **values) -> str:
 
 
 def scaffolds_dir() -> Path:
-    import recipes
-
+    from dsv41 import recipes
     return Path(recipes.__file__).resolve().parent / "scaffolds"
 
 

@@ -43,8 +43,7 @@ class TaskError(ValueError):
 
 
 def bundled_tasks_dir() -> Path:
-    import recipes
-
+    from dsv41 import recipes
     return Path(recipes.__file__).resolve().parent / "bench-tasks"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from model.kernels._triton_formats import as_mma, e2m1_to_f32, e8m0_to_f32, f32_to_e4m3_value, round_cast
+from dsv41.model.kernels._triton_formats import as_mma, e2m1_to_f32, e8m0_to_f32, f32_to_e4m3_value, round_cast
 
 
 @triton.jit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from model.kernels._triton_formats import as_mma, e2m1_to_f32, e8m0_to_f32, round_cast
+from dsv41.model.kernels._triton_formats import as_mma, e2m1_to_f32, e8m0_to_f32, round_cast
 
 
 @triton.jit

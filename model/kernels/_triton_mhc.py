@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from model.kernels._triton_formats import as_mma, round_cast
+from dsv41.model.kernels._triton_formats import as_mma, round_cast
 
 
 @triton.jit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from model.kernels._triton_formats import e4m3_value_to_byte, f32_to_e2m1_code, f32_to_e4m3_value
+from dsv41.model.kernels._triton_formats import e4m3_value_to_byte, f32_to_e2m1_code, f32_to_e4m3_value
 
 
 @triton.jit

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model import formats
-from model.kernels import interpreting, reference, use_triton
+from dsv41.model import formats
+from dsv41.model.kernels import interpreting, reference, use_triton
 
 _NAMES = ("w1", "s1", "w3", "s3", "w2", "s2")
 
@@ -137,7 +137,7 @@ def forget(owner) -> None:
 def usable(experts, x: torch.Tensor) -> bool:
     """Whether MoE.routed can take the kernels: CUDA input with Triton, FP4/FP8 stored (not trainable)
     experts, no gradient needed, and the "fast" gemm mode (see model/kernels/gemm.py)."""
-    from model.layers import GEMM_MODE
+    from dsv41.model.layers import GEMM_MODE
 
     if GEMM_MODE["mode"] != "fast" or not (x.is_cuda or interpreting()) or (
             torch.is_grad_enabled() and x.requires_grad) or not use_triton(x):
@@ -211,7 +211,7 @@ def prepare(x, weights, indices, experts: ExpertWeights, config=None) -> dict:
     cfg = launch_config(T * k, experts.n_experts, experts.block, qw)
     cfg.update(config or {})
     token, route, offsets, tile_e, tile_r, pos = sort_by_expert(weights, indices, held, cfg["BM"])
-    from model.kernels.gemm import _act_quant
+    from dsv41.model.kernels.gemm import _act_quant
 
     xq = _act_quant(x, experts.block, x.dtype) if T else x
     return dict(cfg=cfg, qw=qw, base=base, table=table, aligned=aligned, token=token, route=route,
@@ -231,7 +231,7 @@ def up(x, prep, experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor:
     """Step 3: h [T k, inter] in x's dtype (w2's quantized input; rows of unheld experts unwritten)."""
     import triton
 
-    from model.kernels._triton_gemm import expert_up_kernel
+    from dsv41.model.kernels._triton_gemm import expert_up_kernel
 
     cfg, R = prep["cfg"], prep["T"] * prep["k"]
     E, K, N = experts.n_experts, experts.dim, experts.inter
@@ -254,7 +254,7 @@ def down(h, prep, experts: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:
     """Step 4: out [T k, dim] in the activation dtype."""
     import triton
 
-    from model.kernels._triton_gemm import expert_down_kernel
+    from dsv41.model.kernels._triton_gemm import expert_down_kernel
 
     cfg = prep["cfg"]
     E, K, N = experts.n_experts, experts.inter, experts.dim
@@ -275,7 +275,7 @@ def combine(out, prep) -> torch.Tensor:
     """Step 5: y [T, dim] fp32."""
     import triton
 
-    from model.kernels._triton_gemm import combine_kernel
+    from dsv41.model.kernels._triton_gemm import combine_kernel
 
     T, k = prep["T"], prep["k"]
     N = out.size(1)

@@ -29,8 +29,8 @@ import functools
 
 import torch
 
-from model import formats
-from model.kernels import interpreting, reference, use_triton
+from dsv41.model import formats
+from dsv41.model.kernels import interpreting, reference, use_triton
 
 
 def fp8_act_quant(x: torch.Tensor, block: int = formats.FP8_BLOCK, force_triton: bool = False) -> torch.Tensor:
@@ -108,7 +108,7 @@ def launch_config(M: int, N: int, K: int, qa: int, qw: int, device: torch.device
 def _act_quant(x2: torch.Tensor, qa: int, out_dtype: torch.dtype) -> torch.Tensor:
     import triton
 
-    from model.kernels._triton_gemm import act_quant_kernel
+    from dsv41.model.kernels._triton_gemm import act_quant_kernel
 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -124,7 +124,7 @@ def _act_quant(x2: torch.Tensor, qa: int, out_dtype: torch.dtype) -> torch.Tenso
 def _gemm(x, w, s, N, K, fp4, qa, qw, config):
     import triton
 
-    from model.kernels._triton_gemm import gemm_kernel, split_sum_kernel
+    from dsv41.model.kernels._triton_gemm import gemm_kernel, split_sum_kernel
 
     if x.size(-1) != K or K % qa:
         raise ValueError(f"input width {x.size(-1)} does not fit the weight (K = {K}, activation block {qa})")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from model.kernels import interpreting, reference, use_triton
+from dsv41.model.kernels import interpreting, reference, use_triton
 
 
 def _target_programs(device: torch.device) -> int:
@@ -63,7 +63,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
     up to the bf16 roundings that order moves)."""
     if not use_triton(q, key_codes, force=force_triton):
         return reference.indexer_scores(q, weights, key_codes, key_scales, visible, candidates, bf16_scores)
-    from model.kernels._triton_indexer import kernel
+    from dsv41.model.kernels._triton_indexer import kernel
 
     B, T, H, DK = q.shape
     N = key_codes.size(1)

@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from model.kernels import interpreting, reference, use_triton
+from dsv41.model.kernels import interpreting, reference, use_triton
 
 _FN_SPLIT: dict = {}
 
@@ -87,7 +87,7 @@ def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: t
         return reference.mhc_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb)
     import triton
 
-    from model.kernels._triton_mhc import coefficient_kernel, residual_kernel
+    from dsv41.model.kernels._triton_mhc import coefficient_kernel, residual_kernel
 
     M = x[..., 0, 0].numel()
     n_mix = (n + 2) * n

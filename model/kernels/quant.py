@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from model import formats
-from model.kernels import reference, use_triton
+from dsv41.model import formats
+from dsv41.model.kernels import reference, use_triton
 
 
 def _launch(kernel, x, parts, block, floor):
@@ -37,7 +37,7 @@ def pack_fp4_e4m3(x: torch.Tensor, force_triton: bool = False) -> tuple[torch.Te
     """See reference.pack_fp4_e4m3: x [..., D] -> (codes [..., D/2], E4M3 scale bytes [..., D/16])."""
     if not use_triton(x, force=force_triton):
         return reference.pack_fp4_e4m3(x)
-    from model.kernels._triton_quant import pack_fp4_e4m3_kernel
+    from dsv41.model.kernels._triton_quant import pack_fp4_e4m3_kernel
 
     D = x.size(-1)
     return _launch(pack_fp4_e4m3_kernel, x, (D // 2, D // 16), 16, formats.FP4_E4M3_AMAX_FLOOR)
@@ -47,7 +47,7 @@ def pack_fp8_ue8m0(x: torch.Tensor, force_triton: bool = False) -> tuple[torch.T
     """See reference.pack_fp8_ue8m0: x [..., D] -> (E4M3 bytes [..., D], UE8M0 bytes [..., D/32])."""
     if not use_triton(x, force=force_triton):
         return reference.pack_fp8_ue8m0(x)
-    from model.kernels._triton_quant import pack_fp8_ue8m0_kernel
+    from dsv41.model.kernels._triton_quant import pack_fp8_ue8m0_kernel
 
     D = x.size(-1)
     return _launch(pack_fp8_ue8m0_kernel, x, (D, D // 32), 32, formats.FP8_AMAX_FLOOR)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model import formats, mhc
+from dsv41.model import formats, mhc
 
 
 # --------------------------------------------------------------------------------- sparse attention
@@ -35,7 +35,7 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
         main = formats.unpack_fp4_e4m3(main_codes, main_scales, formats.FP4_E4M3_BLOCK, torch.float32)
         kv = torch.cat([window, main], dim=1)
         idx = torch.cat([window_idx, torch.where(main_idx >= 0, main_idx + window.size(1), -1)], dim=-1)
-    from model.attention import sparse_attention  # here: attention.py imports the kernels (and so this module)
+    from dsv41.model.attention import sparse_attention  # here: attention.py imports the kernels (and so this module)
 
     return sparse_attention(q, kv, sink, idx.long(), scale)
 
@@ -51,7 +51,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
     all visible). candidates [B,T,C] (-1 = none): score only those entries, returning [B,T,C] (-inf at -1);
     otherwise [B,T,N]. bf16_scores: the products, the weighted terms and the head sum rounded to bf16 (REF's
     score precision, Indexer.head_scores with index_score_dtype "bf16"; weights then hold bf16 values)."""
-    from model.indexer import weighted_relu_scores  # here: model/indexer.py imports the kernels (and this module)
+    from dsv41.model.indexer import weighted_relu_scores  # here: model/indexer.py imports the kernels (and this module)
 
     keys = formats.unpack_mxfp4(key_codes, key_scales, formats.MXFP4_BLOCK, torch.float32)
     n = keys.size(1)

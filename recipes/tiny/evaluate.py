@@ -1,6 +1,6 @@
 """Measure the bundled model against the issue's "must show" list.
 
-    python -m recipes.tiny.evaluate [--model model/assets/dsv41-tiny] [--output results.json]
+    python -m dsv41.recipes.tiny.evaluate [--model model/assets/dsv41-tiny] [--output results.json]
 
 1. Bits per byte on the held-out split of each corpus family (recipes/tiny/heldout/*.jsonl): every
    document is BOS + its tokens; windows of 512 tokens advance by 256 and score only the tokens not
@@ -159,7 +159,7 @@ def _groups_by_length(rows: list[tuple]) -> dict[int, list[tuple]]:
 
 def reasoning_sweep(model, tok, items: list[dict], efforts=(1, 25, 50, 75, 100), max_new: int | None = None,
                     batch: int = 512) -> dict:
-    from evals.tasks import tiny_reasoning as task
+    from dsv41.evals.tasks import tiny_reasoning as task
 
     think_end = tok.token_to_id("</think>")
     if max_new is None:  # room for the longest gold trace at the highest effort, plus the answer
@@ -197,7 +197,7 @@ def reasoning_sweep(model, tok, items: list[dict], efforts=(1, 25, 50, 75, 100),
 def dspark_acceptance(model, tok, texts: list[str], prompts_per_doc: int = 4, prompt_len: int = 48,
                       gen_len: int = 128) -> dict:
     """Mean tokens committed per verification step when the drafter's blocks are verified greedily."""
-    from model.dspark import base_logits, block_hidden, main_x, markov_draft
+    from dsv41.model.dspark import base_logits, block_hidden, main_x, markov_draft
 
     device = model.embed.weight.device
     args = model.args
@@ -255,7 +255,7 @@ def dspark_acceptance(model, tok, texts: list[str], prompts_per_doc: int = 4, pr
 
 # ------------------------------------------------------------------------------------ samples
 def samples(model, tok, max_new: int = 80) -> dict:
-    from evals.tasks import tiny_reasoning as task
+    from dsv41.evals.tasks import tiny_reasoning as task
 
     out = {}
     for name in FAMILIES:  # a tiny model needs some context to settle into a domain: a few words drift
@@ -275,12 +275,12 @@ def samples(model, tok, max_new: int = 80) -> dict:
 def load_bundled(path: Path, device: str, token_map_file: Path | None = None):
     """(model, tokenizer) through the project's checkpoint loader; the Engram hasher from a
     precomputed token map when one is given (else it is built from the checkpoint's tokenizer)."""
-    from model.checkpoint import load_model
+    from dsv41.model.checkpoint import load_model
 
     model, args, tok = load_model(path, device=device)
     if token_map_file is not None and token_map_file.is_file():
-        from model.engram import NgramHasher
-        from recipes.tiny.build_data import load_tokens
+        from dsv41.model.engram import NgramHasher
+        from dsv41.recipes.tiny.build_data import load_tokens
         import numpy as np
 
         token_map = torch.from_numpy(load_tokens(token_map_file, np.int32).astype(np.int64))
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip", default="", help="comma list of parts to skip: bpb,reasoning,dspark,samples")
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = True
-    from evals.tasks import tiny_reasoning as task
+    from dsv41.evals.tasks import tiny_reasoning as task
 
     skip = set(filter(None, a.skip.split(",")))
     t0 = time.time()

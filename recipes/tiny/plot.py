@@ -1,6 +1,6 @@
 """Loss curve of the dsv41-tiny training run (both stages) -> recipes/tiny/loss.png.
 
-    python -m recipes.tiny.plot [stage1_history.json stage2_history.json ...]
+    python -m dsv41.recipes.tiny.plot [stage1_history.json stage2_history.json ...]
 """
 
 from __future__ import annotations

@@ -17,63 +17,63 @@ set -euo pipefail
 OUT=${1:-model/assets/dsv41-tiny}
 PY=${PY:-python}
 WORK=$(mktemp -d)
-$PY -m recipes.tiny.build_data
-for style in twice labelled undo; do $PY -m recipes.tiny.build_data --reasoning-only $style; done
-$PY -m recipes.tiny.train --out "$WORK/s1" --no-vision --dspark-labels data \
+$PY -m dsv41.recipes.tiny.build_data
+for style in twice labelled undo; do $PY -m dsv41.recipes.tiny.build_data --reasoning-only $style; done
+$PY -m dsv41.recipes.tiny.train --out "$WORK/s1" --no-vision --dspark-labels data \
     --backbone-seconds 260 --dspark-seconds 55 --history recipes/tiny/logs/stage1_history.json
-$PY -m recipes.tiny.train --init-from "$WORK/s1" --out "$WORK/s2" --no-vision --dspark-labels data --lr 2e-3 \
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s1" --out "$WORK/s2" --no-vision --dspark-labels data --lr 2e-3 \
     --mix prose=0.15,code=0.35,literature=0.08,reasoning=0.42 --backbone-seconds 125 --dspark-seconds 25 \
     --history recipes/tiny/logs/stage2_history.json
-$PY -m recipes.tiny.train --init-from "$WORK/s2" --out "$WORK/s3" --batch 256 --lr 2e-3 \
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s2" --out "$WORK/s3" --batch 256 --lr 2e-3 \
     --mix prose=0.15,code=0.30,literature=0.07,reasoning=0.48 --backbone-seconds 465 --dspark-seconds 0 \
     --tower-seconds 40 --vision-every 3 --vision-batch 256 --vision-workers 6 \
     --history recipes/tiny/logs/stage3_history.json
-$PY -m recipes.tiny.train --init-from "$WORK/s3" --out "$WORK/s4" --batch 256 --lr 1.5e-3 \
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s3" --out "$WORK/s4" --batch 256 --lr 1.5e-3 \
     --mix prose=0.18,code=0.34,literature=0.08,reasoning=0.40 --backbone-seconds 250 \
     --dspark-seconds 190 --dspark-batch 128 --vision-every 3 --vision-batch 256 --vision-workers 6 \
     --history recipes/tiny/logs/stage4_history.json
-$PY -m recipes.tiny.train --init-from "$WORK/s4" --out "$WORK/s5" --backbone-seconds 0 \
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s4" --out "$WORK/s5" --backbone-seconds 0 \
     --dspark-seconds 320 --dspark-batch 128 --dspark-lr 1.5e-3 --vision-workers 1 \
     --history recipes/tiny/logs/stage5_history.json
 FOCUS=(--batch 96 --mix prose=0.12,code=0.12,literature=0.06,reasoning=0.7 --vision-every 1 --vision-batch 256
        --think-start-weight 4 --vision-workers 6)
-$PY -m recipes.tiny.train --init-from "$WORK/s5" --out "$WORK/s6" "${FOCUS[@]}" --lr 1e-3 \
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s5" --out "$WORK/s6" "${FOCUS[@]}" --lr 1e-3 \
     --backbone-seconds 349 --dspark-seconds 0 --history recipes/tiny/logs/stage6_history.json
-$PY -m recipes.tiny.train --init-from "$WORK/s6" --out "$WORK/s7" "${FOCUS[@]}" --lr 6e-4 \
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s6" --out "$WORK/s7" "${FOCUS[@]}" --lr 6e-4 \
     --backbone-seconds 250 --dspark-seconds 190 --dspark-batch 128 --dspark-lr 1.5e-3 \
     --history recipes/tiny/logs/stage7_history.json
-$PY -m recipes.tiny.train --init-from "$WORK/s7" --out "$WORK/s8" "${FOCUS[@]}" --lr 8e-4 \
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s7" --out "$WORK/s8" "${FOCUS[@]}" --lr 8e-4 \
     --backbone-seconds 440 --dspark-seconds 0 --history recipes/tiny/logs/stage8_history.json
-$PY -m recipes.tiny.train --init-from "$WORK/s8" --out "$WORK/s9" "${FOCUS[@]}" --lr 5e-4 \
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s8" --out "$WORK/s9" "${FOCUS[@]}" --lr 5e-4 \
     --backbone-seconds 530 --dspark-seconds 0 --history recipes/tiny/logs/stage9_history.json
-$PY -m recipes.tiny.train --init-from "$WORK/s9" --out "$WORK/s10" --backbone-seconds 0 \
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s9" --out "$WORK/s10" --backbone-seconds 0 \
     --dspark-seconds 180 --dspark-batch 128 --dspark-lr 1.5e-3 --vision-workers 1 \
     --history recipes/tiny/logs/stage10_history.json
 DRAFTER=(--dspark-batch 128 --dspark-lr 1.5e-3)
-$PY -m recipes.tiny.train --init-from "$WORK/s10" --out "$WORK/s11" "${FOCUS[@]}" \
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s10" --out "$WORK/s11" "${FOCUS[@]}" \
     --mix prose=0.12,code=0.12,literature=0.06,reasoning_twice=0.7 --lr 5e-4 --backbone-seconds 400 \
     --dspark-seconds 110 "${DRAFTER[@]}" --history recipes/tiny/logs/stage11_history.json
-$PY -m recipes.tiny.train --init-from "$WORK/s11" --out "$WORK/s12" "${FOCUS[@]}" \
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s11" --out "$WORK/s12" "${FOCUS[@]}" \
     --mix prose=0.12,code=0.12,literature=0.06,reasoning_labelled=0.7 --lr 5e-4 --backbone-seconds 425 \
     --dspark-seconds 85 "${DRAFTER[@]}" --history recipes/tiny/logs/stage12_history.json
-$PY -m recipes.tiny.train --init-from "$WORK/s12" --out "$WORK/s13" "${FOCUS[@]}" \
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s12" --out "$WORK/s13" "${FOCUS[@]}" \
     --mix prose=0.12,code=0.12,literature=0.06,reasoning_undo=0.7 --lr 5e-4 --backbone-seconds 405 \
     --dspark-seconds 70 "${DRAFTER[@]}" --history recipes/tiny/logs/stage13_history.json
 # stages 14-15 ran on a 2-core CPU; their budgets are wall-clock, so a faster machine takes more steps
-$PY -m recipes.tiny.train --device cpu --init-from "$WORK/s13" --out "$WORK/s14" --batch 8 \
+$PY -m dsv41.recipes.tiny.train --device cpu --init-from "$WORK/s13" --out "$WORK/s14" --batch 8 \
     --mix prose=0.05,code=0.05,literature=0.03,reasoning_undo=0.87 --vision-every 2 --vision-batch 16 \
     --vision-workers 1 --think-start-weight 4 --closing-sum-weight 5 --lr 2e-4 --backbone-seconds 1200 \
     --dspark-seconds 0 --history recipes/tiny/logs/stage14_history.json
 rm -rf "$OUT.new"
-$PY -m recipes.tiny.vision.train --base "$WORK/s14" --out "$WORK/s15" --continue-tower --seconds 840 --batch 16 \
+$PY -m dsv41.recipes.tiny.vision.train --base "$WORK/s14" --out "$WORK/s15" --continue-tower --seconds 840 --batch 16 \
     --lr 5e-4 --tower-lr-scale 1.0 --padded-sides --probe-weight 0.5 --threads 2 --eval-examples 10
 cp "$WORK/s15/vision_train.json" recipes/tiny/logs/stage15_vision_train.json
-$PY -m recipes.tiny.vision.train --base "$WORK/s15" --out "$OUT.new" --continue-tower --seconds 780 --batch 16 \
+$PY -m dsv41.recipes.tiny.vision.train --base "$WORK/s15" --out "$OUT.new" --continue-tower --seconds 780 --batch 16 \
     --lr 3e-4 --tower-lr-scale 1.0 --padded-sides --large-sides --probe-weight 0.5 --threads 2 --eval-examples 10
 mv "$OUT.new/vision_train.json" recipes/tiny/logs/stage16_vision_train.json
 rm -rf "$OUT" && mv "$OUT.new" "$OUT"
-$PY -m recipes.tiny.plot
-$PY -m recipes.tiny.evaluate --model "$OUT" --output recipes/tiny/logs/eval.json
-$PY -m recipes.tiny.vision.accuracy --model "$OUT" --n 100 --json > recipes/tiny/logs/vision_accuracy.json
-$PY -m recipes.tiny.vision.accuracy --model "$OUT" --n 200 --questions colour,shape --json \
+$PY -m dsv41.recipes.tiny.plot
+$PY -m dsv41.recipes.tiny.evaluate --model "$OUT" --output recipes/tiny/logs/eval.json
+$PY -m dsv41.recipes.tiny.vision.accuracy --model "$OUT" --n 100 --json > recipes/tiny/logs/vision_accuracy.json
+$PY -m dsv41.recipes.tiny.vision.accuracy --model "$OUT" --n 200 --questions colour,shape --json \
     > recipes/tiny/logs/vision_accuracy_n200.json

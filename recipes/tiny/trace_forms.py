@@ -1,8 +1,8 @@
 """Which trace form a checkpoint writes at each effort, and where its long traces lose the answer.
 
-    python -m recipes.tiny.trace_forms --model DIR [--limit 100] [--efforts 1,25,50,75,100]
+    python -m dsv41.recipes.tiny.trace_forms --model DIR [--limit 100] [--efforts 1,25,50,75,100]
 
-The held-out tiny-reasoning items, greedy (`recipes.tiny.evaluate.greedy_generate`, 213 new tokens, scored by
+The held-out tiny-reasoning items, greedy (`dsv41.recipes.tiny.evaluate.greedy_generate`, 213 new tokens, scored by
 `tiny_reasoning.score`). Per effort: mean reasoning tokens, accuracy, the count and the right answers of each
 trace form (none; terse sums; one equation per line; or the second-pass word "Again", "Undo", "Check", with
 "+both" when a "Both give" line follows), and how often the first line's last sum is right against the
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from evals.tasks import tiny_reasoning as task
-from recipes.tiny import evaluate as E
+from dsv41.evals.tasks import tiny_reasoning as task
+from dsv41.recipes.tiny import evaluate as E
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
 """Train dsv41-tiny and write it as an official-layout checkpoint.
 
-    python -m recipes.tiny.train --data .tinydata --out model/assets/dsv41-tiny \
+    python -m dsv41.recipes.tiny.train --data .tinydata --out model/assets/dsv41-tiny \
         --backbone-seconds 300 --dspark-seconds 75            # on one H200 (see README.md)
 
 Two phases, as the V4.1 report trains its drafter:
@@ -55,16 +55,16 @@ MAX_SHARD_BYTES = 15 << 20  # every shard under 16 MiB
 def load_streams(data_dir: Path, names=FAMILY_WEIGHTS) -> dict[str, torch.Tensor]:
     """The token streams of the named families (e.g. `reasoning_undo`, the reasoning task in its "undo"
     trace style, which `build_data --reasoning-only undo` adds)."""
-    from recipes.tiny.build_data import load_tokens
+    from dsv41.recipes.tiny.build_data import load_tokens
 
     missing = [name for name in names if not (data_dir / f"{name}.u32.xz").exists()]
     if missing:
-        raise SystemExit(f"no training stream for {', '.join(missing)} in {data_dir} (python -m recipes.tiny.build_data)")
+        raise SystemExit(f"no training stream for {', '.join(missing)} in {data_dir} (python -m dsv41.recipes.tiny.build_data)")
     return {name: torch.from_numpy(load_tokens(data_dir / f"{name}.u32.xz").astype(np.int64)) for name in names}
 
 
 def load_token_map(data_dir: Path) -> torch.Tensor:
-    from recipes.tiny.build_data import load_tokens
+    from dsv41.recipes.tiny.build_data import load_tokens
 
     return torch.from_numpy(load_tokens(data_dir / "engram_token_map.i32.xz", np.int32).astype(np.int64))
 
@@ -97,8 +97,8 @@ class ImageBatches(torch.utils.data.IterableDataset):
         self.tokenizer_dir, self.args, self.batch, self.seed = tokenizer_dir, args, batch, seed
 
     def __iter__(self):
-        from model.tokenizer import load_tokenizer
-        from recipes.tiny.vision.train import make_batch
+        from dsv41.model.tokenizer import load_tokenizer
+        from dsv41.recipes.tiny.vision.train import make_batch
 
         info = torch.utils.data.get_worker_info()
         rng = random.Random(1000 * self.seed + 1 + (info.id if info else 0))
@@ -136,8 +136,8 @@ class NormedHidden(nn.Module):
 
 def build_trainable(args, token_map: torch.Tensor, device, seed: int = 0):
     """The trainable model (fp32 everywhere) with its Engram hasher built from the precomputed map."""
-    from model.engram import NgramHasher
-    from model.transformer import Transformer, init_random_
+    from dsv41.model.engram import NgramHasher
+    from dsv41.model.transformer import Transformer, init_random_
 
     model = Transformer(args)
     init_random_(model, seed)
@@ -154,8 +154,8 @@ def load_into_trainable_(model, ckpt_dir: Path) -> bool:
     """Continue training from an exported checkpoint: each master takes the exact real value of its
     stored weight (FP8/FP4 dequantized, Engram rows unpacked), so QAT resumes on the same grid points.
     Returns True when the checkpoint had no vision tower and the model's tower starts fresh."""
-    from model import formats
-    from model.checkpoint import load_state_dict
+    from dsv41.model import formats
+    from dsv41.model.checkpoint import load_state_dict
 
     state, _ = load_state_dict(ckpt_dir)
     fresh = []
@@ -252,7 +252,7 @@ def reasoning_weights(tok, start_weight: float, end_weight: float, closing_weigh
     first reasoning token is `</think>`); None when all are 1."""
     if start_weight == 1.0 and end_weight == 1.0 and closing_weight == 1.0:
         return None
-    from evals.tasks.tiny_reasoning import reasoning_trace
+    from dsv41.evals.tasks.tiny_reasoning import reasoning_trace
 
     think, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
     trace = tok.encode(reasoning_trace([1, 2, 3, 4], 100))
@@ -276,7 +276,7 @@ def reasoning_weights(tok, start_weight: float, end_weight: float, closing_weigh
 
 
 def moe_layers(model, part: str):
-    from model.moe import MoE
+    from dsv41.model.moe import MoE
 
     root = model.layers if part == "backbone" else model.mtp
     return [m for m in root.modules() if isinstance(m, MoE)]
@@ -343,7 +343,7 @@ def train_backbone(model, sampler, device, seconds: float, batch: int, context: 
     moes = moe_layers(model, "backbone")
     image_load = None
     if vision is not None:
-        from recipes.tiny.vision.train import ImageLoad
+        from dsv41.recipes.tiny.vision.train import ImageLoad
 
         image_load = ImageLoad(model)
     image_loss = None
@@ -410,7 +410,7 @@ def round_dense_to_bf16_(model) -> None:
 
 
 def _stored_dtypes(args) -> dict[str, torch.dtype]:
-    from model.transformer import Transformer
+    from dsv41.model.transformer import Transformer
 
     with torch.device("meta"):
         ref = Transformer(args.replace(trainable=False))
@@ -432,7 +432,7 @@ def dspark_batch(model, ids: torch.Tensor, anchors_per_seq: int, g: torch.Genera
     labels_from "target": the target model's own greedy next tokens at P+1..P+S (self-distillation:
     verification accepts a draft exactly when it equals the target's greedy token, so that is what the
     drafter should predict); "data": the data tokens P+2..P+S+1."""
-    from model.dspark import block_hidden, main_x
+    from dsv41.model.dspark import block_hidden, main_x
 
     args = model.args
     S, W = args.dspark_block_size, args.window_size
@@ -464,7 +464,7 @@ def dspark_batch(model, ids: torch.Tensor, anchors_per_seq: int, g: torch.Genera
 
 def dspark_loss(model, hidden, prev, labels, chunk: int = 8192):
     """CE on teacher-forced Markov logits + BCE of the confidence head (target: argmax == label)."""
-    from model.dspark import base_logits, teacher_forced_logits
+    from dsv41.model.dspark import base_logits, teacher_forced_logits
 
     head_w = model.head.weight
     N, S, _ = hidden.shape
@@ -540,8 +540,8 @@ def _export_targets(model) -> dict:
     """name -> (kind, trained tensor) for every tensor the official checkpoint stores, where kind is
     'fp8' / 'fp4' (quantize with the layer's format, adds `.scale`), 'engram' (FP8 rows) or 'dense'
     (stored in the inference model's dtype, bf16 or fp32)."""
-    from model.engram import EngramEmbedding
-    from model.layers import Linear
+    from dsv41.model.engram import EngramEmbedding
+    from dsv41.model.layers import Linear
 
     out = {}
     handled = set()
@@ -563,9 +563,9 @@ def _export_targets(model) -> dict:
 def official_state_dict(model, args) -> dict[str, torch.Tensor]:
     """Trained model -> tensors with the official names and storage dtypes (the inference model's
     state dict), checked against a freshly built inference model."""
-    from model import formats
-    from model.layers import Linear
-    from model.transformer import Transformer
+    from dsv41.model import formats
+    from dsv41.model.layers import Linear
+    from dsv41.model.transformer import Transformer
 
     with torch.device("meta"):
         ref = Transformer(args.replace(trainable=False))
@@ -597,7 +597,7 @@ def official_state_dict(model, args) -> dict[str, torch.Tensor]:
 def v41_tokenizer_json() -> str:
     """The bundled DeepSeek tokenizer.json with V4.1's token names (<｜System｜> at 128799), so the
     checkpoint directory's own tokenizer encodes the V4.1 chat format."""
-    from model.tokenizer import apply_v41_names, bundled_tokenizer_path
+    from dsv41.model.tokenizer import apply_v41_names, bundled_tokenizer_path
 
     spec = json.loads(bundled_tokenizer_path().read_text(encoding="utf-8"))
     apply_v41_names(spec)
@@ -683,7 +683,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--log", type=Path, default=None, help="also append log lines to this file")
     ap.add_argument("--history", type=Path, default=None, help="write the loss history (JSON) here")
     a = ap.parse_args(argv)
-    from recipes.tiny.config import tiny_config
+    from dsv41.recipes.tiny.config import tiny_config
 
     torch.manual_seed(a.seed)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -713,7 +713,7 @@ def main(argv: list[str] | None = None) -> dict:
         vision = VisionJob(tokenizer_files, args, a.vision_batch, a.vision_every, a.vision_weight, a.seed,
                            a.vision_workers)
         if fresh_tower and a.tower_seconds > 0:
-            from recipes.tiny.vision.train import pretrain_tower
+            from dsv41.recipes.tiny.vision.train import pretrain_tower
 
             pretrain_tower(model, args, a.tower_seconds if a.max_steps is None else 1.0, 64, 3e-3, a.seed, log=log)
     n_params = sum(p.numel() for p in model.parameters())
@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> dict:
     t1 = time.time()
     token_weights = None
     if a.think_start_weight != 1.0 or a.think_end_weight != 1.0 or a.closing_sum_weight != 1.0:
-        from model.tokenizer import load_tokenizer
+        from dsv41.model.tokenizer import load_tokenizer
 
         token_weights = reasoning_weights(load_tokenizer(tokenizer_files), a.think_start_weight, a.think_end_weight,
                                           a.closing_sum_weight)

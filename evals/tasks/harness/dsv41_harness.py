@@ -21,7 +21,7 @@ def _dataset(rows: list[dict]):
 
 
 def _lm_eval_tasks() -> Path:
-    from evals.tasks import lm_eval_tasks_dir
+    from dsv41.evals.tasks import lm_eval_tasks_dir
 
     return lm_eval_tasks_dir()
 
@@ -141,7 +141,7 @@ def load_bbh_exemplars(**kwargs):
 
 # ---------------------------------------------------------------------------------- tiny-reasoning
 def load_tiny_reasoning(**kwargs):
-    from evals.tasks import tiny_reasoning
+    from dsv41.evals.tasks import tiny_reasoning
 
     rows = [{"id": it["id"], "question": it["messages"][-1]["content"], "answer": int(it["answer"])}
             for it in tiny_reasoning.load_items()]
@@ -150,6 +150,6 @@ def load_tiny_reasoning(**kwargs):
 
 def tiny_reasoning_correct(doc: dict, results: list[str]) -> dict:
     """The answer part (our model strips the reasoning) must end in the gold sum."""
-    from evals.tasks import tiny_reasoning
+    from dsv41.evals.tasks import tiny_reasoning
 
     return {"exact_match": float(tiny_reasoning.extract_answer(results[0]) == int(doc["answer"]))}

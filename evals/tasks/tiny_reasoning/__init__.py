@@ -40,7 +40,7 @@ accuracy and why the next one followed is recorded in recipes/tiny/README.md ("T
 "Measurements", "Trials that were not kept").
 
 In training data the effort is uniform in 1..100 and appears, as the number it is, in the
-effort line of the system part (`model.encoding.encode_messages(..., mode="thinking", effort=e)`).
+effort line of the system part (`dsv41.model.encoding.encode_messages(..., mode="thinking", effort=e)`).
 
 The held-out set (`heldout.jsonl`, 300 items) is effort-free: each item is the prompt messages and
 the gold answer; the effort is chosen at evaluation time. Training data never contains a held-out
@@ -153,7 +153,7 @@ def messages(numbers: list[int]) -> list[dict]:
 
 def training_conversation(numbers: list[int], effort: int, style: str = "reverse-check") -> str:
     """One complete training example in the official V4.1 thinking-mode encoding (BOS ... EOS)."""
-    from model.encoding import encode_messages
+    from dsv41.model.encoding import encode_messages
 
     convo = messages(numbers) + [{"role": "assistant", "reasoning_content": reasoning_trace(numbers, effort, style),
                                   "content": answer_text(numbers)}]
@@ -162,7 +162,7 @@ def training_conversation(numbers: list[int], effort: int, style: str = "reverse
 
 def prompt_text(item: dict, effort: int) -> str:
     """The generation prompt (ends with `<｜Assistant｜><think>`) for a held-out item at `effort`."""
-    from model.encoding import encode_messages
+    from dsv41.model.encoding import encode_messages
 
     return encode_messages(item["messages"], mode="thinking", effort=effort)
 

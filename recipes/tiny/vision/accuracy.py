@@ -1,6 +1,6 @@
 """Held-out accuracy of a checkpoint's vision pathway on synthetic image questions.
 
-    python -m recipes.tiny.vision.accuracy [--model model/assets/dsv41-tiny] [--n 100] [--json]
+    python -m dsv41.recipes.tiny.vision.accuracy [--model model/assets/dsv41-tiny] [--n 100] [--json]
 
 The held-out pictures are drawn from seeds that training never uses (training draws from
 random.Random(seed) streams; these come from random.Random(HELDOUT_SEED + i), one per example) at
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from recipes.tiny.vision import data as D
+from dsv41.recipes.tiny.vision import data as D
 
 HELDOUT_SEED = 9_000_000
 EVAL_SIDES = (56, 84, 100, 112, 150, 224)  # 100, 150 and 224 are sizes training never drew
@@ -94,7 +94,7 @@ def answered(question_type: str, content: str) -> str | None:
 
 def evaluate(model_dir: Path, n: int = 100, modes=("thinking", "chat"), question_types=None,
              max_new_tokens: int = 24, temperature: float = 0.0, top_p: float = 1.0, log=None) -> dict:
-    from model.checkpoint import load_model
+    from dsv41.model.checkpoint import load_model
 
     from dsv41_cli.common import tune_threads
 
@@ -109,9 +109,9 @@ def evaluate(model_dir: Path, n: int = 100, modes=("thinking", "chat"), question
 @torch.inference_mode()
 def _evaluate(model, args, tokenizer, name, n, modes, question_types, max_new_tokens, temperature, top_p,
               log) -> dict:
-    from model.encoding import encode_messages_with_images, parse_completion
-    from model.engine import GenerationConfig, Generator, SamplingConfig
-    from model.vision import expand_image_placeholders
+    from dsv41.model.encoding import encode_messages_with_images, parse_completion
+    from dsv41.model.engine import GenerationConfig, Generator, SamplingConfig
+    from dsv41.model.vision import expand_image_placeholders
 
     engine = Generator(model, tokenizer)
     config = GenerationConfig(max_new_tokens=max_new_tokens, stop_ids=(tokenizer.eos_id,),
@@ -151,7 +151,7 @@ def _evaluate(model, args, tokenizer, name, n, modes, question_types, max_new_to
 
 
 def main(argv: list[str] | None = None) -> int:
-    from model.assets import bundled_model_dir
+    from dsv41.model.assets import bundled_model_dir
 
     ap = argparse.ArgumentParser(description="Held-out accuracy on synthetic image questions.")
     ap.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: the bundled model)")

@@ -2,7 +2,7 @@
 embeddings on synthetic pictures (recipes/tiny/vision/data.py) with the language model frozen, then
 write the checkpoint with the vision tensors added.
 
-    python -m recipes.tiny.vision.train --base model/assets/dsv41-tiny --out runs/dsv41-tiny-vision \
+    python -m dsv41.recipes.tiny.vision.train --base model/assets/dsv41-tiny --out runs/dsv41-tiny-vision \
         [--seconds 1200] [--install]
 
 What trains (everything else is the text checkpoint, bit for bit):
@@ -38,11 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.tiny.vision import data as D
+from dsv41.recipes.tiny.vision import data as D
 
 REPO = Path(__file__).resolve().parents[3]
 
-from recipes.tiny.config import VISION  # noqa: E402  (the tower's shape lives with the text config)
+from dsv41.recipes.tiny.config import VISION  # noqa: E402  (the tower's shape lives with the text config)
 TRAINED_PREFIXES = ("vision.", "aligner.", "image_start", "image_newline", "image_end")
 
 
@@ -51,9 +51,9 @@ def build(base: Path, keep_tower: bool = False):
     """(model, args, tokenizer, names from the checkpoint): the text checkpoint at `base` plus a fresh
     vision tower (or, with keep_tower, the tower `base` already has), the trained parts as fp32 masters,
     everything else frozen as stored."""
-    from model.checkpoint import load_state_dict
-    from model.tokenizer import load_tokenizer
-    from model.transformer import Transformer
+    from dsv41.model.checkpoint import load_state_dict
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.model.transformer import Transformer
 
     state, args = load_state_dict(base)
     if keep_tower != args.vision_enabled:
@@ -104,8 +104,8 @@ class PickedHead(nn.Module):
 # ------------------------------------------------------------------------------------ data
 def encode_example(example: D.Example, mode: str, effort: int, tokenizer, args):
     """(ids, token types, image inputs, index of the first reply token) of one training sequence."""
-    from model.encoding import EOS, THINK_END, encode_messages_with_images
-    from model.vision import expand_image_placeholders
+    from dsv41.model.encoding import EOS, THINK_END, encode_messages_with_images
+    from dsv41.model.vision import expand_image_placeholders
 
     messages = [{"role": "user", "content": [{"type": "image", "data": b"-"},  # stands for example.image
                                              {"type": "text", "text": example.question}]}]
@@ -160,7 +160,7 @@ class Probe(nn.Module):
 
 def probe_loss(model, probe: Probe, args, rng: random.Random, batch: int, sides=D.SIDES):
     """(loss, logits, labels) of the linear probes on one batch of pictures of one canvas size."""
-    from model.image_processor import preprocess
+    from dsv41.model.image_processor import preprocess
 
     device = model.vision.patch_embed.proj.weight.device
     size = (rng.choice(sides), rng.choice(sides))
@@ -207,7 +207,7 @@ class ImageLoad:
     """Counts, per MoE gate, how many image positions picked each expert (forward hooks)."""
 
     def __init__(self, model):
-        from model.moe import Gate
+        from dsv41.model.moe import Gate
 
         self.gates = [m for m in model.layers.modules() if isinstance(m, Gate)]
         self.counts = {g: torch.zeros(g.bias.numel()) for g in self.gates}
@@ -294,7 +294,7 @@ def train(model, args, tokenizer, seconds: float, batch: int, lr: float, gamma: 
 # ------------------------------------------------------------------------------------ export
 def vision_state(model, args) -> dict[str, torch.Tensor]:
     """The trained tensors in their checkpoint dtypes (those of a freshly built inference model)."""
-    from model.transformer import Transformer
+    from dsv41.model.transformer import Transformer
 
     with torch.device("meta"):
         ref = Transformer(args).state_dict()
@@ -308,13 +308,13 @@ def vision_state(model, args) -> dict[str, torch.Tensor]:
 def export(model, args, base: Path, out: Path) -> list[str]:
     """base's tensors as stored plus the vision tensors, written with the text recipe's writer
     (shards under 16 MiB, index, config.json with the vision_config, the tokenizer files)."""
-    from model.checkpoint import load_state_dict
-    from recipes.tiny.train import write_official
+    from dsv41.model.checkpoint import load_state_dict
+    from dsv41.recipes.tiny.train import write_official
 
     state, _ = load_state_dict(base)
     merged = {**{n: t.contiguous() for n, t in state.items()}, **vision_state(model, args)}
     with torch.device("meta"):
-        from model.transformer import Transformer
+        from dsv41.model.transformer import Transformer
 
         order = list(Transformer(args).state_dict())
     if set(order) != set(merged):
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
     history += train(model, args, tokenizer, a.seconds, a.batch, a.lr, a.gamma, a.seed, a.max_steps,
                      tower_lr_scale=a.tower_lr_scale, sides=sides, probe_weight=a.probe_weight)
     files = export(model, args, a.base, a.out)
-    from recipes.tiny.vision.accuracy import evaluate
+    from dsv41.recipes.tiny.vision.accuracy import evaluate
 
     report = evaluate(a.out, n=a.eval_examples, modes=("thinking",))
     summary = {"steps": history[-1]["step"] if history else 0, "history": history, "files": files,
