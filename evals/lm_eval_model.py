@@ -57,7 +57,7 @@ from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from dsv41.evals.bpb import DEFAULT_LOGITS_BYTES, plan_batches, score_sequences
-from dsv41.evals.effort import GenRequest, generate
+from dsv41.evals.batch_generate import GenRequest, generate
 from dsv41.model import encoding
 
 log = logging.getLogger(__name__)

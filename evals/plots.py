@@ -109,7 +109,9 @@ def plot_sweep(doc: dict, path: str | os.PathLike, title: str | None = None) -> 
     reasoning and mean output tokens per effort."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    from dsv41.evals.effort import PRESET_OF
+    from dsv41.model.encoding import EFFORT_PRESETS
+
+    PRESET_OF = {v: k for k, v in EFFORT_PRESETS.items()}  # 50 -> "low", ... (as evals/effort.py's PRESET_OF)
 
     plt = _pyplot()
     pts = sorted(doc["points"], key=lambda p: p["effort"])

@@ -233,23 +233,13 @@ def evaluate(model, tokenizer, corpora: Sequence[Corpus], formats: Sequence[str]
         row = {"format": f, **s.summary(overall_bytes)}
         row["delta_bpb"] = row["bpb"] - ref_bpb
         row["window_bytes_per_layer"] = s.kv_bytes["window"] / max(1, s.kv_windows * args.n_layers)
-        row["ledger_bytes_per_token"] = _ledger_global(args, f)
+        row["ledger_bytes_per_token"] = kv_ledger(args, f)["global_bytes_per_token"]  # main entries in f
         formats_out.append(row)
     return {"model": model_name, "tokens": sum(p[4] for p in plans), "bytes": overall_bytes, "reference": REFERENCE,
             "max_ctx": max_ctx, "window": "disjoint",
             "ledger": {"global_bytes_per_token_fp4": ledger["global_bytes_per_token"],
                        "swa_bytes_per_layer_window": ledger["swa_bytes_per_layer_window"]},
             "formats": formats_out, "corpora": corpora_out}
-
-
-def _ledger_global(args, fmt: str) -> float:
-    """The ledger's global KV per token with the main entries in `fmt` (the official ledger is fp4)."""
-    from dsv41.model import formats as F
-
-    entry = {"fp4": F.packed_nbytes("fp4_e4m3", args.head_dim), "fp8": F.packed_nbytes("fp8_ue8m0", args.head_dim),
-             "bf16": 2 * args.head_dim}[fmt]
-    key = F.packed_nbytes("mxfp4", args.index_head_dim)
-    return sum((entry + key) / args.compress_ratios[l] for l in args.kv_source_layers)
 
 
 def render_markdown(doc: dict) -> str:

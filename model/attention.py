@@ -26,13 +26,14 @@ from dsv41.model import formats
 from dsv41.model.cache import WINDOW_CODEC
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.indexer import Indexer
+from dsv41.model.kernels import reference
 from dsv41.model.kernels import sparse_attention as kernels_attention
 from dsv41.model.layers import Linear, RMSNorm, qat, rope_frequencies_on, rope_tail, storage_dtype
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """Reference sparse MQA with a sink. q [B,T,H,D], kv [B,N,D] (K = V), sink [H] (fp32 logit that
+    """Sparse MQA with a sink. q [B,T,H,D], kv [B,N,D] (K = V), sink [H] (fp32 logit that
     joins the denominator only), idx [B,T,K] with -1 = empty. A row with no valid index gives 0.
 
         o = sum_j e^{l_j - M} kv_j / (sum_j e^{l_j - M} + e^{sink - M}),   l_j = scale q.kv_{idx_j}
@@ -41,7 +42,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
 
     On CUDA with bf16 q and kv, no gradient wanted and Triton installed, this runs the Triton kernel
     (model/kernels/sparse_attention.py; same result within bf16 rounding of the probabilities);
-    DSV41_DISABLE_TRITON=1 keeps this reference. CPU always takes the reference below.
+    DSV41_DISABLE_TRITON=1 keeps the reference. CPU always takes the reference (model/kernels/reference.py:
+    REF's kernel step for step, its bf16 rounding of the probabilities included).
     """
     if q.is_cuda and q.dtype == kv.dtype == torch.bfloat16 and not (
             torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad or sink.requires_grad)):
@@ -49,33 +51,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
 
         if use_triton(q, kv) and kernels.supported(q, kv.size(-1)):
             return kernels.sparse_attention(q, kv, sink, idx, scale)
-    # REF's kernel, step for step: an online softmax over blocks of 64 indices whose running max starts
-    # at -1e30 and covers the logits only; probabilities are rounded to bf16 before P.V (relative to the
-    # running max), the sink joins the denominator at the end. Reproducing the rounding matters: one
-    # bf16 ulp here moves the FP8 activation grid of wo_b and grows from layer to layer.
-    B, T, H, D = q.shape
-    qf, kvf = q.float(), kv.float()
-    batch = torch.arange(B, device=kv.device).view(-1, 1, 1)
-    acc = q.new_zeros(B, T, H, D, dtype=torch.float32)
-    denom = q.new_zeros(B, T, H, dtype=torch.float32)
-    run_max = torch.full((B, T, H), -1e30, dtype=torch.float32, device=q.device)
-    for start in range(0, idx.size(-1), SPARSE_BLOCK):
-        block = idx[..., start:start + SPARSE_BLOCK].long()
-        valid = block >= 0
-        keys = kvf[batch, block.clamp_min(0)] * valid.unsqueeze(-1)  # [B,T,k,D]
-        logits = torch.einsum("bthd,btkd->bthk", qf, keys)
-        logits = torch.where(valid.unsqueeze(2), logits, -torch.inf) * scale
-        new_max = torch.maximum(run_max, logits.amax(dim=-1))
-        rescale = torch.exp(run_max - new_max)
-        p = torch.exp(logits - new_max.unsqueeze(-1))
-        denom = denom * rescale + p.sum(dim=-1)
-        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bthk,btkd->bthd", p.to(torch.bfloat16).float(), keys)
-        run_max = new_max
-    denom = denom + torch.exp(sink.float() - run_max)
-    return (acc / denom.unsqueeze(-1)).to(q.dtype)
-
-
-SPARSE_BLOCK = 64  # indices per block of REF's sparse-attention kernel
+    return reference.sparse_attention(q, kv, sink, idx, scale)
 
 
 def window_indices(start_pos: int, seqlen: int, n_prev: int, window: int, device) -> torch.Tensor:

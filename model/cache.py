@@ -5,7 +5,8 @@ layer: the shared compressed main KV, its indexer keys, and the compressor's pen
 Model-wide: Engram's n-gram history. Every layer with m > 0 reads the compressed KV of its kv source;
 nothing is duplicated across layers (that is CSA2's storage saving).
 
-Storage formats (model/formats.py), bytes per entry for the V4.1-Flash shapes (D = 512, index 128):
+Storage formats (model/formats.py), bytes per entry for the V4.1-Flash shapes (D = 512, index 128), as
+each codec's `bytes_per_entry` gives them (the one KV-bytes table: `kv_entry_bytes`, `kv_cache_bytes`):
 
     main KV      main_format="fp4" (official): E2M1 codes two per byte + one E4M3 scale per 16    288 B
                  main_format="fp8" (comparison): E4M3 + one UE8M0 scale per 32                   528 B
@@ -45,34 +46,90 @@ from dsv41.model.layers import qat
 @dataclass(frozen=True)
 class Codec:
     """One storage format: `pack` x [..., D] -> byte tensors [..., *]; `unpack` them back to a dtype;
-    `fake_quant` is what unpack(pack(x)) equals (bit for bit), in x's dtype."""
+    `fake_quant` is what unpack(pack(x)) equals (bit for bit), in x's dtype.
+
+    `layout(D)` is what one entry of D values is stored as: (last dimension, dtype) of each tensor
+    `pack` returns, payload first, then scales. `bytes_per_entry(D)` follows from it; it is the one
+    table of KV bytes (`kv_entry_bytes`): the ledger (`dsv41 info`), the memory plan and
+    `dsv41 quantize-kv` ask it, and tests/test_kv_bytes.py checks it against the packed tensors."""
 
     name: str
-    fake_quant: Callable[[torch.Tensor], torch.Tensor]
-    pack: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
-    unpack: Callable[[tuple[torch.Tensor, ...], torch.dtype], torch.Tensor]
+    fake_quant: Callable[[torch.Tensor], torch.Tensor] | None
+    pack: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None
+    unpack: Callable[[tuple[torch.Tensor, ...], torch.dtype], torch.Tensor] | None
+    layout: Callable[[int], tuple[tuple[int, torch.dtype], ...]]
+
+    def bytes_per_entry(self, dim: int) -> int:
+        """Bytes one stored entry of `dim` values takes: payload + scales."""
+        return sum(n * dtype.itemsize for n, dtype in self.layout(dim))
 
 
 def _bf16_round(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
 
 
+_U8 = torch.uint8
+
 # The main and window packers are model/kernels/quant.py's: one fused Triton pass on CUDA, bit-exact with
 # model/formats.py's packers, which they call everywhere else.
 FP4_E4M3 = Codec("fp4", lambda x: formats.fp4_e4m3_fake_quant(x, formats.FP4_E4M3_BLOCK),
                  kernels_quant.pack_fp4_e4m3,
-                 lambda p, dtype: formats.unpack_fp4_e4m3(p[0], p[1], formats.FP4_E4M3_BLOCK, dtype))
+                 lambda p, dtype: formats.unpack_fp4_e4m3(p[0], p[1], formats.FP4_E4M3_BLOCK, dtype),
+                 lambda d: ((d // 2, _U8), (d // formats.FP4_E4M3_BLOCK, _U8)))  # E2M1 x2, E4M3 scales
 FP8_UE8M0 = Codec("fp8", lambda x: formats.fp8_fake_quant(x, formats.FP8_BLOCK),
                   kernels_quant.pack_fp8_ue8m0,
-                  lambda p, dtype: formats.unpack_fp8_ue8m0(p[0], p[1], formats.FP8_BLOCK, dtype))
-BF16 = Codec("bf16", _bf16_round, lambda x: (x.to(torch.bfloat16),), lambda p, dtype: p[0].to(dtype))
+                  lambda p, dtype: formats.unpack_fp8_ue8m0(p[0], p[1], formats.FP8_BLOCK, dtype),
+                  lambda d: ((d, _U8), (d // formats.FP8_BLOCK, _U8)))  # E4M3, UE8M0 scales
+BF16 = Codec("bf16", _bf16_round, lambda x: (x.to(torch.bfloat16),), lambda p, dtype: p[0].to(dtype),
+             lambda d: ((d, torch.bfloat16),))
 MXFP4 = Codec("mxfp4", lambda x: formats.mxfp4_fake_quant(x, formats.MXFP4_BLOCK),
               lambda x: formats.pack_mxfp4(x, formats.MXFP4_BLOCK),
-              lambda p, dtype: formats.unpack_mxfp4(p[0], p[1], formats.MXFP4_BLOCK, dtype))
+              lambda p, dtype: formats.unpack_mxfp4(p[0], p[1], formats.MXFP4_BLOCK, dtype),
+              lambda d: ((d // 2, _U8), (d // formats.MXFP4_BLOCK, _U8)))  # E2M1 x2, UE8M0 scales
 
 MAIN_FORMATS: dict[str, Codec] = {"fp4": FP4_E4M3, "fp8": FP8_UE8M0, "bf16": BF16}
 INDEX_KEY_CODEC = MXFP4
 WINDOW_CODEC = FP8_UE8M0
+
+
+def v4_entry_codec(rope_dim: int) -> Codec:
+    """V4-Flash/Pro's KV entry, main and window alike (ledger only: the V4 forward is not implemented,
+    so nothing packs it): the D - rope_dim dims without RoPE in FP8 E4M3 with one UE8M0 scale per 64,
+    the rope_dim RoPE dims in bf16. 448 + 7 + 2 x 64 = 583 B at D = 512."""
+    return Codec("v4", None, None, None,
+                 lambda d: ((d - rope_dim, _U8), ((d - rope_dim) // 64, _U8), (rope_dim, torch.bfloat16)))
+
+
+def kv_codecs(args: ModelArgs, main_format: str = "fp4") -> dict[str, tuple[Codec, int]]:
+    """What a `KVCache` stores per entry, part by part: {"main", "index_keys", "window"} -> (codec,
+    values per entry). Main entries in `main_format` (head_dim values), index keys MXFP4
+    (index_head_dim), window slots FP8 (head_dim)."""
+    if main_format not in MAIN_FORMATS:
+        raise ValueError(f"main_format must be one of {', '.join(MAIN_FORMATS)}, not {main_format!r}")
+    return {"main": (MAIN_FORMATS[main_format], args.head_dim),
+            "index_keys": (INDEX_KEY_CODEC, args.index_head_dim),
+            "window": (WINDOW_CODEC, args.head_dim)}
+
+
+def kv_entry_bytes(args: ModelArgs, main_format: str = "fp4") -> dict[str, int]:
+    """The KV-bytes table: bytes per stored entry of each part of a `KVCache` (see `kv_codecs`); for
+    V4.1-Flash and fp4, main 288, index_keys 68, window 528."""
+    return {part: codec.bytes_per_entry(dim) for part, (codec, dim) in kv_codecs(args, main_format).items()}
+
+
+def kv_cache_bytes(args: ModelArgs, context: int, batch: int = 1, main_format: str = "fp4") -> dict[str, int]:
+    """What a `KVCache` stores for `batch` sequences after `context` tokens, from `kv_entry_bytes`:
+    main entries (`main_format`; FP4 with E4M3 scales = 288 B at D = 512) and MXFP4 index keys (68 B)
+    for every complete group of each kv-source layer, and one FP8 window ring of `window_size` slots
+    (528 B each) per backbone layer, allocated whole. DSpark's rings (with --dspark), a compressor's
+    pending partial group and the growable buffers' spare capacity (up to 2x of the main entries and
+    keys) are not included. (`storage_bytes` measures the same from a cache's tensors.)"""
+    entry = kv_entry_bytes(args, main_format)
+    entries = sum(context // args.compress_ratios[l] for l in args.kv_source_layers)
+    main = entries * entry["main"] * batch
+    keys = entries * entry["index_keys"] * batch
+    window = (args.window_size if context else 0) * args.n_layers * entry["window"] * batch
+    return {"main": main, "index_keys": keys, "window": window, "total": main + keys + window}
 
 
 def _differentiable(x: torch.Tensor) -> bool:

@@ -34,7 +34,7 @@ class ModelArgs:
     dtype: Literal["bf16", "fp8"] = "fp8"
     expert_dtype: Literal["fp4", "fp8", "bf16"] | None = "fp4"
     # attn.wo_a: None = as `dtype` (FP8 in the official checkpoint); the runtime layout stores it bf16,
-    # dequantized by the converter as REF's convert does (model/checkpoint.py)
+    # dequantized by the converter as REF's convert does (model/checkpoint/plan.py)
     wo_a_dtype: Literal["bf16", "fp8"] | None = None
     fp8_block_size: int = 32  # V4.1: 32x32 weight blocks and 32-wide activation groups; V4: 128
     vocab_size: int = 129280

@@ -28,7 +28,7 @@ from torch import nn
 from dsv41.model import mhc
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.layers import Linear, RMSNorm, storage_dtype
-from dsv41.model.transformer import Block
+from dsv41.model.block import Block
 
 
 class MarkovHead(nn.Module):

@@ -23,6 +23,7 @@ from dsv41.model import formats
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.kernels import indexer as kernels_indexer
 from dsv41.model.kernels import use_triton
+from dsv41.model.kernels.reference import weighted_relu_scores  # score = sum_h w_h ReLU(q_h . k)
 from dsv41.model.layers import Linear, RMSNorm, qat, rope_tail, storage_dtype
 
 
@@ -52,16 +53,6 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     entries = (top.indices.unsqueeze(-1) * block_size + torch.arange(block_size, device=scores.device))
     entries = torch.where(kept.unsqueeze(-1) & (entries < n), entries, -1).flatten(-2)
     return keep.repeat_interleave(block_size, dim=-1)[..., :n], entries
-
-
-def weighted_relu_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, bf16: bool) -> torch.Tensor:
-    """score = sum_h w_h ReLU(q_h . k), fp32. q [B, T, H, D], weights [B, T, H]; keys [B, N, D] (every entry:
-    [B, T, N]) or [B, T, C, D] (a candidate list per token: [B, T, C]). bf16: q, k, the products, the weighted
-    terms and the head sum in bf16, as REF keeps them (and breaks Top-K ties on those values)."""
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    pattern = "bthd,bnd->bthn" if keys.dim() == 3 else "bthd,btcd->bthc"
-    scores = torch.einsum(pattern, q.to(dtype), keys.to(dtype)).relu_()
-    return (scores * weights.to(dtype).unsqueeze(-1)).sum(dim=2).float()
 
 
 class Indexer(nn.Module):

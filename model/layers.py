@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41.model import formats, kernels
+# How FP8/FP4 GEMMs are evaluated ("fast" or "exact"): the flag lives with the GEMMs (model/kernels/gemm.py);
+# Linear reads it, and `dsv41.model.layers.set_gemm_mode` stays importable.
+from dsv41.model.kernels.gemm import GEMM_MODE, set_gemm_mode  # noqa: F401
 
 FP4 = "fp4"  # packed E2M1 experts are stored as int8 bytes ("I8" in safetensors), two values per byte
 
@@ -74,20 +77,6 @@ def weight_grid(kind: str, w: torch.Tensor, block: int) -> torch.Tensor:
     if kind == "fp8":
         return formats.fp8_weight_fake_quant(w, block)
     return formats.mxfp4_fake_quant(w.float(), 32)
-
-
-# How FP8/FP4 GEMMs are evaluated. "fast": exact dequantization of both operands, one fp32 matmul.
-# "exact": REF's kernel order, K blocks of 32 accumulated one after another (bit parity with REF's
-# CPU port, slow). The two differ only in the order of fp32 additions. On CUDA with Triton, "fast" runs
-# the kernels of model/kernels/gemm.py and model/kernels/experts.py (same products, fp32 sums in another
-# order); "exact" always takes the reference loop.
-GEMM_MODE = {"mode": "fast"}
-
-
-def set_gemm_mode(mode: str) -> None:
-    if mode not in ("fast", "exact"):
-        raise ValueError("gemm mode must be 'fast' or 'exact'")
-    GEMM_MODE["mode"] = mode
 
 
 class Linear(nn.Module):

@@ -23,7 +23,9 @@ from collections import Counter
 
 import torch
 
-from dsv41.model import formats
+from dsv41.model.cache import INDEX_KEY_CODEC, kv_entry_bytes, v4_entry_codec
+from dsv41.model.checkpoint.names import inventory_totals, parameter_inventory, release_dtype
+from dsv41.model.checkpoint.safetensors import st_name
 from dsv41.model.config import ModelArgs
 
 COMPONENTS = ("backbone", "engram", "dspark", "vision")
@@ -46,40 +48,6 @@ def logical_numel(p: torch.Tensor) -> int:
 
 def is_scale(name: str, p: torch.Tensor) -> bool:
     return name.endswith(".scale") and p.dtype in (torch.float8_e8m0fnu, torch.float8_e4m3fn, torch.uint8)
-
-
-def parameter_inventory(args: ModelArgs, fast: bool = True) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, shape, dtype) of every tensor in the official checkpoint layout, built on the meta device.
-
-    Building 15,000 expert modules takes seconds, so by default the model is built with one routed
-    expert per layer and the expert entries are replicated by name (tests check that this equals
-    the full construction)."""
-    if args.family == "v4":
-        return _v4_inventory(args)
-    from dsv41.model.transformer import Transformer
-
-    small = args.replace(n_routed_experts=1, n_activated_experts=1, dspark_n_routed_experts=1,
-                         dspark_n_activated_experts=1) if fast else args
-    with torch.device("meta"):
-        model = Transformer(small)
-    out = []
-    for name, p in model.state_dict().items():
-        shape = tuple(p.shape)
-        if fast and ".ffn." in name:
-            layer = _layer_id(name, args)
-            routed, _ = args.moe_shape(layer)
-            if ".experts.0." in name:
-                out.extend((name.replace(".experts.0.", f".experts.{e}."), shape, p.dtype) for e in range(routed))
-                continue
-            if ".ffn.gate." in name:
-                shape = (routed,) + shape[1:]
-        out.append((name, shape, p.dtype))
-    return out
-
-
-def _layer_id(name: str, args: ModelArgs) -> int:
-    head, idx = name.split(".")[:2]
-    return int(idx) + (args.n_layers if head == "mtp" else 0)
 
 
 def parameter_counts(args: ModelArgs, inventory=None) -> dict[str, int]:
@@ -124,27 +92,29 @@ def activated_counts(args: ModelArgs, inventory=None) -> dict[str, int]:
     return {"prefill": int(round(prefill)), "decode": int(round(decode))}
 
 
-def kv_ledger(args: ModelArgs) -> dict[str, float]:
-    """Bytes per token of the global KV (main + indexer keys), from the storage formats' sizes.
+def kv_ledger(args: ModelArgs, main_format: str = "fp4") -> dict[str, float]:
+    """Bytes per token of the global KV (main + indexer keys), from the storage formats' sizes: the
+    codecs' `bytes_per_entry` (model/cache.py, `kv_entry_bytes`).
 
-    V4.1: main KV entries are E2M1 with one E4M3 scale per 16 (288 B for 512 dims), indexer keys
-    MXFP4 (68 B for 128 dims), window KV FP8 with UE8M0 per 32 (528 B). Each kv source stores one
-    entry per m tokens; nobody else stores any. V4: every compressing layer stores its own entries:
-    448 FP8 nope dims + 7 UE8M0 scales (one per 64) + 64 bf16 rope dims = 583 B, and its indexer keys
-    (CSA layers) in MXFP4."""
+    V4.1: main KV entries are E2M1 with one E4M3 scale per 16 (288 B for 512 dims; `main_format`
+    "fp8" or "bf16" for the comparison formats), indexer keys MXFP4 (68 B for 128 dims), window KV
+    FP8 with UE8M0 per 32 (528 B). Each kv source stores one entry per m tokens; nobody else stores
+    any. V4: every compressing layer stores its own entries: 448 FP8 nope dims + 7 UE8M0 scales (one
+    per 64) + 64 bf16 rope dims = 583 B, and its indexer keys (CSA layers) in MXFP4."""
     main = indexer = 0.0
     if args.family == "v4.1":
-        entry = formats.packed_nbytes("fp4_e4m3", args.head_dim)
-        key = formats.packed_nbytes("mxfp4", args.index_head_dim)
+        table = kv_entry_bytes(args, main_format)
+        entry, key = table["main"], table["index_keys"]
         for l in args.kv_source_layers:
             m = args.compress_ratios[l]
             main += entry / m
             indexer += key / m
-        window_entry = formats.packed_nbytes("fp8_ue8m0", args.head_dim)
+        window_entry = table["window"]
     else:
-        nope = args.head_dim - args.rope_head_dim
-        entry = nope + nope // 64 + 2 * args.rope_head_dim
-        key = formats.packed_nbytes("mxfp4", args.index_head_dim)
+        if main_format != "fp4":
+            raise ValueError(f"V4's KV has one format (its official one), not main_format={main_format!r}")
+        entry = v4_entry_codec(args.rope_head_dim).bytes_per_entry(args.head_dim)
+        key = INDEX_KEY_CODEC.bytes_per_entry(args.index_head_dim)
         for l in range(args.n_layers):
             m = args.compress_ratios[l]
             if m:
@@ -224,8 +194,6 @@ def checkpoint_ledger(args: ModelArgs, inventory=None) -> dict:
     (`dsv41.model.checkpoint.expected_tensors`: the ViT norm weights BF16): in total and per safetensors
     dtype, as a tally of the shard headers gives them. V4.1-Flash: 96,085 tensors, 510,286,023,000
     bytes (BF16 520, F32 387, F8_E4M3 357, F8_E8M0 47,589, I8 47,232)."""
-    from dsv41.model.checkpoint import inventory_totals, release_dtype, st_name
-
     entries = [(name, shape, release_dtype(name, st_name(dtype)))
                for name, shape, dtype in inventory or parameter_inventory(args)]
     return {"layout": "official", **inventory_totals(entries)}
@@ -249,73 +217,3 @@ def info(args: ModelArgs, path: str | None = None) -> dict:
 
         doc["kv_vs_v4_flash"] = kv_comparison(args, preset("v4-flash"))
     return doc
-
-
-# ---------------------------------------------------------------------------------- V4 inventory
-def _v4_inventory(args: ModelArgs) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """Tensor shapes of a V4 (Flash/Pro) checkpoint, from spec §3 and §6 (ledgers only: the V4
-    forward pass is not implemented). Names follow the official checkpoint."""
-    d, b = args.dim, args.fp8_block_size
-    f8, e8, bf, f32, i8 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.bfloat16, torch.float32, torch.int8
-    out: list = []
-
-    def linear(name, o, i, dtype=f8):
-        out.append((f"{name}.weight", (o, i), dtype))
-        if dtype == f8:
-            out.append((f"{name}.scale", (math.ceil(o / b), math.ceil(i / b)), e8))
-
-    def block(p, layer, ratio, mtp=False):
-        n_mix = (2 + args.hc_mult) * args.hc_mult
-        for sub in ("attn", "ffn"):
-            out.extend([(f"{p}.hc_{sub}_fn", (n_mix, args.hc_mult * d), f32), (f"{p}.hc_{sub}_base", (n_mix,), f32),
-                        (f"{p}.hc_{sub}_scale", (3,), f32)])
-        out.extend([(f"{p}.attn_norm.weight", (d,), bf), (f"{p}.ffn_norm.weight", (d,), bf),
-                    (f"{p}.attn.attn_sink", (args.n_heads,), f32), (f"{p}.attn.q_norm.weight", (args.q_lora_rank,), bf),
-                    (f"{p}.attn.kv_norm.weight", (args.head_dim,), bf)])
-        linear(f"{p}.attn.wq_a", args.q_lora_rank, d)
-        linear(f"{p}.attn.wq_b", args.n_heads * args.head_dim, args.q_lora_rank)
-        linear(f"{p}.attn.wkv", args.head_dim, d)
-        linear(f"{p}.attn.wo_a", args.o_groups * args.o_lora_rank, args.n_heads * args.head_dim // args.o_groups)
-        linear(f"{p}.attn.wo_b", d, args.o_groups * args.o_lora_rank)
-        if ratio:
-            overlap = 2 if ratio == 4 else 1
-            width = overlap * args.head_dim
-            out.extend([(f"{p}.attn.compressor.wkv.weight", (width, d), bf),
-                        (f"{p}.attn.compressor.wgate.weight", (width, d), bf),
-                        (f"{p}.attn.compressor.ape", (ratio, width), f32),
-                        (f"{p}.attn.compressor.norm.weight", (args.head_dim,), bf)])
-            if ratio == 4:
-                iw = 2 * args.index_head_dim
-                linear(f"{p}.attn.indexer.wq_b", args.index_n_heads * args.index_head_dim, args.q_lora_rank)
-                out.extend([(f"{p}.attn.indexer.weights_proj.weight", (args.index_n_heads, d), bf),
-                            (f"{p}.attn.indexer.compressor.wkv.weight", (iw, d), bf),
-                            (f"{p}.attn.indexer.compressor.wgate.weight", (iw, d), bf),
-                            (f"{p}.attn.indexer.compressor.ape", (ratio, iw), f32),
-                            (f"{p}.attn.indexer.compressor.norm.weight", (args.index_head_dim,), bf)])
-        out.append((f"{p}.ffn.gate.weight", (args.n_routed_experts, d), bf))
-        if layer < args.n_hash_layers and not mtp:
-            out.append((f"{p}.ffn.gate.tid2eid", (args.vocab_size, args.n_activated_experts), torch.int64))
-        else:
-            out.append((f"{p}.ffn.gate.bias", (args.n_routed_experts,), f32))
-        inter = args.moe_inter_dim
-        for e in range(args.n_routed_experts):
-            for w, (o, i) in (("w1", (inter, d)), ("w2", (d, inter)), ("w3", (inter, d))):
-                out.append((f"{p}.ffn.experts.{e}.{w}.weight", (o, i // 2), i8))
-                out.append((f"{p}.ffn.experts.{e}.{w}.scale", (o, i // 32), e8))
-        for w, (o, i) in (("w1", (inter, d)), ("w2", (d, inter)), ("w3", (inter, d))):
-            linear(f"{p}.ffn.shared_experts.{w}", o, i)
-
-    out.extend([("embed.weight", (args.vocab_size, d), bf), ("head.weight", (args.vocab_size, d), bf),
-                ("norm.weight", (d,), bf), ("hc_head_fn", (args.hc_mult, args.hc_mult * d), f32),
-                ("hc_head_base", (args.hc_mult,), f32), ("hc_head_scale", (1,), f32)])
-    for l in range(args.n_layers):
-        block(f"layers.{l}", l, args.compress_ratios[l])
-    for k in range(args.n_mtp_layers):
-        p = f"mtp.{k}"
-        block(p, args.n_layers + k, 0, mtp=True)
-        linear(f"{p}.e_proj", d, d)
-        linear(f"{p}.h_proj", d, d)
-        out.extend([(f"{p}.enorm.weight", (d,), bf), (f"{p}.hnorm.weight", (d,), bf), (f"{p}.norm.weight", (d,), bf),
-                    (f"{p}.hc_head_fn", (args.hc_mult, args.hc_mult * d), f32),
-                    (f"{p}.hc_head_base", (args.hc_mult,), f32), (f"{p}.hc_head_scale", (1,), f32)])
-    return out

@@ -50,7 +50,6 @@ import pickle
 import random
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -58,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41.model import formats
+from dsv41.model.checkpoint import check_mp, check_state_matches, load_rank_model, rank_part, st_name
 from dsv41.model.dspark import MarkovHead
 from dsv41.model.engram import EngramEmbedding
 from dsv41.model.indexer import Indexer
@@ -460,7 +460,6 @@ def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -
     result equals loading `model{rank}-mp{world}.safetensors`). `group`: the process group of the
     ranks sharing this model (None: the default group). world = 1 returns the model unchanged."""
     from dsv41.model.attention import Attention
-    from dsv41.model.checkpoint import check_mp
 
     if world == 1:
         return model
@@ -496,8 +495,6 @@ def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -
         model.head = VocabParallelHead(args.vocab_size, args.dim, world, group)
 
     if has_weights:
-        from dsv41.model.checkpoint import check_state_matches
-
         local = shard_state(full, args, rank, world)
         check_state_matches(model, local, f"rank {rank} of {world}: the rank's tensors")
         model.load_state_dict(local, strict=True, assign=True)
@@ -507,8 +504,6 @@ def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -
 
 def shard_state(full: dict[str, torch.Tensor], args, rank: int, world: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s part of a whole state dict, by the checkpoint's split rules (`rank_part`)."""
-    from dsv41.model.checkpoint import rank_part, st_name
-
     shapes = {n: (tuple(t.shape), st_name(t.dtype)) for n, t in full.items()}
     out = {}
     for name, t in full.items():
@@ -526,49 +521,18 @@ def shard_state(full: dict[str, torch.Tensor], args, rank: int, world: int) -> d
 
 
 # ====================================================================================================
-# Loading
+# Loading this process's part: the checkpoint's loader, split by apply_tensor_parallel
 # ====================================================================================================
-
-
-def load_rank_weights(path: str | os.PathLike, rank: int, world: int) -> dict[str, torch.Tensor]:
-    """What rank `rank` of `world` holds of the checkpoint at `path`, from any layout
-    (`dsv41.model.checkpoint.load_rank_state`: its rank file when the runtime checkpoint was converted with
-    --mp world; otherwise cut from the files, official or runtime of another mp, reading only this
-    rank's slices)."""
-    from dsv41.model.checkpoint import load_rank_state
-
-    return load_rank_state(path, rank, world)
 
 
 def load_model_parallel(path: str | os.PathLike, device: str | None = None, ctx: ParallelContext | None = None):
     """(model, args, tokenizer) for this process: the whole model in one process, else this rank's part
-    of it (`apply_tensor_parallel` on the meta device, then this rank's tensors). Same contract as
-    `dsv41.model.checkpoint.load_model`; every rank of a model copy must call it. Any layout loads under any
-    rank count `check_mp` allows (official, runtime mp 1, runtime mp N; `dsv41.model.checkpoint.load_rank`);
-    the model is built in the dtypes of the rank's tensors (the runtime layout's: wo_a bf16, which
-    computes what the official FP8 wo_a does, as both are dequantized to bf16 before use)."""
-    from dsv41.model.checkpoint import (CheckpointError, check_mp, check_state_matches, fill_meta_model, load_args,
-                                  load_model, load_rank)
-    from dsv41.model.tokenizer import load_tokenizer
-    from dsv41.model.transformer import Transformer
-
+    of it (`dsv41.model.checkpoint.load_rank_model`: the rank's tensors, in a model split by
+    `apply_tensor_parallel` on the meta device). Same contract as `dsv41.model.checkpoint.load_model`;
+    every rank of a model copy must call it. Any layout loads under any rank count `check_mp` allows."""
     ctx = ctx or current()
-    device = device or ctx.device
-    if ctx.tp == 1:
-        return load_model(path, device=device)
-    path = Path(path)
-    try:  # before reading any tensor: every rank gives the one-line error of an impossible split alike
-        check_mp(load_args(path), ctx.tp)
-    except CheckpointError as e:
-        raise CheckpointError(f"the model cannot be split over {ctx.tp} ranks (--nproc-per-node, or DSV41_TP for "
-                              f"model copies): {e}") from None
-    state, args = load_rank(path, ctx.tp_rank, ctx.tp)
-    tokenizer = load_tokenizer(path)
-    with torch.device("meta"):
-        model = Transformer(args, tokenizer=tokenizer)
-    apply_tensor_parallel(model, ctx.tp_rank, ctx.tp, ctx.tp_group)
-    check_state_matches(model, state, f"{path} (rank {ctx.tp_rank} of {ctx.tp}): the rank's tensors")
-    return fill_meta_model(model, state, device), args, tokenizer
+    return load_rank_model(path, ctx.tp_rank, ctx.tp, device=device or ctx.device,
+                           shard=lambda model: apply_tensor_parallel(model, ctx.tp_rank, ctx.tp, ctx.tp_group))
 
 
 # ====================================================================================================
@@ -580,8 +544,10 @@ def memory_plan(args, mp: int, context: int, batch: int = 1, expert_dtype: str =
                 main_format: str = "fp4") -> dict:
     """Bytes each of `mp` ranks holds: its parameters (the runtime layout `convert --mp` writes:
     wo_a bf16, routed experts in `expert_dtype`, block scales included) and its KV cache for `batch`
-    sequences of `context` tokens (`kv_cache_bytes`). Every rank holds the whole KV cache: there is
-    one latent KV head (MQA), which REF replicates too. Activations and workspace are not counted."""
+    sequences of `context` tokens (`dsv41.model.cache.kv_cache_bytes`, from the codecs' bytes per entry).
+    Every rank holds the whole KV cache: there is one latent KV head (MQA), which REF replicates too.
+    Activations and workspace are not counted."""
+    from dsv41.model.cache import kv_cache_bytes
     from dsv41.model.checkpoint import check_mp, expected_tensors, itemsize, rank_tensors, runtime_args
 
     check_mp(args, mp)
@@ -607,24 +573,3 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
-
-
-MAIN_KV_BYTES = {"fp4": lambda d: formats.packed_nbytes("fp4_e4m3", d),
-                 "fp8": lambda d: formats.packed_nbytes("fp8_ue8m0", d),
-                 "bf16": lambda d: 2 * d}
-
-
-def kv_cache_bytes(args, context: int, batch: int = 1, main_format: str = "fp4") -> dict[str, int]:
-    """What a `KVCache` stores for `batch` sequences after `context` tokens, in its packed formats
-    (model/cache.py): main entries (`main_format`; FP4 with E4M3 scales = 288 B at D = 512) and MXFP4
-    index keys (68 B) for every complete group of each kv-source layer, and one FP8 window ring of
-    `window_size` slots (528 B each) per backbone layer, allocated whole. DSpark's rings (with
-    --dspark), a compressor's pending partial group and the growable buffers' spare capacity (up to 2x
-    of the main entries and keys) are not included."""
-    if main_format not in MAIN_KV_BYTES:
-        raise ValueError(f"main_format must be one of {', '.join(MAIN_KV_BYTES)}, not {main_format!r}")
-    entries = sum(context // args.compress_ratios[l] for l in args.kv_source_layers)
-    main = entries * MAIN_KV_BYTES[main_format](args.head_dim) * batch
-    keys = entries * formats.packed_nbytes("mxfp4", args.index_head_dim) * batch
-    window = (args.window_size if context else 0) * args.n_layers * formats.packed_nbytes("fp8_ue8m0", args.head_dim) * batch
-    return {"main": main, "index_keys": keys, "window": window, "total": main + keys + window}

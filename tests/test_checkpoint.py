@@ -1,4 +1,4 @@
-"""Checkpoint I/O (model/checkpoint.py): the official layout as written by the fixture writer, the
+"""Checkpoint I/O (model/checkpoint/): the official layout as written by the fixture writer, the
 runtime layout and its split rules, round trips, expert dtypes, loading, streaming and resume."""
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def test_bf16_experts_hold_the_exact_values(official, tmp_path):
 # ------------------------------------------------------------------------------ streaming, atomicity, resume
 def test_small_chunks_give_the_same_bytes(official, runtime, tmp_path, monkeypatch):
     """Row ranges, column bands and whole tensors cut at chunk boundaries stream the same bytes."""
-    monkeypatch.setattr(C, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(C.safetensors, "CHUNK_BYTES", 1000)
     out = Path(C.convert(official, tmp_path / "mp2", mp=2)["dst"])
     for name in os.listdir(runtime[2]):
         assert filecmp.cmp(runtime[2] / name, out / name, shallow=False), name
@@ -315,7 +315,7 @@ def test_bad_data_while_writing_leaves_no_destination(official, tmp_path, monkey
     def broken(values, name):
         raise C.CheckpointError(f"{name}: simulated")
 
-    monkeypatch.setattr(C, "_check_bf16_exact", broken)
+    monkeypatch.setattr(C.plan, "_check_bf16_exact", broken)
     with pytest.raises(C.CheckpointError, match="simulated"):
         C.convert(official, tmp_path / "dst")
     assert not (tmp_path / "dst").exists() and not (tmp_path / "dst.partial").exists()

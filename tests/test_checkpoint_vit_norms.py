@@ -1,4 +1,4 @@
-"""ViT RMSNorm weights stored as BF16 (model/checkpoint.py `release_dtype`, `accepted_dtypes`): S0 declares
+"""ViT RMSNorm weights stored as BF16 (model/checkpoint/names.py `release_dtype`, `accepted_dtypes`): S0 declares
 them fp32, the released V4.1-Flash checkpoint stores them as BF16 (its shard headers: BF16 520, F32 387,
 F8_E4M3 357, F8_E8M0 47,589, I8 47,232 tensors, 510,286,023,000 bytes). The inventory, `save_official` and
 `dsv41 info` use the release's dtypes; a checkpoint storing them F32 (the bundled dsv41-tiny) still

@@ -174,9 +174,13 @@ def test_kill_9_then_resume_is_byte_identical(official, tmp_path, capsys):
     dst = tmp_path / "dst"
     partial = C.partial_dir(dst)
     journal = partial / C.JOURNAL_FILE
-    env = {**os.environ, C.SLOW_ENV: "0.004"}  # ~2 s per rank file: a window to interrupt in
-    proc = subprocess.Popen([sys.executable, "-m", "dsv41_cli", "convert", str(official), str(dst), "--mp", "2"],
-                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # a window to interrupt in: the test's own process slows every fsync (a finished file's, the journal's)
+    # by 0.3 s, so the kill lands while the second rank file is still being written
+    slow_fsync = ("import os, sys, time; _fsync = os.fsync; "
+                  "os.fsync = lambda fd: (time.sleep(0.3), _fsync(fd))[1]; "
+                  "from dsv41_cli.app import main; main(sys.argv[1:])")
+    proc = subprocess.Popen([sys.executable, "-c", slow_fsync, "convert", str(official), str(dst), "--mp", "2"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:

@@ -1,4 +1,4 @@
-"""Generation for evaluation and the effort sweep (evals/effort.py, `dsv41 effort-sweep`)."""
+"""Generation for evaluation and the effort sweep (evals/batch_generate.py, evals/effort.py, `dsv41 effort-sweep`)."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from dsv41.model.completion import parse_completion
 from dsv41.model.encoding import (
     BOS,
     CALLS_OPEN,
@@ -31,7 +32,6 @@ from dsv41.model.encoding import (
     check_effort,
     encode_messages,
     encode_messages_with_images,
-    parse_completion,
     parse_effort,
     parse_image_tags,
     render_tool_calls,

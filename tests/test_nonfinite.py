@@ -56,7 +56,7 @@ def one_error_line(err: str) -> str:
     (torch.float8_e8m0fnu, [0xFF], "UE8M0 NaN scales"),
 ])
 def test_out_of_format_counts_every_bad_value(monkeypatch, dtype, bad, what):
-    monkeypatch.setattr(C, "SCAN_CHUNK", 7)  # several chunks, the bad values in different ones
+    monkeypatch.setattr(C.safetensors, "SCAN_CHUNK", 7)  # several chunks, the bad values in different ones
     if dtype in (torch.bfloat16, torch.float32):
         t = torch.randn(50).to(dtype)
         assert C.out_of_format(t) is None
@@ -102,7 +102,7 @@ def test_above_the_scan_limit_generation_stops_on_non_finite_logits(broken, caps
     """A checkpoint too large to scan at load (here: a limit of 0 bytes) loads lazily; the first NaN logits
     end generation with exit 2 naming the checkpoint, not `probability tensor contains inf, nan`."""
     corrupt(broken, "head.weight")
-    monkeypatch.setattr(C, "LOAD_SCAN_BYTES", 0)
+    monkeypatch.setattr(C.safetensors, "LOAD_SCAN_BYTES", 0)
     for extra in ([], ["--temperature", "0.7", "--seed", "1"]):
         code, _, err = run_cli(capsys, "generate", "--model", broken, "Add: 7 3 9 2 5", "--max-new-tokens", "8", *extra)
         line = one_error_line(err)
@@ -121,7 +121,7 @@ def test_convert_verify_passes_a_clean_checkpoint_in_either_layout(small_checkpo
 
 
 def test_convert_verify_names_the_tensor_even_above_the_scan_limit(broken, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(C, "LOAD_SCAN_BYTES", 0)  # as for a checkpoint too large to scan at load
+    monkeypatch.setattr(C.safetensors, "LOAD_SCAN_BYTES", 0)  # as for a checkpoint too large to scan at load
     shard = corrupt(broken, "layers.0.ffn.experts.0.w1.scale", nbytes=3)
     corrupt(broken, "head.weight")
     code, out, err = run_cli(capsys, "convert", broken, "--verify", "--json")

@@ -1,5 +1,5 @@
 """Action formats of the scaffolds: reading, writing (the oracle's side), schema types, BFCL-style call
-matching, and a fuzz of the DSML action parser (which is model.encoding.parse_completion underneath)."""
+matching, and a fuzz of the DSML action parser (which is model.completion.parse_completion underneath)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`dsv41 convert`: official layout <-> runtime layout (model/checkpoint.py does the work)."""
+"""`dsv41 convert`: official layout <-> runtime layout (model/checkpoint/ does the work)."""
 
 from __future__ import annotations
 

@@ -226,7 +226,7 @@ def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool
     `images`: the image records of the prompt's placeholders (each expands to its image's span).
     `prompt_ids`: the prompt's token ids when the caller has them (a conversation continued over the ids
     already generated); else `prompt_text` is tokenized."""
-    from dsv41.model.encoding import parse_completion
+    from dsv41.model.completion import parse_completion
 
     ids = list(prompt_ids) if prompt_ids is not None else tokenizer.encode(prompt_text, allow_special=True)
     inputs = None

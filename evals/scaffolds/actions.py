@@ -1,7 +1,7 @@
 """Action formats: how a scaffold's tool calls are written in a completion, read back, and (for the
 oracle) written from a known call.
 
-Every completion first goes through the one V4.1 completion parser, :func:`dsv41.model.encoding.parse_completion`,
+Every completion first goes through the one V4.1 completion parser, :func:`dsv41.model.completion.parse_completion`,
 which splits reasoning from content and reads any DSML tool-call block. Then, by format:
 
 ``dsml``      the calls are the DSML block's calls (native tool calling). Any problem the parser reports
@@ -33,7 +33,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv41.model.encoding import DSML, EOS, assistant_completion, parse_completion
+from dsv41.model.completion import parse_completion
+from dsv41.model.encoding import DSML, EOS, assistant_completion
 
 FORMATS = ("dsml", "json", "xml", "backticks")
 

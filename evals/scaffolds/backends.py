@@ -13,7 +13,7 @@ natively, else None. ``effort`` is 1..100 for thinking mode or None for chat mod
 included: in thinking mode ``{reasoning}</think>{content}``, then ``\\n\\n`` and a DSML calls block when
 there are native tool calls, then ``<｜end▁of▁sentence｜>`` when generation stopped by itself (not at
 a length limit). Every scaffold reads actions out of this text with the one completion parser,
-:func:`dsv41.model.encoding.parse_completion`. ``output_tokens`` is the number of generated tokens (None when
+:func:`dsv41.model.completion.parse_completion`. ``output_tokens`` is the number of generated tokens (None when
 the backend cannot tell).
 
 A backend may also have ``begin(task, scaffold)``, called before each episode (the oracle uses it).

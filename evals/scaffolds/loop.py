@@ -30,7 +30,7 @@ from dsv41.evals.scaffolds.backends import BackendError, mode_of
 from dsv41.evals.scaffolds.sandbox import TESTS, Sandbox
 from dsv41.evals.scaffolds.scaffold import Scaffold
 from dsv41.evals.scaffolds.tasks import AgentTask, FunctionCallingItem, check_calls
-from dsv41.model.encoding import parse_completion
+from dsv41.model.completion import parse_completion
 
 DEFAULT_MAX_STEPS = 30
 _TAIL = 2000  # characters of verifier output kept in the result

@@ -12,10 +12,15 @@ One module per kernel:
     experts            the routed experts of an MoE layer as grouped GEMMs over expert-sorted tokens (FP4 or
                        FP8 weights, SwiGLU and the routing weight fused, combine in MoE.routed's order)
 
-`reference.py` holds the reference of every kernel with the same signature, written with the model's own
-functions (model/attention.py, model/mhc.py, model/indexer.py, model/formats.py; the GEMM and expert
-references are Linear's and MoE.routed's "fast" path, equal to them bit for bit in the tests), so "the kernel
-agrees with the reference" means "the kernel agrees with the model".
+`reference.py` holds the reference of every kernel with the same signature, built from the model's own
+arithmetic, which lives there and which the model imports (the sparse attention loop of model/attention.py,
+the indexer score of model/indexer.py, the mHC arithmetic of model/mhc.py) and from model/formats.py; the
+GEMM and expert references are Linear's and MoE.routed's "fast" path, equal to them bit for bit in the
+tests. So "the kernel agrees with the reference" means "the kernel agrees with the model".
+
+This package is a leaf: it imports nothing of the model but model/formats.py and model/config.py (the model
+calls the kernels, never the reverse; tests/test_import_graph.py). The GEMM mode flag (`gemm.GEMM_MODE`,
+`gemm.set_gemm_mode`) lives with the GEMMs.
 
 Each public function dispatches: Triton when the inputs are on a CUDA device and Triton imports, the
 reference otherwise. CPU numerics are therefore never changed by this package. Under TRITON_INTERPRET=1

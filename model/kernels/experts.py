@@ -137,7 +137,7 @@ def forget(owner) -> None:
 def usable(experts, x: torch.Tensor) -> bool:
     """Whether MoE.routed can take the kernels: CUDA input with Triton, FP4/FP8 stored (not trainable)
     experts, no gradient needed, and the "fast" gemm mode (see model/kernels/gemm.py)."""
-    from dsv41.model.layers import GEMM_MODE
+    from dsv41.model.kernels.gemm import GEMM_MODE
 
     if GEMM_MODE["mode"] != "fast" or not (x.is_cuda or interpreting()) or (
             torch.is_grad_enabled() and x.requires_grad) or not use_triton(x):

@@ -7,7 +7,7 @@
                      columns ([N, K/32]); the activation block is the layer's `block`
     fp8_act_quant    the activation rounding alone (E4M3 with one power-of-two scale per block along K)
 
-Which gemm mode this serves. model/layers.py has two: "fast" (the activation fake-quantized, both operands
+Which gemm mode this serves. GEMM_MODE (below; model/layers.py's Linear reads it) has two: "fast" (the activation fake-quantized, both operands
 dequantized exactly, one fp32 matmul) and "exact" (REF's kernel order, each 32-wide K block's product
 scaled and added in K order, for bit parity with REF's CPU port). The kernel computes "fast": the
 quantized activation and the dequantized weight are exact in bf16 (E4M3 / E2M1 times a power of two), so
@@ -31,6 +31,19 @@ import torch
 
 from dsv41.model import formats
 from dsv41.model.kernels import interpreting, reference, use_triton
+
+# How FP8/FP4 GEMMs are evaluated. "fast": exact dequantization of both operands, one fp32 matmul.
+# "exact": REF's kernel order, K blocks of 32 accumulated one after another (bit parity with REF's
+# CPU port, slow). The two differ only in the order of fp32 additions. On CUDA with Triton, "fast" runs
+# the kernels of model/kernels/gemm.py and model/kernels/experts.py (same products, fp32 sums in another
+# order); "exact" always takes the reference loop.
+GEMM_MODE = {"mode": "fast"}
+
+
+def set_gemm_mode(mode: str) -> None:
+    if mode not in ("fast", "exact"):
+        raise ValueError("gemm mode must be 'fast' or 'exact'")
+    GEMM_MODE["mode"] = mode
 
 
 def fp8_act_quant(x: torch.Tensor, block: int = formats.FP8_BLOCK, force_triton: bool = False) -> torch.Tensor:

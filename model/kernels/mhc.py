@@ -1,4 +1,4 @@
-"""Single-pass mHC at a sub-layer boundary (model/mhc.py, wired as model/transformer.py's Block.mix does).
+"""Single-pass mHC at a sub-layer boundary (model/mhc.py, wired as model/block.py's Block.mix does).
 
 From the residual streams X [.., n, d] and the finished sub-layer's output y:
 

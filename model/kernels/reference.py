@@ -1,12 +1,18 @@
-"""Plain-PyTorch references of the kernels, with the kernels' signatures.
+"""Plain-PyTorch references of the kernels, with the kernels' signatures: the arithmetic the kernels fall
+back to and the model computes with.
 
-Each is written with the model's own functions, so a kernel that matches its reference computes what the
-model computes: `sparse_attention_packed` unpacks with model/formats.py and calls
-model.attention.sparse_attention; `indexer_scores` is Indexer.head_scores on unpacked keys plus the
-visibility mask of Indexer.forward; `mhc_step` is mhc.expand, mhc.collapse and mhc.hc_coefficients in the
-order model/transformer.py's Block.mix calls them; the packers are model/formats.py's; the GEMMs are
-model/layers.py's Linear in the "fast" gemm mode, and `routed_experts` is model/moe.py's MoE.routed over
-Expert.forward in that mode.
+The model's own arithmetic for these steps lives here, and the model imports it (the model calls the
+kernels, never the reverse): `sparse_attention` is model/attention.py's sparse softmax with a sink (REF's
+kernel step for step), `weighted_relu_scores` the indexer's score (model/indexer.py), `sinkhorn_split`,
+`hc_coefficients`, `collapse` and `expand` the mHC arithmetic (model/mhc.py). The kernels' references are
+written with them, so a kernel that matches its reference computes what the model computes:
+`sparse_attention_packed` unpacks with model/formats.py and calls `sparse_attention`; `indexer_scores` is
+Indexer.head_scores on unpacked keys plus the visibility mask of Indexer.forward; `mhc_step` is expand,
+collapse and hc_coefficients in the order model/block.py's Block.mix calls them; the packers are
+model/formats.py's; the GEMMs are model/layers.py's Linear in the "fast" gemm mode, and `routed_experts`
+is model/moe.py's MoE.routed over Expert.forward in that mode.
+
+This module imports nothing of the model but model/formats.py.
 """
 
 from __future__ import annotations
@@ -14,10 +20,49 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsv41.model import formats, mhc
+from dsv41.model import formats
 
 
 # --------------------------------------------------------------------------------- sparse attention
+SPARSE_BLOCK = 64  # indices per block of REF's sparse-attention kernel
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Sparse MQA with a sink over unpacked rows: model/attention.py's sparse_attention off the kernel.
+    q [B,T,H,D], kv [B,N,D] (K = V), sink [H] (fp32 logit that joins the denominator only), idx [B,T,K]
+    with -1 = empty. A row with no valid index gives 0.
+
+        o = sum_j e^{l_j - M} kv_j / (sum_j e^{l_j - M} + e^{sink - M}),   l_j = scale q.kv_{idx_j}
+
+    (An empty row: the denominator is e^{sink + 1e30}, i.e. 0/0 avoided as in REF: acc stays 0.)
+    """
+    # REF's kernel, step for step: an online softmax over blocks of 64 indices whose running max starts
+    # at -1e30 and covers the logits only; probabilities are rounded to bf16 before P.V (relative to the
+    # running max), the sink joins the denominator at the end. Reproducing the rounding matters: one
+    # bf16 ulp here moves the FP8 activation grid of wo_b and grows from layer to layer.
+    B, T, H, D = q.shape
+    qf, kvf = q.float(), kv.float()
+    batch = torch.arange(B, device=kv.device).view(-1, 1, 1)
+    acc = q.new_zeros(B, T, H, D, dtype=torch.float32)
+    denom = q.new_zeros(B, T, H, dtype=torch.float32)
+    run_max = torch.full((B, T, H), -1e30, dtype=torch.float32, device=q.device)
+    for start in range(0, idx.size(-1), SPARSE_BLOCK):
+        block = idx[..., start:start + SPARSE_BLOCK].long()
+        valid = block >= 0
+        keys = kvf[batch, block.clamp_min(0)] * valid.unsqueeze(-1)  # [B,T,k,D]
+        logits = torch.einsum("bthd,btkd->bthk", qf, keys)
+        logits = torch.where(valid.unsqueeze(2), logits, -torch.inf) * scale
+        new_max = torch.maximum(run_max, logits.amax(dim=-1))
+        rescale = torch.exp(run_max - new_max)
+        p = torch.exp(logits - new_max.unsqueeze(-1))
+        denom = denom * rescale + p.sum(dim=-1)
+        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bthk,btkd->bthd", p.to(torch.bfloat16).float(), keys)
+        run_max = new_max
+    denom = denom + torch.exp(sink.float() - run_max)
+    return (acc / denom.unsqueeze(-1)).to(q.dtype)
+
+
 def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
                             main_codes: torch.Tensor | None, main_scales: torch.Tensor | None,
                             sink: torch.Tensor, window_idx: torch.Tensor, main_idx: torch.Tensor | None,
@@ -35,12 +80,20 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
         main = formats.unpack_fp4_e4m3(main_codes, main_scales, formats.FP4_E4M3_BLOCK, torch.float32)
         kv = torch.cat([window, main], dim=1)
         idx = torch.cat([window_idx, torch.where(main_idx >= 0, main_idx + window.size(1), -1)], dim=-1)
-    from dsv41.model.attention import sparse_attention  # here: attention.py imports the kernels (and so this module)
-
     return sparse_attention(q, kv, sink, idx.long(), scale)
 
 
 # --------------------------------------------------------------------------------- indexer
+def weighted_relu_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """score = sum_h w_h ReLU(q_h . k), fp32. q [B, T, H, D], weights [B, T, H]; keys [B, N, D] (every entry:
+    [B, T, N]) or [B, T, C, D] (a candidate list per token: [B, T, C]). bf16: q, k, the products, the weighted
+    terms and the head sum in bf16, as REF keeps them (and breaks Top-K ties on those values)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    pattern = "bthd,bnd->bthn" if keys.dim() == 3 else "bthd,btcd->bthc"
+    scores = torch.einsum(pattern, q.to(dtype), keys.to(dtype)).relu_()
+    return (scores * weights.to(dtype).unsqueeze(-1)).sum(dim=2).float()
+
+
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scales: torch.Tensor,
                    visible: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
                    bf16_scores: bool = False) -> torch.Tensor:
@@ -51,8 +104,6 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
     all visible). candidates [B,T,C] (-1 = none): score only those entries, returning [B,T,C] (-inf at -1);
     otherwise [B,T,N]. bf16_scores: the products, the weighted terms and the head sum rounded to bf16 (REF's
     score precision, Indexer.head_scores with index_score_dtype "bf16"; weights then hold bf16 values)."""
-    from dsv41.model.indexer import weighted_relu_scores  # here: model/indexer.py imports the kernels (and this module)
-
     keys = formats.unpack_mxfp4(key_codes, key_scales, formats.MXFP4_BLOCK, torch.float32)
     n = keys.size(1)
     if candidates is None:
@@ -70,6 +121,60 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
 
 
 # --------------------------------------------------------------------------------- single-pass mHC
+# The mHC arithmetic (spec §3.2, §4.3; model/mhc.py re-exports it under these names).
+def sinkhorn_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int = 20,
+                   eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mixes [..., (n+2)n] -> pre [..., n], post [..., n], comb [..., n, n], all fp32.
+
+    comb starts as a row softmax plus eps, is column-normalized once, then alternates row and column
+    normalization iters-1 more times, each divisor padded by eps: the order REF's kernel uses."""
+    m, scale, base = mixes.float(), scale.float(), base.float()
+    pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + eps
+    post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = (m[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
+    comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))  # the softmax written out, as REF's kernel
+    comb = comb / comb.sum(dim=-1, keepdim=True) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def hc_coefficients(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
+                    hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [B, T, n, d] -> (pre, post, comb). The RMS statistic is over the flattened n*d stream, one per
+    token, and is folded in after the projection (mu = (W x) * rsqrt(mean x^2 + eps))."""
+    n = x.size(-2)
+    flat = x.flatten(-2).float()
+    rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = F.linear(flat, fn.float()) * rstd
+    return sinkhorn_split(mixes, scale, base, n, iters, hc_eps)
+
+
+def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Input mixing: sum_j pre_j X_j. [B,T,n,d] x [B,T,n] -> [B,T,d] in x's dtype.
+
+    The sum runs in fp32 in the fixed order j = 0, 1, ..., n-1 (not through a reduction kernel whose
+    order may depend on the CPU's vector width); this is the order ATen's sum used on the golden's CPU,
+    so the result is bit for bit the one `tests/test_fidelity.py` pins (docs/fidelity.md §7)."""
+    xf = x.float()
+    out = pre[..., 0, None] * xf[..., 0, :]
+    for j in range(1, x.size(-2)):
+        out = out + pre[..., j, None] * xf[..., j, :]
+    return out.to(x.dtype)
+
+
+def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Residual update: X'_k = post_k y + sum_j comb_{jk} X_j (the residual is indexed by comb's first index).
+    The sum over j runs in fp32 in the fixed order j = 0..n-1, as in `collapse`."""
+    r = residual.float()
+    mixed = comb[..., 0, :, None] * r[..., 0, None, :]
+    for j in range(1, r.size(-2)):
+        mixed = mixed + comb[..., j, :, None] * r[..., j, None, :]
+    return (post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(y.dtype)
+
+
 def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              iters: int, hc_eps: float, norm_eps: float, y: torch.Tensor | None = None,
              post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
@@ -79,9 +184,9 @@ def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: t
     update X' = post (x) y + comb^T X; without y, X' = X. Then, from X' alone: the next sub-layer's input
     collapse(X', pre_prev) [B,T,d] and its coefficients (pre, post, comb) = hc_coefficients(X', fn, ...).
     Returns (X' [B,T,n,d], collapsed, pre, post, comb), as Block.mix computes them."""
-    x_new = x if y is None else mhc.expand(y, x, post, comb)
-    collapsed = mhc.collapse(x_new, pre_prev)
-    pre_n, post_n, comb_n = mhc.hc_coefficients(x_new, fn, scale, base, iters, hc_eps, norm_eps)
+    x_new = x if y is None else expand(y, x, post, comb)
+    collapsed = collapse(x_new, pre_prev)
+    pre_n, post_n, comb_n = hc_coefficients(x_new, fn, scale, base, iters, hc_eps, norm_eps)
     return x_new, collapsed, pre_n, post_n, comb_n
 
 

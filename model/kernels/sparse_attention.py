@@ -57,11 +57,10 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float,
                      force_triton: bool = False, variant: str = "auto") -> torch.Tensor:
-    """dsv41.model.attention.sparse_attention (unpacked bf16 rows kv [B,N,D]) through the same kernel."""
+    """See reference.sparse_attention (dsv41.model.attention.sparse_attention off the kernel): unpacked bf16
+    rows kv [B,N,D] through the same kernel."""
     if not use_triton(q, kv, force=force_triton) or kv.dtype != torch.bfloat16:
-        from dsv41.model.attention import sparse_attention as ref
-
-        return ref(q, kv, sink, idx, scale)
+        return reference.sparse_attention(q, kv, sink, idx, scale)
     return _launch(q, sink, scale, [(DENSE, kv, None, idx)], variant)
 
 

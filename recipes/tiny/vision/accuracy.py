@@ -109,7 +109,8 @@ def evaluate(model_dir: Path, n: int = 100, modes=("thinking", "chat"), question
 @torch.inference_mode()
 def _evaluate(model, args, tokenizer, name, n, modes, question_types, max_new_tokens, temperature, top_p,
               log) -> dict:
-    from dsv41.model.encoding import encode_messages_with_images, parse_completion
+    from dsv41.model.completion import parse_completion
+    from dsv41.model.encoding import encode_messages_with_images
     from dsv41.model.engine import GenerationConfig, Generator, SamplingConfig
     from dsv41.model.vision import expand_image_placeholders
 
