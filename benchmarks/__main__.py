@@ -97,6 +97,10 @@ SUBS: dict[str, Sub] = {
                    tiny=("--experts", "4", "--dim", "256", "--engram-vocab", "20000"),
                    quick_note="a fixture of a few MB (--experts 4 --dim 256 --engram-vocab 20000)",
                    tiny_note="the same small fixture as --quick"),
+    "startup": Sub("bench_startup.py", "start-up time of `dsv41 --help`, `info --json`, `generate --print-prompt` "
+                   "against a git revision (--rev REV, default HEAD)", "cpu", device="cpu", tiny=(),
+                   quick_note="3 runs per command instead of 7",
+                   tiny_note="accepted, changes nothing: the bundled model is already tiny"),
     "greedy-divergence": Sub("greedy_divergence.py", "where two greedy runs of the same prompts part "
                              "(A.jsonl B.jsonl --prompts P; JSON lines on stdout)", "cpu", device="cpu",
                              json=None, quick=None, tiny=None, json_note="it writes JSON lines to stdout",

@@ -4,6 +4,7 @@ the one-line error path (exit 2 for bad input, 1 for internal errors)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import typer
@@ -21,10 +22,43 @@ class BadInput(Exception):
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> "typer.Exit":
-    """Print `dsv41: error: <message>` on stderr and leave with `code`."""
+    """Print `dsv41: error: <message>` on stderr and leave with `code`.
+
+    The message is plain text, never Rich markup: `pip install 'dsv41[eval]'` keeps its brackets. A
+    message already escaped for Rich (`rich.markup.escape`) prints the same (its `\\[` shows as `[`)."""
+    from rich.text import Text
+
     line = " ".join(str(message).split())  # one line, whatever the exception text held
-    err.print(f"[bold red]dsv41: error:[/] {line}", markup=True, soft_wrap=True)
+    line = re.sub(r"\\(\[)", r"\1", line)
+    err.print(Text.assemble(("dsv41: error:", "bold red"), " ", line), soft_wrap=True)
     raise typer.Exit(code)
+
+
+# The optional extras of pyproject.toml and what each brings; the one spelling of every install hint.
+EXTRAS = {"eval": "lm-eval, datasets", "plots": "matplotlib", "kernels": "triton"}
+
+
+def install_hint(extra: str) -> str:
+    """`pip install 'dsv41[EXTRA]'` (print it with `fail`, `note` or markup=False: Rich would eat `[EXTRA]`)."""
+    return f"pip install 'dsv41[{extra}]'"
+
+
+def need_module(module: str, extra: str, what: str, alternative: str = "") -> None:
+    """Fail (exit 2, one line with the install hint) unless `module` imports: call it before the work
+    starts, so that a missing extra never costs a run. `what` says what needs it ("--plot")."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        fail(f"{what} needs {module}: {install_hint(extra)}" + (f" ({alternative})" if alternative else ""))
+
+
+def note(message: str) -> None:
+    """`note: <message>` on stderr, plain text (brackets stay)."""
+    from rich.text import Text
+
+    err.print(Text.assemble(("note:", "yellow"), " ", str(message)), soft_wrap=True)
 
 
 def print_json(doc) -> None:

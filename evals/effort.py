@@ -10,6 +10,16 @@ Effort sweep
     effort the sweep encodes every item at that effort, generates greedily, scores the answers and
     reports accuracy with a 95% Wilson interval, mean reasoning tokens and mean output tokens (all
     generated tokens: reasoning, `</think>`, answer and EOS, i.e. what an API bills as output).
+
+Interrupt and resume
+    With a `SweepStore` the sweep appends each finished unit to `partial.jsonl` in the output folder as
+    it completes (one flushed JSON line per unit, after a first line holding the settings'
+    fingerprint): for the bundled task a unit is one generation batch of one effort (its items' scores
+    and token counts), for an lm-eval task one effort. A rerun with the same settings reuses the stored
+    units and computes only the rest. The batches are formed exactly as `generate` forms them for the
+    whole effort (same prompt length, `batch_size` at a time, longest prompts first), so a resumed sweep
+    decodes the same batches as an uninterrupted one and its numbers are the same (only the `seconds`
+    timings differ).
 """
 
 from __future__ import annotations
@@ -108,38 +118,82 @@ class TinyReasoning:
         return float(self.module.score(completion, item))
 
 
+def sweep_batches(requests: Sequence[GenRequest], batch_size: int) -> list[list[int]]:
+    """The batches `generate` decodes for `requests` (indices): same prompt length and sampling
+    settings together, longest prompts first, `batch_size` at a time in request order."""
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(requests):
+        groups.setdefault((len(r.prompt_ids), r.temperature, r.top_p), []).append(i)
+    keys = sorted(groups, key=lambda k: (-k[0], k[1:]))
+    return [groups[k][s:s + batch_size] for k in keys for s in range(0, len(groups[k]), batch_size)]
+
+
 def run_sweep(model, tokenizer, task: GenerationTask, efforts: Sequence[int] = DEFAULT_EFFORTS, *,
               limit: int | None = None, batch_size: int = 8, thinking_budget: int | None = None,
-              progress=None) -> dict:
+              progress=None, store: "SweepStore | None" = None, items: list[dict] | None = None) -> dict:
     """Accuracy and token use of `task` at each effort: the `dsv41 effort-sweep` JSON document.
 
-    progress: an object with start(label, total) / advance(n) / stop(), or None."""
-    items = task.items(limit)
+    progress: an object with start(label, total) / advance(n) / stop(), or None.
+    store: a `SweepStore` (opened with `SweepStore.open`): finished batches are appended to it as they
+    complete and batches it already holds are not generated again.
+    items: the task's items when the caller has loaded them (else `task.items(limit)`)."""
+    items = task.items(limit) if items is None else items
     if not items:
         raise ValueError(f"task {task.name} has no items")
+    all_requests = {effort: [GenRequest(tokenizer.encode(task.prompt(item, effort), allow_special=True),
+                                        max_new_tokens=task.max_new_tokens, thinking_budget=thinking_budget)
+                             for item in items] for effort in efforts}
+    limit_len = model.args.max_seq_len
+    for requests in all_requests.values():  # before any generation: a too-long prompt fails at once
+        longest = max(len(r.prompt_ids) for r in requests)
+        if longest + task.max_new_tokens > limit_len:
+            raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({task.max_new_tokens}) exceed "
+                             f"the model's max_seq_len ({limit_len})")
     points, samples = [], []
     for effort in efforts:
-        requests = [GenRequest(tokenizer.encode(task.prompt(item, effort), allow_special=True),
-                               max_new_tokens=task.max_new_tokens, thinking_budget=thinking_budget)
-                    for item in items]
+        requests = all_requests[effort]
+        done = store.batches(effort) if store else {}
+        rows: dict[int, dict] = {}
+        seconds = 0.0
         if progress:
             progress.start(f"{task.name} · effort {effort}", len(requests))
-        t0 = time.perf_counter()
-        outputs = generate(model, tokenizer, requests, batch_size=batch_size,
-                           on_done=(lambda i, o: progress.advance(1)) if progress else None)
-        if progress:
-            progress.stop()
-        scores = [task.score(o, item) for o, item in zip(outputs, items)]
-        points.append(point_from(effort, scores, [o.reasoning_tokens for o in outputs],
-                                 [o.output_tokens for o in outputs],
-                                 budget_forced=sum(o.budget_forced for o in outputs),
-                                 unfinished=sum(not o.answered for o in outputs),
-                                 seconds=round(time.perf_counter() - t0, 2)))
-        for item, o, s in zip(items, outputs, scores):
-            samples.append({"effort": effort, "id": item.get("id"), "score": s, "answer": o.answer,
-                            "reasoning_tokens": o.reasoning_tokens, "output_tokens": o.output_tokens,
-                            "finish_reason": o.finish_reason})
+        try:
+            for batch in sweep_batches(requests, batch_size):
+                key = tuple(batch)
+                if key in done:
+                    record = done[key]
+                    if progress:
+                        progress.advance(len(batch))
+                else:
+                    t0 = time.perf_counter()
+                    outputs = generate(model, tokenizer, [requests[i] for i in batch], batch_size=batch_size,
+                                       on_done=(lambda i, o: progress.advance(1)) if progress else None)
+                    record = {"effort": effort, "batch": list(batch), "seconds": round(time.perf_counter() - t0, 3),
+                              "rows": [_row_of(items[i], o, task.score(o, items[i])) for i, o in zip(batch, outputs)]}
+                    if store:
+                        store.append(record)
+                seconds += record["seconds"]
+                rows.update(zip(batch, record["rows"]))
+        finally:
+            if progress:
+                progress.stop()
+        ordered = [rows[i] for i in range(len(items))]
+        points.append(point_from(effort, [r["score"] for r in ordered], [r["reasoning_tokens"] for r in ordered],
+                                 [r["output_tokens"] for r in ordered],
+                                 budget_forced=sum(r["budget_forced"] for r in ordered),
+                                 unfinished=sum(not r["answered"] for r in ordered),
+                                 seconds=round(seconds, 2)))
+        samples += [{"effort": effort, **{k: r[k] for k in SAMPLE_KEYS}} for r in ordered]
     return {"task": task.name, "points": [_point_json(p) for p in points], "samples": samples}
+
+
+SAMPLE_KEYS = ("id", "score", "answer", "reasoning_tokens", "output_tokens", "finish_reason")  # after "effort"
+
+
+def _row_of(item: dict, o: GenOutput, score: float) -> dict:
+    return {"id": item.get("id"), "score": score, "answer": o.answer, "reasoning_tokens": o.reasoning_tokens,
+            "output_tokens": o.output_tokens, "finish_reason": o.finish_reason,
+            "budget_forced": bool(o.budget_forced), "answered": bool(o.answered)}
 
 
 def _point_json(p: SweepPoint) -> dict:
@@ -151,34 +205,44 @@ def _point_json(p: SweepPoint) -> dict:
 def run_lm_eval_sweep(model, tokenizer, task: str, efforts: Sequence[int] = DEFAULT_EFFORTS, *,
                       limit: int | None = None, batch_size: int = 8, max_gen_toks: int | None = None,
                       thinking_budget: int | None = None, data_dir=None, include_path: list[str] | None = None,
-                      progress=None) -> dict:
+                      progress=None, store: "SweepStore | None" = None) -> dict:
     """The effort sweep on an lm-eval generation task (thinking mode, the chat encoding at each
     effort). Accuracy is the task's first reported metric under its first filter, per document;
-    token counts come from the adapter's generation log."""
+    token counts come from the adapter's generation log. With a `store`, each finished effort is
+    appended to it and efforts it already holds are not run again."""
     import tempfile
 
     from dsv41.evals.lm_eval_model import DSV41LM, make_task_manager, run_tasks
 
     points, samples, chosen = [], [], None
     with tempfile.TemporaryDirectory(prefix="dsv41-tasks-") as generated:
-        tm = make_task_manager([task], generated, include_path)
+        tm = None
         for effort in efforts:
-            lm = DSV41LM(model=model, tokenizer=tokenizer, mode="thinking", effort=effort, batch_size=batch_size,
-                         max_gen_toks=max_gen_toks, thinking_budget=thinking_budget, progress=progress)
-            t0 = time.perf_counter()
-            results = run_tasks(lm, [task], tm, limit=limit, data_dir=data_dir)
-            if not lm.generation_log:
-                raise ValueError(f"task {task} made no generation requests: the effort sweep needs a generate_until task")
-            per_doc = _per_document_scores(results, chosen)
-            chosen = per_doc["key"]
-            log = lm.generation_log
-            points.append(point_from(effort, per_doc["scores"], [g["reasoning_tokens"] for g in log],
-                                     [g["output_tokens"] for g in log],
-                                     budget_forced=sum(g["budget_forced"] for g in log),
-                                     unfinished=sum(not g["answered"] for g in log),
-                                     seconds=round(time.perf_counter() - t0, 2)))
-            samples += [{"effort": effort, **g} for g in log]
-    return {"task": task, "metric": chosen, "points": [_point_json(p) for p in points], "samples": samples}
+            record = store.effort_record(effort) if store else None
+            if record is None:
+                if tm is None:
+                    tm = make_task_manager([task], generated, include_path)
+                lm = DSV41LM(model=model, tokenizer=tokenizer, mode="thinking", effort=effort, batch_size=batch_size,
+                             max_gen_toks=max_gen_toks, thinking_budget=thinking_budget, progress=progress)
+                t0 = time.perf_counter()
+                results = run_tasks(lm, [task], tm, limit=limit, data_dir=data_dir)
+                if not lm.generation_log:
+                    raise ValueError(f"task {task} made no generation requests: the effort sweep needs a generate_until task")
+                per_doc = _per_document_scores(results, chosen)
+                log = lm.generation_log
+                point = point_from(effort, per_doc["scores"], [g["reasoning_tokens"] for g in log],
+                                   [g["output_tokens"] for g in log],
+                                   budget_forced=sum(g["budget_forced"] for g in log),
+                                   unfinished=sum(not g["answered"] for g in log),
+                                   seconds=round(time.perf_counter() - t0, 2))
+                record = {"effort": effort, "metric": per_doc["key"], "point": _point_json(point),
+                          "samples": [{"effort": effort, **g} for g in log]}
+                if store:
+                    store.append(record)
+            chosen = record["metric"]
+            points.append(record["point"])
+            samples += record["samples"]
+    return {"task": task, "metric": chosen, "points": points, "samples": samples}
 
 
 def _per_document_scores(results: dict, key: str | None) -> dict:
@@ -216,8 +280,9 @@ def sweep_csv(doc: dict) -> str:
     return buf.getvalue()
 
 
-def write_sweep(doc: dict, out_dir: Path, plot: bool = True) -> list[Path]:
-    """sweep.json (points and per-item samples), sweep.csv and sweep.png under out_dir."""
+def write_sweep(doc: dict, out_dir: Path, plot: bool = True, plot_path: str | os.PathLike | None = None) -> list[Path]:
+    """sweep.json (points and per-item samples), sweep.csv and the figure (sweep.png, or plot_path)
+    under out_dir."""
     from dsv41.evals.reports import write_atomic
 
     out_dir = Path(out_dir)
@@ -228,10 +293,112 @@ def write_sweep(doc: dict, out_dir: Path, plot: bool = True) -> list[Path]:
     if plot:
         from dsv41.evals.plots import plot_sweep
 
-        png = out_dir / "sweep.png"
-        plot_sweep(doc, png)
-        paths.append(png)
+        figure = Path(plot_path) if plot_path is not None else out_dir / "sweep.png"
+        figure.parent.mkdir(parents=True, exist_ok=True)
+        paths.append(plot_sweep(doc, figure))
     return paths
 
 
 PRESET_OF = {v: k for k, v in EFFORT_PRESETS.items()}  # 50 -> "low", 75 -> "high", 100 -> "max"
+
+
+# ============================================================================ interrupt and resume
+class SettingsChanged(ValueError):
+    """The output folder holds a partial sweep made with other settings."""
+
+
+class SweepStore:
+    """`partial.jsonl` in the sweep's output folder: the settings' fingerprint on the first line, then
+    one line per finished unit, each appended and flushed to disk as the unit completes. A line cut
+    short by a kill is dropped on the next open (that unit is computed again)."""
+
+    NAME = "partial.jsonl"
+
+    def __init__(self, path: Path, fingerprint: dict, records: list[dict]):
+        self.path, self.fingerprint, self.records = path, fingerprint, records
+        self.reused = len(records)
+
+    @classmethod
+    def open(cls, out_dir: str | os.PathLike, fingerprint: dict, fresh: bool = False) -> "SweepStore":
+        """Reuse the folder's partial results made with the same settings; with other settings raise
+        SettingsChanged (fresh=True discards them and starts over)."""
+        out_dir = Path(out_dir)
+        path = out_dir / cls.NAME
+        if out_dir.exists() and not out_dir.is_dir():
+            raise NotADirectoryError(f"{out_dir} is not a folder")
+        fingerprint = json.loads(json.dumps(fingerprint))  # as it reads back
+        records: list[dict] = []
+        if path.exists() and not fresh:
+            head, records, good = cls._read(path)
+            if head is not None and head.get("settings") != fingerprint:
+                changed = sorted(k for k in set(fingerprint) | set(head.get("settings") or {})
+                                 if fingerprint.get(k) != (head.get("settings") or {}).get(k))
+                raise SettingsChanged(f"{out_dir} holds a partial sweep made with other settings "
+                                      f"({', '.join(changed) or 'format'}); pass another --output, or --fresh "
+                                      f"to discard it and start over")
+            if head is not None:
+                with path.open("r+b") as f:  # drop a last line cut short by a kill
+                    f.truncate(good)
+                return cls(path, fingerprint, records)
+        if path.exists():  # --fresh, or a file without a whole first line: the first unit rewrites it
+            path.unlink()
+        return cls(path, fingerprint, [])
+
+    @staticmethod
+    def _read(path: Path) -> tuple[dict | None, list[dict], int]:
+        """(the settings line, the unit records, the bytes of whole lines) of a partial.jsonl."""
+        good, head, records = 0, None, []
+        with path.open("rb") as f:
+            for raw in f:
+                try:
+                    line = json.loads(raw) if raw.endswith(b"\n") else None
+                except ValueError:
+                    line = None
+                if line is None:
+                    break
+                if head is None:
+                    head = line
+                else:
+                    records.append(line)
+                good += len(raw)
+        return head, records, good
+
+    def append(self, record: dict) -> None:
+        if not self.path.exists():
+            from dsv41.evals.reports import write_atomic
+
+            write_atomic(self.path, json.dumps({"settings": self.fingerprint}) + "\n")
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.records.append(record)
+
+    def batches(self, effort: int) -> dict[tuple, dict]:
+        """The stored generation batches of one effort, by their item indices."""
+        return {tuple(r["batch"]): r for r in self.records if r.get("effort") == effort and "batch" in r}
+
+    def effort_record(self, effort: int) -> dict | None:
+        """The stored result of one whole effort (lm-eval tasks)."""
+        return next((r for r in self.records if r.get("effort") == effort and "point" in r), None)
+
+    def on_disk(self) -> list[dict]:
+        """The unit records the file holds now (after a Ctrl-C, what a rerun will reuse: a record
+        written just as the interrupt came is on disk though `append` did not return)."""
+        return self._read(self.path)[1] if self.path.exists() else []
+
+    def items_done(self) -> int:
+        """Finished effort x item pairs on disk (for an lm-eval task: their documents)."""
+        return sum(len(r["batch"]) if "batch" in r else len(r.get("samples") or []) for r in self.on_disk())
+
+
+def model_fingerprint(model_dir: str | os.PathLike) -> dict:
+    """What tells a checkpoint apart without reading its weights: its path, its config's hash and the
+    sizes of its files."""
+    import hashlib
+
+    model_dir = Path(model_dir).resolve()
+    config = model_dir / "config.json"
+    digest = hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.is_file() else None
+    size = sum(p.stat().st_size for p in model_dir.rglob("*") if p.is_file() and p.suffix == ".safetensors")
+    return {"path": str(model_dir), "config_sha256": digest, "weight_bytes": size}

@@ -113,6 +113,9 @@ class DSV41LM(TemplateLM):
         self.progress = progress
         self.generation_log: list[dict] = []  # one record per generate_until request, in call order
         self._cache, self._caching = None, False  # the request cache (open_request_cache)
+        # requests handed to us, answered (from the cache or the model) and answered from the cache
+        # (the interrupt message and the "reused" line of `dsv41 eval`)
+        self.asked = self.answered = self.reused = 0
 
     # ------------------------------------------------------------------ tokenization
     @property
@@ -216,6 +219,9 @@ class DSV41LM(TemplateLM):
                                                if not sampled[i] and k in self._cache})
         for i, a in cached.items():
             answers[i] = a
+        self.asked += len(requests)
+        self.answered += len(cached)
+        self.reused += len(cached)
         todo = [i for i in range(len(requests)) if i not in cached]
         if todo:
             for i, a in zip(todo, run([requests[i] for i in todo])):
@@ -248,6 +254,7 @@ class DSV41LM(TemplateLM):
     def _remember(self, kind: str, args: tuple, answer) -> None:
         """Record one answer as soon as it is known (rank 0's cache, and lm-eval's when it wraps us)."""
         self.cache_hook.add_partial(kind, args, answer)
+        self.answered += 1
         if self._cache is not None:
             self._cache[hash_args(kind, args)] = answer
 
@@ -391,18 +398,20 @@ def make_task_manager(tasks: list[str], generated_dir, include_path: list[str] |
 
 def run_tasks(lm: DSV41LM, tasks: list[str], task_manager, *, limit: int | float | None = None,
               num_fewshot: int | None = None, data_dir=None, cache_path: str | None = None,
-              confirm_run_unsafe_code: bool = False, bootstrap_iters: int = 1000) -> dict:
+              confirm_run_unsafe_code: bool = False, bootstrap_iters: int = 1000, offline: bool = False) -> dict:
     """lm_eval.simple_evaluate over our model, with --data-dir's local datasets served. The chat
     template is applied exactly when the model has a mode. Returns lm-eval's results dict (samples
     included) with `served_locally` added. Under torchrun every rank calls this; lm-eval returns the
-    results on local rank 0 only, and every rank gets rank 0's."""
+    results on local rank 0 only, and every rank gets rank 0's. offline: a dataset that is neither
+    local nor cached raises `dsv41.evals.tasks.offline.DataUnavailable` naming the files it needs."""
     import lm_eval
 
     from dsv41.evals.tasks import serve_local_data
 
     lm.open_request_cache(cache_path)  # ours, not lm-eval's use_cache: one file rank 0 keeps (see _answer)
+    _quiet_git_hash()
     try:
-        with serve_local_data(data_dir) as served:
+        with serve_local_data(data_dir, offline=offline) as served:
             results = lm_eval.simple_evaluate(
                 model=lm, tasks=tasks, task_manager=task_manager, num_fewshot=num_fewshot, limit=limit,
                 batch_size=lm.batch_size, log_samples=True, apply_chat_template=lm.mode is not None,
@@ -413,6 +422,23 @@ def run_tasks(lm: DSV41LM, tasks: list[str], task_manager, *, limit: int | float
     if results is not None:
         results["served_locally"] = served
     return lm.ctx.broadcast_object(results)
+
+
+def _quiet_git_hash() -> None:
+    """lm-eval records `git describe` of the current directory and lets git print `fatal: not a git
+    repository` outside one: ask git quietly instead (None outside a repository)."""
+    import subprocess
+
+    import lm_eval.evaluator as ev
+
+    def git_hash():
+        try:
+            r = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout.strip() or None if r.returncode == 0 else None
+
+    ev.get_git_commit_hash = git_hash
 
 
 SUMMARY_SKIP = {"alias", "name", "sample_len", " "}

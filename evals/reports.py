@@ -9,6 +9,7 @@ the references. A number that is not there is shown as such, with the reason, ne
     n/g          the reference number is not given in the report text this project holds
     not run [k]  the row could not run here (footnote k says why: no offline data, code execution
                  not confirmed, an external harness, ...)
+    pending      the run was interrupted before this row (a partial report; rerun to resume)
 """
 
 from __future__ import annotations
@@ -115,41 +116,70 @@ def row_mode(row: SuiteRow, suite: Suite, override: str | None) -> str | None:
     return None if mode in (None, "base") else mode
 
 
+def runnable(suite: Suite) -> list[int]:
+    """Indices of the rows that have a task to run."""
+    return [i for i, r in enumerate(suite.rows) if r.task is not None]
+
+
 def run_suite(suite: Suite, evaluate_row: Callable[[SuiteRow], dict], explain: Callable[[Exception], str],
-              log: Callable[[str], None] = lambda m: None, mode_override: str | None = None) -> dict:
+              log: Callable[[str], None] = lambda m: None, mode_override: str | None = None,
+              done: dict[int, dict] | None = None, on_row: Callable[[int, dict, dict], None] | None = None) -> dict:
     """Evaluate every runnable row; a row that fails is marked with the reason, the rest go on.
     evaluate_row(row) runs the row's task (in `row_mode(row, suite, mode_override)`) and returns
-    lm-eval's results."""
+    lm-eval's results. done: {row index: entry} of rows an earlier run finished (status ok), taken as
+    they are. on_row(index, entry, report so far) after each row (the rows not reached yet are
+    "pending"), so that a caller can keep the finished rows and a partial report on disk."""
     from dsv41.evals.tasks import resolve
 
-    rows = []
-    for row in suite.rows:
-        entry = {"section": row.section, "benchmark": row.benchmark, "metric": row.metric, "shots": row.shots,
-                 "task": row.task, "result_key": row.result,
-                 "reference": {c: row.reference.get(c) for c in suite.columns},
-                 "this_run": None, "stderr": None, "n": None, "status": "ok", "reason": None, "note": row.note}
-        if row.task is None:
-            entry["status"], entry["reason"] = "external", row.note or "needs an external harness"
-        else:
+    done = done or {}
+    rows: list[dict] = []
+
+    def report(upto: int) -> dict:
+        pending = [dict(_entry(suite, r), status="pending", reason=None) for r in suite.rows[upto:]]
+        return {"suite": suite.name, "title": suite.title, "columns": suite.columns, "source": suite.source,
+                "notes": suite.notes, "rows": rows + pending}
+
+    for k, row in enumerate(suite.rows):
+        if k in done and done[k].get("status") == "ok":
+            rows.append(done[k])
+            if on_row:
+                on_row(k, done[k], report(k + 1))
+            continue
+        entry = _entry(suite, row)
+        if row.task is not None:
             log(f"{suite.name}: {row.benchmark} ({row.task})")
-            try:
-                results = evaluate_row(row)
-                task = resolve(row.task, row_mode(row, suite, mode_override))
-                value, se = lookup(results, task, row.result)
-                if value is None:
-                    raise KeyError(f"no result {row.result!r} for {task}")
-                entry["this_run"] = value * row.scale
-                entry["stderr"] = None if se is None else se * row.scale
-                entry["n"] = sum(int(v.get("effective", v.get("original", 0)) or 0)
-                                 for v in (results.get("n-samples") or {}).values())
-                entry["task"] = task
-            except Exception as e:  # noqa: BLE001 - recorded in the report, never dropped
-                if os.environ.get("DSV41_DEBUG"):
-                    raise
-                entry["status"], entry["reason"] = "not run", explain(e)
+        _run_row(suite, row, entry, evaluate_row, explain, mode_override, resolve)
         rows.append(entry)
-    return {"suite": suite.name, "title": suite.title, "columns": suite.columns, "source": suite.source,
-            "notes": suite.notes, "rows": rows}
+        if on_row:
+            on_row(k, entry, report(k + 1))
+    return report(len(suite.rows))
+
+
+def _entry(suite: Suite, row: SuiteRow) -> dict:
+    return {"section": row.section, "benchmark": row.benchmark, "metric": row.metric, "shots": row.shots,
+            "task": row.task, "result_key": row.result, "reference": {c: row.reference.get(c) for c in suite.columns},
+            "this_run": None, "stderr": None, "n": None, "status": "ok", "reason": None, "note": row.note}
+
+
+def _run_row(suite, row, entry, evaluate_row, explain, mode_override, resolve) -> None:
+    if row.task is None:
+        entry["status"], entry["reason"] = "external", row.note or "needs an external harness"
+    else:
+        try:
+            results = evaluate_row(row)
+            task = resolve(row.task, row_mode(row, suite, mode_override))
+            value, se = lookup(results, task, row.result)
+            if value is None:
+                raise KeyError(f"no result {row.result!r} for {task}")
+            entry["this_run"] = value * row.scale
+            entry["stderr"] = None if se is None else se * row.scale
+            entry["n"] = sum(int(v.get("effective", v.get("original", 0)) or 0)
+                             for v in (results.get("n-samples") or {}).values())
+            entry["task"] = task
+        except Exception as e:  # noqa: BLE001 - recorded in the report, never dropped
+            if os.environ.get("DSV41_DEBUG"):
+                raise
+            entry["status"], entry["reason"] = "not run", explain(e)
 
 
 # ============================================================================ rendering
@@ -175,6 +205,8 @@ def _table(report: dict) -> tuple[list[str], list[list[str] | str], list[str]]:
             ours = _fmt(r["this_run"])
             if r["stderr"] is not None:
                 ours += f" ± {r['stderr']:.1f}"
+        elif r["status"] == "pending":
+            ours = "pending"
         else:
             notes.append(r["reason"])
             ours = f"{'external' if r['status'] == 'external' else 'not run'} [{len(notes)}]"
@@ -225,7 +257,7 @@ def render_html(report: dict) -> str:
         cells = []
         for k, cell in enumerate(row):
             cls = ["ours"] if k == len(row) - 1 else []
-            if cell == NOT_GIVEN or cell.startswith(("not run", "external")):
+            if cell == NOT_GIVEN or cell.startswith(("not run", "external", "pending")):
                 cls.append("missing")
             cells.append(f"<td class='{' '.join(cls)}'>{esc(cell)}</td>")
         parts.append("<tr>" + "".join(cells) + "</tr>")

@@ -164,8 +164,9 @@ def test_ref_index_quirk_flag_changes_decoding_only_when_asked(tiny_model):
 
 # ------------------------------------------------------------------------------------------- CLI
 def run_cli(*argv, cwd=None):
+    # an empty stdin: `generate` without a prompt reads it from stdin (tests/test_generate_cli.py)
     return subprocess.run([sys.executable, "-m", "dsv41_cli", *argv], capture_output=True, text=True, cwd=cwd,
-                          timeout=600)
+                          stdin=subprocess.DEVNULL, timeout=600)
 
 
 def test_print_prompt_equals_the_encoder():

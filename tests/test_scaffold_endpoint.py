@@ -235,10 +235,11 @@ def test_episodes_through_the_endpoint(stub, jail):
     assert "could not be carried out" in chats[4]["body"]["messages"][-1]["content"]
 
 
-def test_cli_with_endpoint(stub, jail, capsys):
+def test_cli_with_endpoint(stub, jail, capsys, tmp_path):
     stub.default = (200, lambda body: reply("", tool_calls=[bash_call("echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")], finish="tool_calls"), 0, {})
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["scaffold-bench", "--endpoint", stub.url, "--scaffolds", "dsml", "--limit", "1", "--efforts", "chat", "--json"])
+        cli_main(["scaffold-bench", "--endpoint", stub.url, "--scaffolds", "dsml", "--limit", "1", "--efforts", "chat", "--json",
+                  "--output", str(tmp_path / "out")])
     captured = capsys.readouterr()
     assert exit_info.value.code == 0, captured.err
     doc = json.loads(captured.out)

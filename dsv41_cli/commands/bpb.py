@@ -8,17 +8,31 @@ from typing import Optional
 import typer
 
 from dsv41_cli.common import DeviceOpt, JsonOpt, load_on_ranks, resolve_model_dir, start_ranks
-from dsv41_cli.console import err, fail, out, print_json
+from dsv41_cli.console import EXIT_INTERNAL, err, fail, need_module, out, print_json
+
+
+EPILOG = """Examples:
+
+  dsv41 bpb corpus.txt
+
+  dsv41 bpb docs/ notes.jsonl --model dsv41-tiny --model CKPT --plot-file bpb.svg
+
+  dsv41 bpb corpus.txt --window strided:256 --baselines gzip,xz --json
+"""
 
 
 def command(
     paths: list[Path] = typer.Argument(..., help="Corpora: files (a .jsonl file = one document per line's \"text\") or directories."),
     models: Optional[list[str]] = typer.Option(None, "--model", envvar="DSV41_MODEL",
-                                               help="Checkpoint directory; repeat to compare models. Default: the bundled dsv41-tiny."),
+                                               help="Checkpoint directory, or dsv41-tiny (the bundled model); "
+                                                    "repeat to compare models. Default: dsv41-tiny."),
     window: str = typer.Option("disjoint", "--window", help="disjoint | strided:S (score S new tokens per window)."),
     max_ctx: int = typer.Option(0, "--max-ctx", min=0, help="Window length in tokens (0: the model's training context)."),
     baselines: str = typer.Option("gzip,bz2,xz,zstd", "--baselines", help="Compressors to compare with (comma list, or 'none')."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a grouped bar chart (PNG/SVG/PDF) here."),
+    plot: bool = typer.Option(False, "--plot/--no-plot", help="Draw a grouped bar chart to bpb.png (needs "
+                              "matplotlib: the plots extra). `--plot FILE.png` still works as --plot-file FILE.png."),
+    plot_file: Optional[Path] = typer.Option(None, "--plot-file", show_default=False,
+                                             help="Write the chart here (.png, .svg or .pdf); implies --plot."),
     batch_size: int = typer.Option(8, "--batch-size", min=1),
     bootstrap: int = typer.Option(1000, "--bootstrap", min=0, help="Bootstrap resamples for the 95% interval (0: none)."),
     device: str = DeviceOpt,
@@ -36,8 +50,12 @@ def command(
     for b in wanted:
         if b not in bpb.COMPRESSORS:
             fail(f"--baselines: unknown compressor {b!r} (known: {', '.join(bpb.COMPRESSORS)})")
-    if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
-        fail(f"--plot {plot}: use a .png, .svg or .pdf file name")
+    if plot_file is not None and plot_file.suffix.lower() not in (".png", ".svg", ".pdf"):
+        fail(f"--plot-file {plot_file}: use a .png, .svg or .pdf file name")
+    if plot_file is None and plot:
+        plot_file = Path("bpb.png")
+    if plot_file is not None:  # before any model is loaded: a missing extra never costs a run
+        need_module("matplotlib", "plots", "--plot", "or drop --plot")
     corpora = []
     for p in paths:
         try:
@@ -71,15 +89,18 @@ def command(
         doc["baselines_unavailable"] = unavailable
     if not ctx.is_main:  # every rank computed the same document; rank 0 reports it
         return
-    if plot is not None:
-        from dsv41.evals.plots import plot_bpb
-
-        plot_bpb(doc, plot)
-        err.print(f"[dim]plot written to {plot}[/dim]", markup=True)
-    if as_json:
+    if as_json:  # the result first: a plot that fails never loses it
         print_json(doc)
     else:
         _print_table(doc)
+    if plot_file is not None:
+        from dsv41.evals.plots import plot_bpb
+
+        try:
+            plot_bpb(doc, plot_file)
+        except (OSError, ValueError) as e:
+            fail(f"--plot-file {plot_file}: {e}", code=EXIT_INTERNAL)
+        err.print(f"plot written to {plot_file}", markup=False, style="dim")
 
 
 def _loader(model_dir: Path, ctx):

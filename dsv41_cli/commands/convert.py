@@ -11,6 +11,18 @@ from dsv41_cli.common import JsonOpt
 from dsv41_cli.console import EXIT_INTERNAL, err, fail, out, print_json
 
 
+EPILOG = """Examples:
+
+  dsv41 convert HF_CKPT RUNTIME_CKPT --mp 8 --expert-dtype fp4
+
+  dsv41 convert HF_CKPT RUNTIME_CKPT --resume
+
+  dsv41 convert RUNTIME_CKPT HF_COPY --to official --verify
+
+  dsv41 convert HF_CKPT --verify
+"""
+
+
 def command(
     src: str = typer.Argument(..., help="Checkpoint directory to convert (official or runtime layout)."),
     dst: Optional[str] = typer.Argument(None, help="Output directory; must not exist. Written atomically. "
@@ -20,7 +32,8 @@ def command(
         None, "--expert-dtype", help="Routed experts in the runtime layout: fp4|fp8|bf16 (default fp4)."),
     to: str = typer.Option("runtime", "--to", help="runtime|official"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Verify SRC and print the plan; write nothing."),
-    resume: bool = typer.Option(False, "--resume", help="Reuse the verified files of an interrupted conversion."),
+    resume: bool = typer.Option(False, "--resume", help="Reuse the verified files that an interrupted or failed "
+                                "conversion left in DST.partial."),
     verify: bool = typer.Option(False, "--verify", help="Also read every tensor of SRC: no NaN/inf, no NaN codes "
                                 "(and the runtime layout's sha256s). Without DST: verify only."),
     as_json: bool = JsonOpt,
@@ -54,15 +67,23 @@ def command(
                           + f" ({checked['seconds']:.1f} s)")
             return
     progress = None if (dry_run or as_json) else BarProgress()
+    from pathlib import Path
+
+    work = partial_dir(Path(dst))
     try:
         result = convert(src, dst, to=to, mp=mp or 1, expert_dtype=expert_dtype or "fp4", dry_run=dry_run,
                          resume=resume, progress=progress or JsonProgress())
     except CheckpointError as e:
-        fail(str(e))
+        fail(str(e) + (_resume_hint(work) if not dry_run and work.is_dir() else ""))
     except OSError as e:  # disk full, permissions: what is finished stays for --resume
-        from pathlib import Path
-
-        fail(f"{e}; finished files are kept in {partial_dir(Path(dst))}, rerun with --resume", code=EXIT_INTERNAL)
+        fail(f"{e}{_resume_hint(work)}", code=EXIT_INTERNAL)
+    except KeyboardInterrupt:  # Ctrl-C: the finished files stay; the one line says how to go on
+        if progress is not None:
+            progress.finish()
+        if dry_run or not work.is_dir():
+            raise
+        err.print(f"dsv41: interrupted{_resume_hint(work)}", markup=False, soft_wrap=True)
+        raise typer.Exit(130)
     result["seconds"] = round(time.perf_counter() - started, 3)
     if verify:
         result["verified"] = checked
@@ -75,6 +96,10 @@ def command(
         out.print(f"wrote {result['dst']}: {len(result['files'])} files, {result['tensors']:,} tensors, "
                   f"{result['bytes'] / 1e9:,.3f} GB in {result['seconds']:.1f} s ({rate:,.0f} MB/s)"
                   + (f"; reused {len(result['reused'])} verified file(s)" if result["reused"] else ""))
+
+
+def _resume_hint(work) -> str:
+    return f"; finished files are kept in {work}: run the same command with --resume to continue"
 
 
 def render_plan(plan: dict) -> None:

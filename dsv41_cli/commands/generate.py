@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import typer
 
-from dsv41_cli.common import DeviceOpt, JsonOpt, ModelOpt, load_on_ranks, resolve_model_dir, start_ranks
-from dsv41_cli.console import err, fail, out, print_json
+from dsv41_cli.common import DeviceOpt, ModelOpt, load_on_ranks, resolve_model_dir, start_ranks
+from dsv41_cli.console import err, fail, note, out, print_json
+
+EPILOG = """Examples:
+
+\b
+  dsv41 generate --effort 75 "Add: 7 3 9 2 5"
+  echo "Add: 7 3 9 2 5" | dsv41 generate --temperature 0 --max-new-tokens 128
+  dsv41 generate --input-file prompts.txt --json > replies.jsonl
+  dsv41 generate --interactive --mode chat
+"""
+
+# what a --tools entry looks like (the OpenAI tool list; the encoder renders each "function" object)
+TOOL_FORM = '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}'
 
 
 def input_file_prompts(text: str) -> list[str]:
@@ -19,15 +35,19 @@ def input_file_prompts(text: str) -> list[str]:
 
 
 def command(
-    prompt: Optional[str] = typer.Argument(None, help="The user message (one turn)."),
+    prompt: Optional[str] = typer.Argument(None, help="The user message (one turn). Omitted or -: read from stdin "
+                                                      "(a terminal with no prompt is a usage error)."),
     messages: Optional[Path] = typer.Option(None, "--messages", help="JSON file: a message list in the official encoder's schema."),
     tools: Optional[Path] = typer.Option(None, "--tools", help="JSON file: an OpenAI tool list, attached to the system message."),
     system: Optional[str] = typer.Option(None, "--system", help="A system message placed first."),
-    input_file: Optional[Path] = typer.Option(None, "--input-file", help="A batch: prompts separated by blank lines, one turn each."),
-    interactive: bool = typer.Option(False, "--interactive", help="Chat with history; /exit quits, /clear forgets."),
+    input_file: Optional[Path] = typer.Option(None, "--input-file", help="A batch: prompts separated by blank lines, "
+                                              "one turn each. With --json: JSON Lines, one document per prompt."),
+    interactive: bool = typer.Option(False, "--interactive", help="Chat with history; /exit quits, /clear forgets. "
+                                     "Ctrl-C cancels the reply being written; Ctrl-C at an empty prompt or Ctrl-D ends."),
     mode: str = typer.Option("thinking", "--mode", help="thinking|chat"),
     effort: str = typer.Option("high", "--effort", help="Reasoning effort 1..100, or low|high|max (50|75|100)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, help="At most this many generated tokens "
+                                       "(capped, with a note, where the prompt leaves less of the model's context)."),
     temperature: float = typer.Option(0.6, "--temperature", min=0.0, help="0 = greedy."),
     top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0),
     seed: Optional[int] = typer.Option(None, "--seed", help="Makes sampling reproducible."),
@@ -44,7 +64,8 @@ def command(
     print_prompt: bool = typer.Option(False, "--print-prompt", help="Print the exact prompt text and exit (no weights loaded)."),
     model: Optional[str] = ModelOpt,
     device: str = DeviceOpt,
-    as_json: bool = JsonOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON on stdout instead of streaming text (logs go to "
+                                 "stderr): one document; with --input-file JSON Lines, one document per prompt."),
 ):
     from dsv41.model import encoding
 
@@ -59,12 +80,16 @@ def command(
     sources = [s for s in (prompt is not None, messages is not None, input_file is not None, interactive) if s]
     if len(sources) > 1:
         fail("give one of PROMPT, --messages, --input-file or --interactive")
-    if not sources:
-        fail("nothing to generate from: give a PROMPT, --messages FILE, --input-file FILE or --interactive")
+    from_stdin = prompt == "-" or not sources  # `dsv41 generate` with no prompt reads it from stdin, as `-` does
+    if prompt is not None and not from_stdin:
+        _check_prompt(prompt, "the prompt", bool(image))
 
     # one process, or one rank of `torchrun --nproc-per-node N -m dsv41_cli generate`: rank 0 owns the console
     ctx = start_ranks(device)
-    tool_list = _read_json_file(tools, "--tools", list) if tools else None
+    if from_stdin:
+        prompt = ctx.on_main(_read_stdin_prompt, prompt == "-")  # rank 0 reads it; every rank gets it
+        _check_prompt(prompt, "the prompt read from stdin", bool(image))
+    tool_list = _check_tools(_read_json_file(tools, "--tools", object), f"--tools {tools}") if tools else None
     image_blocks = [{"type": "image_url", "image_url": {"url": str(p)}} for p in image or ()]
     if image_blocks and input_file is not None:
         fail("--image works with PROMPT, --messages or --interactive, not --input-file (use <image>path</image> tags)")
@@ -81,6 +106,9 @@ def command(
             fail(f"--input-file {input_file}: no prompts in it")
     elif messages is not None:
         msgs = _read_json_file(messages, "--messages", list)
+        for i, m in enumerate(msgs, 1):  # tools inside the file: named as clearly as --tools's
+            if isinstance(m, dict) and m.get("tools") is not None:
+                _check_tools(m["tools"], f"--messages {messages}: message {i} ({m.get('role')!r}) tools")
         if system:
             msgs = [{"role": "system", "content": system}] + msgs
         if tool_list:
@@ -134,10 +162,15 @@ def command(
         return
     for msgs in batch:
         prompt_text, records = encode(msgs)
-        doc = run_one(engine, tokenizer, config, prompt_text, mode, stream=not as_json and ctx.is_main, images=records)
+        try:
+            doc = run_one(engine, tokenizer, config, prompt_text, mode, stream=not as_json and ctx.is_main,
+                          images=records, notes=ctx.is_main)
+        except ContextFull as e:
+            fail(str(e))
         if as_json:
-            if len(batch) > 1:
+            if input_file is not None:  # JSON Lines: one compact document per prompt, each flushed as it is done
                 sys.stdout.write(json.dumps(doc) + "\n")
+                sys.stdout.flush()
             else:
                 print_json(doc)
         elif len(batch) > 1:
@@ -172,6 +205,73 @@ def _with_images(msgs: list, images: list[dict]) -> list:
     return msgs
 
 
+def _read_stdin_prompt(explicit: bool) -> str:
+    """The prompt piped on stdin (one trailing line break dropped). A terminal on stdin without `-` is a
+    usage error, not a wait for input that nothing announced; with `-`, the prompt is typed up to Ctrl-D."""
+    stdin = sys.stdin
+    if stdin is None:
+        fail("no prompt: give PROMPT (stdin is closed)")
+    try:
+        tty = stdin.isatty()
+    except (OSError, ValueError):
+        tty = False
+    if tty and not explicit:
+        fail("no prompt: give PROMPT, pipe it on stdin (or pass - and type it, Ctrl-D to end), "
+             "or use --messages FILE, --input-file FILE or --interactive")
+    if tty:
+        err.print("[dim]reading the prompt from stdin; end it with Ctrl-D[/dim]", markup=True)
+    try:
+        data = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode("utf-8")
+    except (OSError, ValueError) as e:
+        fail(f"cannot read the prompt from stdin: {e}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        fail(f"the prompt read from stdin is not UTF-8 ({e.reason} at byte {e.start})")
+    return text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
+
+
+def _check_prompt(text: str, what: str, has_images: bool) -> None:
+    """An empty or whitespace-only prompt is bad input (exit 2), unless images make up the message."""
+    if not text.strip() and not has_images:
+        fail(f"{what} is empty: give some text (or --image FILE)")
+
+
+def _kind(value) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+def _check_tools(tools, where: str) -> list:
+    """An OpenAI tool list, or a one-line error naming what is wrong with it (the encoder reads each entry's
+    "function" object: a name, and a JSON Schema object under "parameters")."""
+    if not isinstance(tools, list):
+        hint = " (a single tool? put it in [ ])" if isinstance(tools, dict) and "function" in tools else ""
+        fail(f"{where}: expected a JSON list of tools, got a JSON {_kind(tools)}{hint}; each tool: {TOOL_FORM}")
+    for i, tool in enumerate(tools, 1):
+        what = f"{where}: tool {i}"
+        if not isinstance(tool, dict):
+            fail(f"{what} is a JSON {_kind(tool)}, not an object; expected {TOOL_FORM}")
+        fn = tool.get("function")
+        if fn is None:
+            hint = (" (it looks like a bare function: wrap it as {\"type\": \"function\", \"function\": {...}})"
+                    if "name" in tool else "")
+            fail(f"{what} has no \"function\" object{hint}; expected {TOOL_FORM}")
+        if tool.get("type", "function") != "function":
+            fail(f"{what}: \"type\" is {json.dumps(tool['type'])}; only \"function\" tools exist")
+        if not isinstance(fn, dict):
+            fail(f"{what}: \"function\" is a JSON {_kind(fn)}, not an object; expected {TOOL_FORM}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name.strip():
+            fail(f"{what}: \"function\" has no \"name\" (a non-empty string)")
+        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+            fail(f"{what} ({name}): \"parameters\" is a JSON {_kind(fn['parameters'])}; "
+                 "expected a JSON Schema object, e.g. {\"type\": \"object\", \"properties\": {...}}")
+        if "description" in fn and not isinstance(fn["description"], str):
+            fail(f"{what} ({name}): \"description\" is a JSON {_kind(fn['description'])}, not a string")
+    return tools
+
+
 def _read_json_file(path: Path, flag: str, kind: type):
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
@@ -182,6 +282,59 @@ def _read_json_file(path: Path, flag: str, kind: type):
     if not isinstance(value, kind):
         fail(f"{flag} {path}: expected a JSON {kind.__name__}")
     return value
+
+
+class ContextFull(ValueError):
+    """The prompt leaves no room in the model's context for a reply."""
+
+
+class _Cancel(Exception):
+    """Ctrl-C during a reply of `--interactive`: the reply is dropped, the conversation goes on."""
+
+
+def cap_to_context(config, n_prompt: int, context: int | None):
+    """`config` with `max_new_tokens` at most what the context leaves after the prompt (prompt and reply
+    together at most `context` positions), and the cap applied or None. ContextFull if nothing is left."""
+    if config is None or not context:
+        return config, None
+    room = context - n_prompt
+    if room <= 0:
+        raise ContextFull(f"the prompt is {n_prompt} tokens and the model's context is {context}: "
+                          "no room left for a reply")
+    if config.max_new_tokens <= room:
+        return config, None
+    return dataclasses.replace(config, max_new_tokens=room), room
+
+
+@contextlib.contextmanager
+def _ctrl_c_cancels(enabled: bool):
+    """While a reply is written: the first Ctrl-C asks to stop at the next token (the streamer raises
+    _Cancel there, so no forward is cut in the middle); a second one stops at once (a long prefill).
+    Yields the question 'was Ctrl-C pressed?'."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    asked = []
+
+    def handler(signum, frame):
+        if asked:
+            raise _Cancel()
+        asked.append(True)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: bool(asked)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _typed_text() -> bool:
+    """Whether the line being typed at the prompt held text (readline's buffer; False without readline)."""
+    readline = sys.modules.get("readline")
+    try:
+        return bool(readline and readline.get_line_buffer().strip())
+    except Exception:  # noqa: BLE001 - an unusual readline: treat the line as empty
+        return False
 
 
 class _Stream:
@@ -221,11 +374,15 @@ class _Stream:
 
 
 def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool, images: list | None = None,
-            prompt_ids: list[int] | None = None) -> dict:
+            prompt_ids: list[int] | None = None, cancelled: Callable[[], bool] | None = None,
+            notes: bool | None = None) -> dict:
     """Generate for one encoded prompt; stream to the terminal or stay quiet; return the JSON document.
     `images`: the image records of the prompt's placeholders (each expands to its image's span).
     `prompt_ids`: the prompt's token ids when the caller has them (a conversation continued over the ids
-    already generated); else `prompt_text` is tokenized."""
+    already generated); else `prompt_text` is tokenized. `--max-new-tokens` beyond what the model's
+    context leaves after the prompt is capped with a note (ContextFull if nothing is left).
+    `cancelled`: asked after every token; True raises _Cancel (the reply is abandoned). `notes`: print the
+    cap's note on stderr (default: when streaming)."""
     from dsv41.model.completion import parse_completion
 
     ids = list(prompt_ids) if prompt_ids is not None else tokenizer.encode(prompt_text, allow_special=True)
@@ -242,8 +399,23 @@ def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool
             ids, _, inputs = expand_image_placeholders(ids, images or [], engine.args)
         except ValueError as e:
             fail(str(e))
+    asked = config.max_new_tokens if config is not None else None
+    config, capped = cap_to_context(config, len(ids), getattr(engine.args, "max_position_embeddings", None))
+    if capped is not None and (stream if notes is None else notes):
+        note(f"--max-new-tokens {asked} capped to {capped}: the model's context is "
+             f"{engine.args.max_position_embeddings} tokens and the prompt takes {len(ids)}")
     streamer = _Stream(tokenizer, mode, stream)
-    result = engine.generate(ids, config, on_token=streamer, images=inputs)
+    on_token = streamer
+    if cancelled is not None:
+        def on_token(token: int) -> None:
+            streamer(token)
+            if cancelled():
+                raise _Cancel()
+    try:
+        result = engine.generate(ids, config, on_token=on_token, images=inputs)
+    except _Cancel:
+        streamer.close()
+        raise
     streamer.close()
     completion = tokenizer.decode(result.output_ids, skip_special=False)
     parsed = parse_completion(completion, mode, finished=result.finish_reason == "stop")
@@ -271,6 +443,8 @@ def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool
         doc["parse_errors"] = parsed.errors
     if result.budget_forced:
         doc["thinking_budget_reached"] = True
+    if capped is not None:
+        doc["max_new_tokens_capped_to"] = capped
     if stream:
         for call in parsed.tool_calls:
             out.print(f"[bold]tool call[/] {call['function']['name']}({call['function']['arguments']})")
@@ -305,12 +479,25 @@ def _interactive(engine, tokenizer, config, mode, effort, system, tools, images=
     cached_ids: list[int] | None = None
     pending_images = list(images or [])  # --image goes with the first message
     base = _turn("", system, tools)[:-1]  # the system message (and tools), if any
+    # Ctrl-C cancels the reply being written (one process; under torchrun, torchrun stops its workers)
+    local = ctx.is_main and not getattr(ctx, "distributed", False)
+    if local and sys.stdin is not None and sys.stdin.isatty():
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401 - line editing for input(), and the typed line for Ctrl-C
     if ctx.is_main:
-        err.print("[dim]dsv41 chat — /exit to quit, /clear to forget the conversation[/dim]", markup=True)
+        err.print("[dim]dsv41 chat — /exit to quit, /clear to forget the conversation; Ctrl-C cancels a reply, "
+                  "Ctrl-D (or Ctrl-C at an empty prompt) ends[/dim]", markup=True)
     while True:
         try:
             line = ctx.on_main(input, ">>> ")  # rank 0 reads the console; every rank gets the line
         except EOFError:
+            break
+        except KeyboardInterrupt:
+            if local and _typed_text():  # Ctrl-C with text typed: drop the line, as a shell does
+                out.print()
+                continue
+            if ctx.is_main:
+                out.print()
             break
         if line.strip() == "/exit":
             break
@@ -344,7 +531,18 @@ def _interactive(engine, tokenizer, config, mode, effort, system, tools, images=
         continued = prompt_ids is not None
         if prompt_ids is None and not records:
             prompt_ids = tokenizer.encode(prompt, allow_special=True)
-        doc = run_one(engine, tokenizer, config, prompt, mode, stream=ctx.is_main, images=records, prompt_ids=prompt_ids)
+        try:
+            with _ctrl_c_cancels(local) as cancelled:
+                doc = run_one(engine, tokenizer, config, prompt, mode, stream=ctx.is_main, images=records,
+                              prompt_ids=prompt_ids, cancelled=cancelled if local else None)
+        except _Cancel:  # the turn is dropped (message and partial reply); the cache ids stay the last turn's
+            history.pop()
+            err.print("[dim]reply cancelled; the conversation goes on without that message[/dim]", markup=True)
+            continue
+        except ContextFull as e:
+            history.pop()
+            err.print(f"[red]error:[/] {e} (/clear starts over)", markup=True)
+            continue
         reply = {"role": "assistant", "content": doc["content"]}
         if doc["reasoning"]:
             reply["reasoning_content"] = doc["reasoning"]

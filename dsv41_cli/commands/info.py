@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
 
-from dsv41_cli.common import DeviceOpt, JsonOpt, ModelOpt, resolve_model_dir
+from dsv41_cli.common import BUNDLED_NAME, DeviceOpt, JsonOpt, ModelOpt, resolve_model_dir
 from dsv41_cli.console import fail, out, print_json
+
+
+EPILOG = """Examples:
+
+  dsv41 info
+
+  dsv41 info --model CKPT --json
+
+  dsv41 info --config v4.1-flash --mp 8 --context 1048576 --batch 4
+"""
 
 
 def command(
@@ -58,9 +69,16 @@ def _fmt_params(n: float) -> str:
 
 
 def render(doc: dict) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
-    out.print(f"[bold]{doc['model']}[/] ({doc['family']})" + (f"  {doc['path']}" if doc["path"] else ""))
+    from dsv41.model.assets import bundled_model_dir
+
+    out.print(f"[bold]{escape(doc['model'])}[/] ({doc['family']})")
+    if doc["path"]:  # where the checkpoint lives (the bundled one: inside the installed package)
+        bundled = bundled_model_dir()
+        name = f" ({BUNDLED_NAME}, bundled)" if bundled and Path(doc["path"]).resolve() == bundled.resolve() else ""
+        out.print(f"path: {doc['path']}{name}", markup=False)
     t = Table(title="Parameters", title_justify="left")
     t.add_column("component")
     t.add_column("parameters", justify="right")

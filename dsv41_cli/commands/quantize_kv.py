@@ -11,6 +11,16 @@ from dsv41_cli.common import DeviceOpt, JsonOpt, ModelOpt, load_on_ranks, resolv
 from dsv41_cli.console import err, fail, out, print_json
 
 
+EPILOG = """Examples:
+
+  dsv41 quantize-kv corpus.txt
+
+  dsv41 quantize-kv docs/ notes.jsonl --formats bf16,fp8 --max-tokens 20000 --json
+
+  dsv41 quantize-kv corpus.txt --model CKPT --max-ctx 1024 --device cuda
+"""
+
+
 def command(
     corpora: List[str] = typer.Argument(..., help="Corpus files or directories (.jsonl: one {\"text\"} per line; "
                                                   "any other file: one document)."),

@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 from pathlib import Path
 from typing import Callable
 
@@ -31,13 +33,18 @@ from dsv41.evals.scaffolds.tasks import AgentTask, FunctionCallingItem
 def run_bench(backend, scaffolds: list[Scaffold], tasks: list[AgentTask], items: list[FunctionCallingItem],
               efforts: list[int | None], sandbox: Sandbox | None = None, *, max_steps: int | None = None,
               on_episode: Callable[[EpisodeResult], None] | None = None, keep_messages: bool = False,
-              jobs: int = 1) -> dict:
+              jobs: int = 1, done: dict | None = None) -> dict:
     """Run every task and item under every scaffold and effort; return the report (see summarize).
 
     jobs: episodes run at once (threads; each episode has its own jail). The backend must then be
     thread-safe, its ``begin`` state kept per thread (the oracle and endpoint backends are).
     The jail is checked before the first episode: if it cannot be set up, SandboxUnavailable is raised
-    and no command runs."""
+    and no command runs.
+
+    done: finished episodes from an earlier, interrupted run ({episode_key(...): EpisodeResult}, see
+    PartialResults); they are not run again and take their place in the report, which is then the
+    same as an uninterrupted run's."""
+    done = done or {}
     if tasks:
         if sandbox is None:
             raise ValueError("agent tasks need a sandbox")
@@ -58,22 +65,92 @@ def run_bench(backend, scaffolds: list[Scaffold], tasks: list[AgentTask], items:
             on_episode(result)
         return result
 
+    keys = [episode_key(task.kind, task.id, scaffold.name, effort) for task, scaffold, effort in work]
+    todo = [entry for entry, key in zip(work, keys) if key not in done]
     if jobs <= 1:
-        episodes = [run(entry) for entry in work]
+        fresh = [run(entry) for entry in todo]
     else:
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            futures = [pool.submit(run, entry) for entry in work]
+            futures = [pool.submit(run, entry) for entry in todo]
             try:
-                episodes = [f.result() for f in futures]
+                fresh = [f.result() for f in futures]
             except BaseException:
                 for f in futures:
                     f.cancel()
                 raise
+    finished = dict(done)
+    finished.update({episode_key(r.kind, r.task, r.scaffold, r.effort): r for r in fresh})
+    episodes = [finished[key] for key in keys]
     report = summarize(episodes, [s.name for s in scaffolds], efforts)
     report["backend"] = getattr(backend, "name", type(backend).__name__)
     report["scaffolds"] = [s.summary() for s in scaffolds]
     report["tasks"] = {"agent": [t.id for t in tasks], "function_calling": [i.id for i in items]}
     return report
+
+
+def episode_key(kind: str, task_id: str, scaffold: str, effort: int | None) -> str:
+    """What names one episode of a bench: task x scaffold x effort."""
+    return json.dumps([kind, task_id, scaffold, effort])
+
+
+def episode_from_json(doc: dict) -> EpisodeResult:
+    """An EpisodeResult back from its to_json() form (step records stay dicts; to_json() gives the same)."""
+    names = {f.name for f in fields(EpisodeResult)}
+    return EpisodeResult(**{k: v for k, v in doc.items() if k in names})
+
+
+PARTIAL_FILE = "partial.jsonl"
+
+
+class SettingsChanged(ValueError):
+    """partial.jsonl in the output directory was written by a run with other settings."""
+
+
+class PartialResults:
+    """``partial.jsonl`` in the output directory: the episodes finished so far, so that an interrupted
+    bench loses nothing and the same command resumes it.
+
+    The first line is ``{"settings": {...}}`` (what the results depend on); each further line is one
+    finished episode (EpisodeResult.to_json()), appended and flushed as the episode ends. A line cut
+    short by a crash is dropped when the file is read back. Opening a file written with other
+    settings raises SettingsChanged (nothing is mixed, nothing is deleted)."""
+
+    def __init__(self, directory: str | Path, settings: dict):
+        self.path = Path(directory) / PARTIAL_FILE
+        self.settings = json.loads(json.dumps(settings))
+        self.done: dict[str, EpisodeResult] = {}
+        self._lock = threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lines: list[str] = []
+        if self.path.exists():
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+        header = None
+        if lines:
+            try:
+                header = json.loads(lines[0]).get("settings")
+            except (ValueError, AttributeError):
+                header = None
+        if lines and header is not None and header != self.settings:
+            changed = sorted(k for k in set(header) | set(self.settings) if header.get(k) != self.settings.get(k))
+            raise SettingsChanged(", ".join(changed) or "settings")
+        kept = [json.dumps({"settings": self.settings}, ensure_ascii=False)]
+        for line in lines[1:] if header is not None else []:
+            try:
+                result = episode_from_json(json.loads(line))
+            except (ValueError, TypeError):
+                continue  # a torn last line
+            self.done[episode_key(result.kind, result.task, result.scaffold, result.effort)] = result
+            kept.append(line)
+        _write_atomic(self.path, "".join(line + "\n" for line in kept))
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def add(self, result: EpisodeResult) -> None:
+        with self._lock:
+            self._file.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def _aggregate(episodes: list[EpisodeResult]) -> dict:
@@ -197,7 +274,7 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def write_report(report: dict, output_dir: str | Path, *, plot: bool = True) -> dict:
+def write_report(report: dict, output_dir: str | Path, *, plot: bool = True, plot_file: str | Path | None = None) -> dict:
     """Write scaffold-bench.json, scaffold-bench.md, episodes.jsonl and (with matplotlib)
     scaffold-bench.png under ``output_dir``; each file appears complete or not at all.
     Returns {kind: path or None, "plot_skipped": reason or None}."""
@@ -215,7 +292,7 @@ def write_report(report: dict, output_dir: str | Path, *, plot: bool = True) -> 
     written["plot"], written["plot_skipped"] = None, None
     if plot:
         try:
-            written["plot"] = str(plot_report(report, out / "scaffold-bench.png"))
+            written["plot"] = str(plot_report(report, plot_file or out / "scaffold-bench.png"))
         except ImportError:
             written["plot_skipped"] = "matplotlib is not installed (pip install 'dsv41[plots]')"
     return written

@@ -15,7 +15,9 @@ Local data (`--data-dir DIR`)
 
     (e.g. DIR/TIGER-Lab/MMLU-Pro/ or DIR/MMLU-Pro/), where every `SPLIT.jsonl` (or `.json`,
     `.parquet`) is the split named SPLIT. The task itself (prompt, few-shot, filters, metrics)
-    stays lm-eval's own. Tasks whose data is not found there go to the Hub as usual.
+    stays lm-eval's own. Tasks whose data is not found there go to the Hub as usual, or, offline,
+    fail at once naming the files (`offline.py`: the Hub probe, what each alias needs; `prepare.py`:
+    `python -m dsv41.evals.tasks.prepare` converts downloaded parquet/JSON into this layout).
 
 Task files we ship (`harness/`)
     Offline tasks built from data that installed packages carry: `dsv41_humaneval` (all 164
@@ -80,7 +82,7 @@ LM_EVAL_DIRS = {
     "bbh_cot_zeroshot": "bbh/cot_zeroshot", "agieval": "agieval", "ceval-valid": "ceval", "drop": "drop",
     "hellaswag": "hellaswag", "mgsm_cot_native": "mgsm/native_cot", "longbench2": "longbench2",
     "gpqa_diamond_n_shot": "gpqa", "gpqa_diamond_cot_zeroshot": "gpqa", "mmlu": "mmlu/default",
-    "mmlu_flan_cot_zeroshot": "mmlu/flan_cot_zeroshot",
+    "mmlu_flan_cot_zeroshot": "mmlu/flan_cot_zeroshot", "minerva_math": "minerva_math",
 }
 
 # tasks defined by our own files (no need to index lm-eval's 14,000 bundled tasks for them)
@@ -113,21 +115,33 @@ def local_split_files(data_dir: str | os.PathLike, path: str, name: str | None =
 
 
 @contextlib.contextmanager
-def serve_local_data(data_dir: str | os.PathLike | None) -> Iterator[list[str]]:
+def serve_local_data(data_dir: str | os.PathLike | None, offline: bool = False) -> Iterator[list[str]]:
     """Within the block, `datasets.load_dataset(P, N)` reads DIR's files for P/N when it has them
-    (see the module docstring). Yields the list of datasets served locally (for the report)."""
+    (see the module docstring). Yields the list of datasets served locally (for the report).
+    offline: a dataset found neither there nor in the cache raises `offline.DataUnavailable` at once,
+    naming the files to provide (instead of datasets' own error)."""
     served: list[str] = []
-    if data_dir is None:
+    if data_dir is None and not offline:
         yield served
         return
     import datasets
 
+    from dsv41.evals.tasks.offline import DataUnavailable, describe_missing, HubData, is_offline_error
+
     real = datasets.load_dataset
 
     def load_dataset(path=None, name=None, *args, **kwargs):
-        files = local_split_files(data_dir, path, name) if isinstance(path, str) and path not in DATA_SUFFIXES.values() else None
+        local = isinstance(path, str) and path not in DATA_SUFFIXES.values()
+        files = local_split_files(data_dir, path, name) if local and data_dir is not None else None
         if files is None:
-            return real(path, name, *args, **kwargs)
+            try:
+                return real(path, name, *args, **kwargs)
+            except Exception as e:
+                if offline and local and is_offline_error(e):
+                    hd = HubData(path, ("<split>",), (name,) if name else ())
+                    raise DataUnavailable(describe_missing(f"{path}{'/' + name if name else ''}", [(hd, [
+                        f"{data_dir}/{path}{'/' + name if name else ''}/<split>.jsonl"])], data_dir)) from None
+                raise
         builders = {DATA_SUFFIXES[Path(f).suffix] for f in files.values()}
         if len(builders) > 1:
             raise ValueError(f"{data_dir}: the splits of {path} mix file types ({', '.join(sorted(builders))})")

@@ -15,7 +15,7 @@ from typing import Callable, Mapping
 import torch
 
 from dsv41.model.checkpoint.layout import detect_layout, load_args
-from dsv41.model.checkpoint.names import (Part, check_mp, expected_tensors, rank_tensors, runtime_args,
+from dsv41.model.checkpoint.names import (Part, check_mp, meta_device, expected_tensors, rank_tensors, runtime_args,
                                           to_model_dtypes)
 from dsv41.model.checkpoint.official import open_official
 from dsv41.model.checkpoint.plan import _slice, plan_runtime
@@ -157,7 +157,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu"):
     path = Path(path)
     state, args = load_state_dict(path)
     tokenizer = load_tokenizer(path)
-    with torch.device("meta"):
+    with meta_device():
         model = Transformer(args, tokenizer=tokenizer)
     check_state_matches(model, state, f"{path}: the checkpoint")
     return fill_meta_model(model, state, device), args, tokenizer
@@ -185,7 +185,7 @@ def load_rank_model(path: str | os.PathLike, rank: int, world: int, shard: Calla
                               f"model copies): {e}") from None
     state, args = load_rank(path, rank, world)
     tokenizer = load_tokenizer(path)
-    with torch.device("meta"):
+    with meta_device():
         model = Transformer(args, tokenizer=tokenizer)
     shard(model)
     check_state_matches(model, state, f"{path} (rank {rank} of {world}): the rank's tensors")
