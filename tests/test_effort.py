@@ -170,9 +170,8 @@ def test_effort_sweep_cli_tiny_reasoning(small_ckpt, tmp_path):
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_effort_sweep_on_an_lm_eval_task(loaded, tmp_path):
-    """Any generate_until task from a local YAML: the prompts carry each effort."""
-    pytest.importorskip("lm_eval")
+def write_toy_math_task(tmp_path):
+    """A three-item generate_until task from a local YAML (tmp_path/tasks/toy_math.yaml, data beside it)."""
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"q": f"{a}+{a}", "a": str(2 * a)}) + "\n" for a in range(3)))
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "toy_math.yaml").write_text(f"""task: toy_math
@@ -189,6 +188,12 @@ metric_list:
   - {{metric: exact_match, aggregation: mean, higher_is_better: true}}
 metadata: {{version: 1.0}}
 """)
+
+
+def test_effort_sweep_on_an_lm_eval_task(loaded, tmp_path):
+    """Any generate_until task from a local YAML: the prompts carry each effort."""
+    pytest.importorskip("lm_eval")
+    write_toy_math_task(tmp_path)
     prompts = []
     import dsv41.evals.lm_eval_model as M
 

@@ -195,24 +195,10 @@ def test_lm_eval_sweep_resumes_per_effort(small_ckpt, tmp_path):
     pytest.importorskip("lm_eval")
     import dsv41.evals.lm_eval_model as M
     from dsv41.model.checkpoint import load_model
+    from test_effort import write_toy_math_task
 
     model, _, tok = load_model(small_ckpt)
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"q": f"{a}+{a}", "a": str(2 * a)}) + "\n" for a in range(3)))
-    (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "toy_math.yaml").write_text(f"""task: toy_math
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {tmp_path / 'data.jsonl'}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{q}}}} ="
-doc_to_target: "{{{{a}}}}"
-generation_kwargs: {{until: ["\\n"], max_gen_toks: 5, do_sample: false}}
-metric_list:
-  - {{metric: exact_match, aggregation: mean, higher_is_better: true}}
-metadata: {{version: 1.0}}
-""")
+    write_toy_math_task(tmp_path)
     real_generate, calls = M.generate, []
 
     def spy(model, tok, requests, **kw):
