@@ -256,13 +256,10 @@ class _DsmlReader:
                 if not implicit:
                     self.truncated("the tool-call block")
                 return position
-            marker = _next_marker(text, position)
-            if marker != position:
+            if _next_marker(text, position) != position:
                 if implicit:  # ordinary text ends a block that was never opened
                     return position
-                end = len(text) if marker < 0 else marker
-                self.errors.append(f"text inside the tool-call block dropped: {_short(text[position:end].strip())}")
-                position = end
+                position = self.drop_text(position, "the tool-call block")
                 continue
             tag = _read_tag(text, position)
             self.note_style(tag)
@@ -284,6 +281,14 @@ class _DsmlReader:
                 self.stray(tag, "inside a tool-call block")
                 position = tag.end
 
+    def drop_text(self, position: int, where: str) -> int:
+        """Text between DSML tags where the grammar has none: reported as an error and dropped up to the
+        next marker. Returns where reading goes on."""
+        marker = _next_marker(self.text, position)
+        end = len(self.text) if marker < 0 else marker
+        self.errors.append(f"text inside {where} dropped: {_short(self.text[position:end].strip())}")
+        return end
+
     def read_invoke(self, opening: _Tag) -> int:
         """Reads one call from its opening tag; appends it when complete. Returns where reading goes on."""
         text = self.text
@@ -301,11 +306,8 @@ class _DsmlReader:
             if position >= len(text):
                 self.truncated(label)
                 return position
-            marker = _next_marker(text, position)
-            if marker != position:
-                end = len(text) if marker < 0 else marker
-                self.errors.append(f"text inside {label} dropped: {_short(text[position:end].strip())}")
-                position = end
+            if _next_marker(text, position) != position:
+                position = self.drop_text(position, label)
                 continue
             tag = _read_tag(text, position)
             self.note_style(tag)

@@ -82,6 +82,19 @@ def test_empty_data_dir_names_the_missing_files(tmp_path):
     assert f"belong in {wrong}/TIGER-Lab/MMLU-Pro/" in r.stderr
 
 
+# the suite row both suite tests end with: the offline tiny-reasoning task
+TINY_REASONING_ROW = """
+[[rows]]
+section = "S"
+benchmark = "tiny-reasoning"
+metric = "EM"
+shots = 0
+task = "tiny-reasoning"
+result = "exact_match,none"
+mode = "thinking"
+"""
+
+
 def test_suite_runs_the_available_row_and_marks_the_missing_one(small_ckpt, tmp_path):
     suite = tmp_path / "two.toml"
     suite.write_text("""name = "two"
@@ -97,15 +110,7 @@ task = "mmlu-pro"
 result = "exact_match,custom-extract"
 reference = { "Ref" = 74.1 }
 
-[[rows]]
-section = "S"
-benchmark = "tiny-reasoning"
-metric = "EM"
-shots = 0
-task = "tiny-reasoning"
-result = "exact_match,none"
-mode = "thinking"
-""")
+""" + TINY_REASONING_ROW)
     out = tmp_path / "out"
     args = ("eval", "--suite", suite, "--model", small_ckpt, "--limit", 2, "--max-new-tokens", 4, "--output", out, "--json")
     r, seconds = dsv41(*args, cwd=tmp_path)
@@ -274,15 +279,7 @@ shots = 0
 task = "smoke-gsm8k"
 result = "exact_match,flexible-extract"
 
-[[rows]]
-section = "S"
-benchmark = "tiny-reasoning"
-metric = "EM"
-shots = 0
-task = "tiny-reasoning"
-result = "exact_match,none"
-mode = "thinking"
-""")
+""" + TINY_REASONING_ROW)
     out = tmp_path / "out"
     args = ["eval", "--suite", suite, "--model", small_ckpt, "--limit", 3, "--batch-size", 1, "--max-new-tokens", 24,
             "--output", out, "--json"]

@@ -110,12 +110,6 @@ def need_lm_eval() -> None:
 
 
 
-def _show_help(ctx: typer.Context, value: bool) -> None:
-    if value and not ctx.resilient_parsing:
-        typer.echo(ctx.get_help())
-        raise typer.Exit(0)
-
-
 def default_output(tasks: Optional[str], suite_name: Optional[str]) -> Path:
     """runs/eval/<task-or-suite>/ under the current directory (several tasks: joined with '+')."""
     name = suite_name or "+".join(t.strip() for t in (tasks or "").split(",") if t.strip())
@@ -147,7 +141,6 @@ def command(
     model: Optional[str] = ModelOpt,
     device: str = DeviceOpt,
     as_json: bool = JsonOpt,
-    _h: bool = typer.Option(False, "-h", hidden=True, is_eager=True, expose_value=False, callback=_show_help),
 ):
     if mode is not None and mode not in ("thinking", "chat"):
         _fail(f"--mode must be thinking or chat, not {mode!r}")

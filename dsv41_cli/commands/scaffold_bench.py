@@ -27,9 +27,6 @@ Results go to runs/scaffold-bench/TASKS/ (--output), each finished episode to pa
 after Ctrl-C, the same command again resumes where it stopped.
 """
 
-CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}
-
-
 def _backend_choices() -> list[str]:
     from dsv41.evals.scaffolds.backends import local_backend_available
 
