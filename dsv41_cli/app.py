@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `dsv41` or a group without a command
             print(e.ctx.get_help())
             sys.exit(0)
-        err.print(f"dsv41: error: {' '.join(e.format_message().split())}", markup=False)
+        err.print(f"dsv41: error: {' '.join(e.format_message().split())}", markup=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except Exception as e:  # noqa: BLE001 - the last line of defence
         # model.checkpoint.CheckpointError (a bad checkpoint found mid-command, e.g. non-finite logits) is
@@ -162,6 +162,6 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2)
         if os.environ.get("DSV41_DEBUG"):
             raise
-        err.print(f"dsv41: internal error: {type(e).__name__}: {' '.join(str(e).split())}", markup=False)
+        err.print(f"dsv41: internal error: {type(e).__name__}: {' '.join(str(e).split())}", markup=False, soft_wrap=True)
         sys.exit(EXIT_INTERNAL)
     sys.exit(rc if isinstance(rc, int) else 0)

@@ -230,3 +230,11 @@ def test_convert_disk_error_names_resume(official, tmp_path):
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("dsv41: error:") and "No space left" in last and "--resume" in last, r.stderr
+
+
+def test_a_long_usage_error_is_one_line():
+    """Click's messages for a bad flag value run past 80 columns; the error line is never wrapped."""
+    r = dsv41("generate", "--max-new-tokens", "-3", "hi")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "dsv41: error: Invalid value for '--max-new-tokens': Input should be greater than or equal to 1"]
