@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from dsv41.model import formats
+from dsv41.model import formats, kv_layout
 from dsv41.model.config import ModelArgs
 from dsv41.model.kernels import quant as kernels_quant
 from dsv41.model.layers import qat
@@ -49,8 +49,9 @@ class Codec:
     `fake_quant` is what unpack(pack(x)) equals (bit for bit), in x's dtype.
 
     `layout(D)` is what one entry of D values is stored as: (last dimension, dtype) of each tensor
-    `pack` returns, payload first, then scales. `bytes_per_entry(D)` follows from it; it is the one
-    table of KV bytes (`kv_entry_bytes`): the ledger (`dsv41 info`), the memory plan and
+    `pack` returns, payload first, then scales (model/kv_layout.py's, with torch dtypes). `bytes_per_entry(D)`
+    follows from it; it is the one table of KV bytes (`kv_entry_bytes`): the ledger (`dsv41 info`, through
+    kv_layout, without torch), the memory plan and
     `dsv41 quantize-kv` ask it, and tests/test_kv_bytes.py checks it against the packed tensors."""
 
     name: str
@@ -68,47 +69,49 @@ def _bf16_round(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
 
 
-_U8 = torch.uint8
+_TORCH_DTYPES = {"U8": torch.uint8, "BF16": torch.bfloat16}
+
+
+def _layout(plain: Callable[[int], kv_layout.Layout]) -> Callable[[int], tuple[tuple[int, torch.dtype], ...]]:
+    """A layout of model/kv_layout.py (the one table, torch-free) with torch dtypes."""
+    return lambda d: tuple((n, _TORCH_DTYPES[dtype]) for n, dtype in plain(d))
+
 
 # The main and window packers are model/kernels/quant.py's: one fused Triton pass on CUDA, bit-exact with
 # model/formats.py's packers, which they call everywhere else.
 FP4_E4M3 = Codec("fp4", lambda x: formats.fp4_e4m3_fake_quant(x, formats.FP4_E4M3_BLOCK),
                  kernels_quant.pack_fp4_e4m3,
                  lambda p, dtype: formats.unpack_fp4_e4m3(p[0], p[1], formats.FP4_E4M3_BLOCK, dtype),
-                 lambda d: ((d // 2, _U8), (d // formats.FP4_E4M3_BLOCK, _U8)))  # E2M1 x2, E4M3 scales
+                 _layout(kv_layout.LAYOUTS["fp4"]))  # E2M1 x2, E4M3 scales
 FP8_UE8M0 = Codec("fp8", lambda x: formats.fp8_fake_quant(x, formats.FP8_BLOCK),
                   kernels_quant.pack_fp8_ue8m0,
                   lambda p, dtype: formats.unpack_fp8_ue8m0(p[0], p[1], formats.FP8_BLOCK, dtype),
-                  lambda d: ((d, _U8), (d // formats.FP8_BLOCK, _U8)))  # E4M3, UE8M0 scales
+                  _layout(kv_layout.LAYOUTS["fp8"]))  # E4M3, UE8M0 scales
 BF16 = Codec("bf16", _bf16_round, lambda x: (x.to(torch.bfloat16),), lambda p, dtype: p[0].to(dtype),
-             lambda d: ((d, torch.bfloat16),))
+             _layout(kv_layout.LAYOUTS["bf16"]))
 MXFP4 = Codec("mxfp4", lambda x: formats.mxfp4_fake_quant(x, formats.MXFP4_BLOCK),
               lambda x: formats.pack_mxfp4(x, formats.MXFP4_BLOCK),
               lambda p, dtype: formats.unpack_mxfp4(p[0], p[1], formats.MXFP4_BLOCK, dtype),
-              lambda d: ((d // 2, _U8), (d // formats.MXFP4_BLOCK, _U8)))  # E2M1 x2, UE8M0 scales
+              _layout(kv_layout.LAYOUTS["mxfp4"]))  # E2M1 x2, UE8M0 scales
 
-MAIN_FORMATS: dict[str, Codec] = {"fp4": FP4_E4M3, "fp8": FP8_UE8M0, "bf16": BF16}
-INDEX_KEY_CODEC = MXFP4
-WINDOW_CODEC = FP8_UE8M0
+CODECS: dict[str, Codec] = {c.name: c for c in (FP4_E4M3, FP8_UE8M0, BF16, MXFP4)}
+MAIN_FORMATS: dict[str, Codec] = {f: CODECS[f] for f in kv_layout.MAIN_FORMATS}
+INDEX_KEY_CODEC = CODECS[kv_layout.INDEX_KEY_FORMAT]
+WINDOW_CODEC = CODECS[kv_layout.WINDOW_FORMAT]
 
 
 def v4_entry_codec(rope_dim: int) -> Codec:
     """V4-Flash/Pro's KV entry, main and window alike (ledger only: the V4 forward is not implemented,
     so nothing packs it): the D - rope_dim dims without RoPE in FP8 E4M3 with one UE8M0 scale per 64,
     the rope_dim RoPE dims in bf16. 448 + 7 + 2 x 64 = 583 B at D = 512."""
-    return Codec("v4", None, None, None,
-                 lambda d: ((d - rope_dim, _U8), ((d - rope_dim) // 64, _U8), (rope_dim, torch.bfloat16)))
+    return Codec("v4", None, None, None, _layout(kv_layout.v4_entry_layout(rope_dim)))
 
 
 def kv_codecs(args: ModelArgs, main_format: str = "fp4") -> dict[str, tuple[Codec, int]]:
     """What a `KVCache` stores per entry, part by part: {"main", "index_keys", "window"} -> (codec,
     values per entry). Main entries in `main_format` (head_dim values), index keys MXFP4
-    (index_head_dim), window slots FP8 (head_dim)."""
-    if main_format not in MAIN_FORMATS:
-        raise ValueError(f"main_format must be one of {', '.join(MAIN_FORMATS)}, not {main_format!r}")
-    return {"main": (MAIN_FORMATS[main_format], args.head_dim),
-            "index_keys": (INDEX_KEY_CODEC, args.index_head_dim),
-            "window": (WINDOW_CODEC, args.head_dim)}
+    (index_head_dim), window slots FP8 (head_dim): model/kv_layout.py's `kv_parts`."""
+    return {part: (CODECS[fmt], dim) for part, (fmt, dim) in kv_layout.kv_parts(args, main_format).items()}
 
 
 def kv_entry_bytes(args: ModelArgs, main_format: str = "fp4") -> dict[str, int]:

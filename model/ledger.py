@@ -14,6 +14,10 @@ Counting rules (docs/architecture.md, "Ledgers"):
   decoder's kv source) needs to turn the encoder output into the decoder's global KV: its attention
   mHC coefficients, attn_norm, the compressor and the indexer key path; no head (prompt tokens emit
   no logits except the last, which is negligible).
+
+Torch-free (`dsv41 info` imports no torch): the inventory is model/inventory.py's, computed from the config
+(tests/test_info_startup.py checks it equals the meta-device model's), the KV bytes model/kv_layout.py's
+(the layouts model/cache.py's codecs use).
 """
 
 from __future__ import annotations
@@ -21,14 +25,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-import torch
-
-from dsv41.model.cache import INDEX_KEY_CODEC, kv_entry_bytes, v4_entry_codec
-from dsv41.model.checkpoint.names import inventory_totals, parameter_inventory, release_dtype
-from dsv41.model.checkpoint.safetensors import st_name
+from dsv41.model import kv_layout
 from dsv41.model.config import ModelArgs
+from dsv41.model.inventory import inventory_totals, release_dtype
+from dsv41.model.inventory import parameter_inventory as plain_inventory
 
 COMPONENTS = ("backbone", "engram", "dspark", "vision")
+PACKED_DTYPES = ("I8", "U8")  # two weights per byte (packed E2M1)
+SCALE_DTYPES = ("F8_E8M0", "F8_E4M3", "U8")  # block scales (metadata, not parameters)
 
 
 def component_of(name: str) -> str:
@@ -41,22 +45,30 @@ def component_of(name: str) -> str:
     return "backbone"
 
 
-def logical_numel(p: torch.Tensor) -> int:
-    """Weights stored two per byte (packed E2M1, int8 storage) count twice."""
-    return p.numel() * 2 if p.dtype in (torch.int8, torch.uint8) else p.numel()
+def parameter_inventory(args: ModelArgs, fast: bool = True):
+    """The meta-device inventory, torch dtypes (`dsv41.model.checkpoint.names.parameter_inventory`; imports
+    torch). The ledgers use model/inventory.py's, the same entries with safetensors dtype names."""
+    from dsv41.model.checkpoint.names import parameter_inventory as meta_inventory
+
+    return meta_inventory(args, fast)
 
 
-def is_scale(name: str, p: torch.Tensor) -> bool:
-    return name.endswith(".scale") and p.dtype in (torch.float8_e8m0fnu, torch.float8_e4m3fn, torch.uint8)
+def logical_numel(shape: tuple[int, ...], dtype: str) -> int:
+    """Weights stored two per byte (packed E2M1, int8 storage) count twice. `dtype`: a safetensors name."""
+    return math.prod(shape) * (2 if dtype in PACKED_DTYPES else 1)
+
+
+def is_scale(name: str, dtype: str) -> bool:
+    return name.endswith(".scale") and dtype in SCALE_DTYPES
 
 
 def parameter_counts(args: ModelArgs, inventory=None) -> dict[str, int]:
+    """Parameters per component. `inventory`: model/inventory.py's entries (safetensors dtype names)."""
     counts = Counter({c: 0 for c in COMPONENTS})
-    for name, shape, dtype in inventory or parameter_inventory(args):
-        t = torch.empty(0, dtype=dtype)
-        if is_scale(name, t):
+    for name, shape, dtype in inventory or plain_inventory(args):
+        if is_scale(name, dtype):
             continue
-        counts[component_of(name)] += math.prod(shape) * (2 if dtype in (torch.int8, torch.uint8) else 1)
+        counts[component_of(name)] += logical_numel(shape, dtype)
     out = {c: counts[c] for c in COMPONENTS}
     out["total"] = sum(out.values())
     return out
@@ -67,11 +79,10 @@ def activated_counts(args: ModelArgs, inventory=None) -> dict[str, int]:
     per_layer: Counter = Counter()  # layer id -> activated params
     kv_path: Counter = Counter()  # layer id -> params of the global-KV path only
     other = 0
-    for name, shape, dtype in inventory or parameter_inventory(args):
-        t = torch.empty(0, dtype=dtype)
-        if is_scale(name, t) or component_of(name) != "backbone" or name.startswith("embed."):
+    for name, shape, dtype in inventory or plain_inventory(args):
+        if is_scale(name, dtype) or component_of(name) != "backbone" or name.startswith("embed."):
             continue
-        n = math.prod(shape) * (2 if dtype in (torch.int8, torch.uint8) else 1)
+        n = logical_numel(shape, dtype)
         if not name.startswith("layers."):
             other += n  # norm, head
             continue
@@ -94,7 +105,7 @@ def activated_counts(args: ModelArgs, inventory=None) -> dict[str, int]:
 
 def kv_ledger(args: ModelArgs, main_format: str = "fp4") -> dict[str, float]:
     """Bytes per token of the global KV (main + indexer keys), from the storage formats' sizes: the
-    codecs' `bytes_per_entry` (model/cache.py, `kv_entry_bytes`).
+    layouts of model/kv_layout.py (`kv_entry_bytes`; model/cache.py's codecs store exactly these).
 
     V4.1: main KV entries are E2M1 with one E4M3 scale per 16 (288 B for 512 dims; `main_format`
     "fp8" or "bf16" for the comparison formats), indexer keys MXFP4 (68 B for 128 dims), window KV
@@ -103,7 +114,7 @@ def kv_ledger(args: ModelArgs, main_format: str = "fp4") -> dict[str, float]:
     per 64) + 64 bf16 rope dims = 583 B, and its indexer keys (CSA layers) in MXFP4."""
     main = indexer = 0.0
     if args.family == "v4.1":
-        table = kv_entry_bytes(args, main_format)
+        table = kv_layout.kv_entry_bytes(args, main_format)
         entry, key = table["main"], table["index_keys"]
         for l in args.kv_source_layers:
             m = args.compress_ratios[l]
@@ -113,8 +124,8 @@ def kv_ledger(args: ModelArgs, main_format: str = "fp4") -> dict[str, float]:
     else:
         if main_format != "fp4":
             raise ValueError(f"V4's KV has one format (its official one), not main_format={main_format!r}")
-        entry = v4_entry_codec(args.rope_head_dim).bytes_per_entry(args.head_dim)
-        key = INDEX_KEY_CODEC.bytes_per_entry(args.index_head_dim)
+        entry = kv_layout.v4_entry_bytes(args.rope_head_dim, args.head_dim)
+        key = kv_layout.bytes_per_entry(kv_layout.INDEX_KEY_FORMAT, args.index_head_dim)
         for l in range(args.n_layers):
             m = args.compress_ratios[l]
             if m:
@@ -194,14 +205,13 @@ def checkpoint_ledger(args: ModelArgs, inventory=None) -> dict:
     (`dsv41.model.checkpoint.expected_tensors`: the ViT norm weights BF16): in total and per safetensors
     dtype, as a tally of the shard headers gives them. V4.1-Flash: 96,085 tensors, 510,286,023,000
     bytes (BF16 520, F32 387, F8_E4M3 357, F8_E8M0 47,589, I8 47,232)."""
-    entries = [(name, shape, release_dtype(name, st_name(dtype)))
-               for name, shape, dtype in inventory or parameter_inventory(args)]
+    entries = [(name, shape, release_dtype(name, dtype)) for name, shape, dtype in inventory or plain_inventory(args)]
     return {"layout": "official", **inventory_totals(entries)}
 
 
 def info(args: ModelArgs, path: str | None = None) -> dict:
-    """The document `dsv41 info --json` prints (spec/cli.md)."""
-    inventory = parameter_inventory(args)
+    """The document `dsv41 info --json` prints (spec/cli.md). Imports no torch."""
+    inventory = plain_inventory(args)
     doc = {
         "model": args.name,
         "path": path,

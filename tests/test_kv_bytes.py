@@ -49,6 +49,29 @@ def test_the_documented_entry_sizes():
         assert led["indexer_entry_bytes"] == C.INDEX_KEY_CODEC.bytes_per_entry(args.index_head_dim) == 68
 
 
+def test_the_torch_free_table_is_the_codecs_table():
+    """model/kv_layout.py (what `dsv41 info` reads without torch) is where the codecs' layouts come from:
+    the same layouts and block sizes as the packers (checked against packed tensors above), the same table."""
+    from dsv41.model import kv_layout as K
+    from dsv41.model.checkpoint.safetensors import st_name
+
+    assert (K.FP4_E4M3_BLOCK, K.FP8_BLOCK, K.MXFP4_BLOCK) == (F.FP4_E4M3_BLOCK, F.FP8_BLOCK, F.MXFP4_BLOCK)
+    for codec in CODECS:
+        for dim in (32, 64, 128, 512):
+            assert [(n, st_name(t)) for n, t in codec.layout(dim)] == list(K.LAYOUTS[codec.name](dim))
+            assert K.bytes_per_entry(codec.name, dim) == codec.bytes_per_entry(dim)
+    assert tuple(C.MAIN_FORMATS) == K.MAIN_FORMATS
+    assert (C.INDEX_KEY_CODEC.name, C.WINDOW_CODEC.name) == (K.INDEX_KEY_FORMAT, K.WINDOW_FORMAT)
+    for config in CONFIGS + ["v4-flash"]:
+        args = preset(config)
+        for fmt in C.MAIN_FORMATS:
+            assert K.kv_entry_bytes(args, fmt) == C.kv_entry_bytes(args, fmt)
+        assert K.v4_entry_bytes(args.rope_head_dim, args.head_dim) == \
+            C.v4_entry_codec(args.rope_head_dim).bytes_per_entry(args.head_dim)
+    with pytest.raises(ValueError, match="main_format must be one of fp4, fp8, bf16"):
+        C.kv_entry_bytes(preset("tiny"), "fp6")
+
+
 # ------------------------------------------------------------------------------------------- the table
 def expected_bytes(args, fmt: str) -> dict[str, int]:
     """Bytes of a cache of BATCH sequences after CONTEXT tokens, from the codecs alone."""

@@ -1,4 +1,5 @@
-"""`dsv41 info`: ledgers from a config, without allocating weights."""
+"""`dsv41 info`: ledgers from a config, without allocating weights and without torch (the per-rank plan of
+`--mp`, `--context`, `--batch` imports it: `dsv41.model.parallel.memory_plan`)."""
 
 from __future__ import annotations
 
