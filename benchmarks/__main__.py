@@ -101,6 +101,10 @@ SUBS: dict[str, Sub] = {
                    "against a git revision (--rev REV, default HEAD)", "cpu", device="cpu", tiny=(),
                    quick_note="3 runs per command instead of 7",
                    tiny_note="accepted, changes nothing: the bundled model is already tiny"),
+    "engine": Sub("bench_engine.py", "the generation engine against a git revision (--rev REV): one sequence, "
+                  "32 mixed requests, tokens/s against concurrency, effort-sweep / eval smoke / bpb wall time",
+                  "any", tiny=(), quick_note="8 requests, outputs a quarter as long, no commands",
+                  tiny_note="accepted, changes nothing: the bundled model is already tiny"),
     "greedy-divergence": Sub("greedy_divergence.py", "where two greedy runs of the same prompts part "
                              "(A.jsonl B.jsonl --prompts P; JSON lines on stdout)", "cpu", device="cpu",
                              json=None, quick=None, tiny=None, json_note="it writes JSON lines to stdout",

@@ -8,6 +8,9 @@ Cases:
 - "decode at ctx N": the cache holds N - steps tokens (fill_cache: random packed entries, as if consumed),
   then --warmup untimed and --steps timed one-token steps (wall clock between two synchronizations,
   mean per step); the context reaches N.
+- "engine decode step at ctx N (eager | CUDA graph)": the engine's decode step (Transformer.decode over a
+  BatchCache row loaded from the same filled cache), eager, and on CUDA replayed from a CUDA graph
+  (model/engine.py GraphedDecode); --engine-only runs these cases alone.
 - "prefill chunk C at ctx N": the next C tokens appended to a cache of N - C tokens (the marginal cost of
   prefilling at that depth; a whole 128K or 1M prompt would take far longer than a 10-minute run),
   after one untimed chunk of the same size. C = --chunk (256: at 1M the indexer's [C, 32 heads, 1M]
@@ -84,6 +87,39 @@ def decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool) -> dict:
 
 
 @torch.inference_mode()
+def engine_decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool, graphs: bool) -> dict:
+    """The engine's decode step (Transformer.decode over a BatchCache row, model/batch_cache.py) at ctx, one
+    sequence: eagerly, or replayed from a CUDA graph (model/engine.py GraphedDecode). No per-layer times
+    (a graph replays as one launch)."""
+    from dsv41.model.engine import GraphedDecode
+
+    start = ctx - steps - warmup
+    kv = fs.fill_cache(model, start, spare=0)
+    cache = model.new_batch_cache(1, ctx + 1)
+    if graphs:
+        step = GraphedDecode(model, cache)
+    else:
+        step = lambda ids: model.decode(ids, cache)  # noqa: E731
+    cache.reserve(ctx + 1)
+    cache.load(0, kv)
+    del kv
+    ids = _ids(model, steps + warmup, ctx)[0]
+    for i in range(warmup):
+        step(ids[i:i + 1])
+    fs.sync(model.embed.weight.device)
+    t0 = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        step(ids[i:i + 1])
+    fs.sync(model.embed.weight.device)
+    dt = (time.perf_counter() - t0) / steps
+    b, f = fs.work(model, ctx - 1, 1)
+    extra = {"graph_replays": step.replays, "graphs_captured": step.captured, "graph_failed": step.failed} \
+        if graphs else {}
+    return fs.row(f"engine decode step at ctx {fs.context_label(ctx)} ({'CUDA graph' if graphs else 'eager'})",
+                  dt, b, f, cuda, tokens=1, tokens_per_s=1 / dt, steps=steps, **extra, **fs.memory_note())
+
+
+@torch.inference_mode()
 def prefill_chunk_at(model, ctx: int, chunk: int, cuda: bool) -> dict:
     cache = fs.fill_cache(model, ctx - 2 * chunk)
     ids = _ids(model, 2 * chunk, ctx + 1)
@@ -94,7 +130,7 @@ def prefill_chunk_at(model, ctx: int, chunk: int, cuda: bool) -> dict:
 
 
 def run(json_path=None, device=None, tiny=False, contexts=None, chunk=None, prefill_tokens=None, steps=None,
-        warmup=2, experts=None, quick=False):
+        warmup=2, experts=None, quick=False, engine_only=False):
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
     if tiny:
@@ -119,7 +155,10 @@ def run(json_path=None, device=None, tiny=False, contexts=None, chunk=None, pref
             "flash_layer_types": fs.flash_layer_types(), "chunk": chunk, "decode_steps": steps, **fs.memory_note()}
     print(f"model: {info}", flush=True)
     rows, failures = [], []
-    cases = [("prefill", prefill_tokens)] + [(kind, n) for n in contexts for kind in ("decode", "chunk")]
+    kinds = ("decode", "engine", "graph", "chunk") if cuda else ("decode", "engine", "chunk")
+    if engine_only:
+        kinds = ("engine", "graph") if cuda else ("engine",)
+    cases = ([] if engine_only else [("prefill", prefill_tokens)]) + [(kind, n) for n in contexts for kind in kinds]
     for kind, n in cases:
         try:
             t = time.perf_counter()
@@ -127,6 +166,8 @@ def run(json_path=None, device=None, tiny=False, contexts=None, chunk=None, pref
                 r = prefill_from_empty(model, n, cuda)
             elif kind == "decode":
                 r = decode_at(model, n, steps, warmup, cuda)
+            elif kind in ("engine", "graph"):
+                r = engine_decode_at(model, n, steps, warmup, cuda, graphs=kind == "graph")
             else:
                 r = prefill_chunk_at(model, n, chunk, cuda)
             r["case_wall_s"] = round(time.perf_counter() - t, 1)
@@ -143,7 +184,7 @@ def run(json_path=None, device=None, tiny=False, contexts=None, chunk=None, pref
             _write(json_path, info, rows, failures)
     fs.print_rows(rows, f"V4.1-Flash layers at full width, random weights ({args.name}, {args.n_routed_experts} "
                         f"experts; estimate_40 = composed for all 40 layers, see flash_stack.compose_flash)")
-    for r in rows:
+    for r in (r for r in rows if "estimate_40_layers_ms" in r):
         print(f"  {r['case']:44s} 40-layer estimate: {r['estimate_40_layers_ms']:.2f} ms, "
               f"{r['estimate_40_layers_tokens_per_s']:.2f} tokens/s")
     for f in failures:
@@ -170,5 +211,8 @@ if __name__ == "__main__":
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--experts", type=int, help="routed experts per layer (default: all of the config)")
     ap.add_argument("--quick", action="store_true", help="fewer decode steps, short ceiling windows")
+    ap.add_argument("--engine-only", action="store_true",
+                    help="only the engine's decode step (eager, and from a CUDA graph on CUDA)")
     a = ap.parse_args()
-    run(a.json, a.device, a.tiny, a.contexts, a.chunk, a.prefill_tokens, a.steps, a.warmup, a.experts, a.quick)
+    run(a.json, a.device, a.tiny, a.contexts, a.chunk, a.prefill_tokens, a.steps, a.warmup, a.experts, a.quick,
+        a.engine_only)

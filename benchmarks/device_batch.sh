@@ -17,6 +17,10 @@
 #   model      the bundled model's decode tokens/s on the GPU (dsv41 generate, 4 greedy prompts, 64 tokens),
 #              launches per Reuse layer, CED replay against full, V4.1-Flash layers at full width (about
 #              3 min; SMOKE=1: the same at tiny widths on the CPU, no GPU needed)
+#   engine     the engine on the GPU: its GPU tests (tests/test_batch_engine.py -m gpu), the bundled model's
+#              decode from CUDA graphs against eager (one sequence, 32 concurrent requests), the 8-layer
+#              V4.1-Flash stack's engine decode step at 8K / 128K / 1M, graph and eager (about 5 min;
+#              SMOKE=1: tiny widths on the CPU, eager only)
 #   gaps       launches, where the missed targets lose their time (diagnose-gaps), the indexer with the
 #              pool's real shape, the tiny recipe's training step (carry .tinydata/*.xz; about 3 min)
 #   nccl       the bundled model on 2 GPUs against 1 (benchmarks/parallel_nccl.sh; a 2-GPU machine)
@@ -26,7 +30,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEPS=benchmarks/.device_deps
-ALL_STEPS="gpu-tests kernels model gaps nccl"
+ALL_STEPS="gpu-tests kernels model engine gaps nccl"
 
 case "${1:-}" in
   --list) echo "$ALL_STEPS"; exit 0 ;;
@@ -117,6 +121,21 @@ PY
   run flash_layers 170 "$PY" -m benchmarks flash-layers --quick --json "$D/flash_layers.json" "${small[@]}"
   [ "$DRY" = 1 ] && return
   for f in launches ced flash_layers; do echo "---- $f (tail)"; grep -v '^USDT\|profiler_st' "$D/$f.log" | tail -n 30; done
+}
+
+step_engine() {
+  local small=() device=cuda
+  [ "$SMOKE" = 1 ] && { small=(--tiny --device cpu); device=cpu; }
+  if [ "$SMOKE" != 1 ]; then
+    run engine_gpu_tests 200 "$PY" -m pytest -q -m gpu tests/test_batch_engine.py -p no:cacheprovider
+    run engine_bundled 200 "$PY" -m benchmarks engine --device "$device" --json "$D/engine_bundled.json"
+  fi
+  run engine_flash 300 "$PY" benchmarks/bench_flash_layers.py --engine-only --quick --json "$D/engine_flash.json" \
+    "${small[@]}"
+  [ "$DRY" = 1 ] && return
+  for f in engine_gpu_tests engine_bundled engine_flash; do
+    [ -f "$D/$f.log" ] && { echo "---- $f (tail)"; grep -v '^USDT\|profiler_st' "$D/$f.log" | tail -n 20; }
+  done
 }
 
 step_gaps() {

@@ -1,9 +1,9 @@
 """The effort sweep (report Figure 9).
 
 Generation
-    Batched generation (`generate`, `GenRequest`, `GenOutput`) lives in evals/batch_generate.py: one
-    prefill and one single-token forward per step for a batch, stop strings looked for in the answer
-    only, an optional thinking budget. It is imported here, where the sweep uses it, under its names.
+    Batched generation (`generate`, `GenRequest`, `GenOutput`) lives in evals/batch_generate.py, over the
+    engine's scheduler (continuous batching; stop strings looked for in the answer only, an optional
+    thinking budget). It is imported here, where the sweep uses it, under its names.
 
 Effort sweep
     V4.1 conditions on the effort b in 1..100 through the prompt's effort line (spec §7). For each
@@ -14,12 +14,12 @@ Effort sweep
 Interrupt and resume
     With a `SweepStore` the sweep appends each finished unit to `partial.jsonl` in the output folder as
     it completes (one flushed JSON line per unit, after a first line holding the settings'
-    fingerprint): for the bundled task a unit is one generation batch of one effort (its items' scores
-    and token counts), for an lm-eval task one effort. A rerun with the same settings reuses the stored
-    units and computes only the rest. The batches are formed exactly as `generate` forms them for the
-    whole effort (same prompt length, `batch_size` at a time, longest prompts first), so a resumed sweep
-    decodes the same batches as an uninterrupted one and its numbers are the same (only the `seconds`
-    timings differ).
+    fingerprint): for the bundled task a unit is one finished item of one effort (its score and token
+    counts), written as the engine finishes it, for an lm-eval task one effort. A rerun with the same
+    settings reuses the stored units and generates only the rest. A row's tokens do not depend on what
+    else the engine runs beside it (batch invariance, docs/generation.md), so a resumed sweep gives the
+    same numbers as an uninterrupted one (only the `seconds` timings differ). Units written by earlier
+    versions (several items each) are read the same way.
 """
 
 from __future__ import annotations
@@ -118,16 +118,6 @@ class TinyReasoning:
         return float(self.module.score(completion, item))
 
 
-def sweep_batches(requests: Sequence[GenRequest], batch_size: int) -> list[list[int]]:
-    """The batches `generate` decodes for `requests` (indices): same prompt length and sampling
-    settings together, longest prompts first, `batch_size` at a time in request order."""
-    groups: dict[tuple, list[int]] = {}
-    for i, r in enumerate(requests):
-        groups.setdefault((len(r.prompt_ids), r.temperature, r.top_p), []).append(i)
-    keys = sorted(groups, key=lambda k: (-k[0], k[1:]))
-    return [groups[k][s:s + batch_size] for k in keys for s in range(0, len(groups[k]), batch_size)]
-
-
 def run_sweep(model, tokenizer, task: GenerationTask, efforts: Sequence[int] = DEFAULT_EFFORTS, *,
               limit: int | None = None, batch_size: int = 8, thinking_budget: int | None = None,
               progress=None, store: "SweepStore | None" = None, items: list[dict] | None = None) -> dict:
@@ -152,28 +142,33 @@ def run_sweep(model, tokenizer, task: GenerationTask, efforts: Sequence[int] = D
     points, samples = [], []
     for effort in efforts:
         requests = all_requests[effort]
-        done = store.batches(effort) if store else {}
         rows: dict[int, dict] = {}
         seconds = 0.0
+        for record in (store.batches(effort).values() if store else ()):  # finished before an interrupt
+            rows.update(zip(record["batch"], record["rows"]))
+            seconds += record["seconds"]
+        todo = [i for i in range(len(requests)) if i not in rows]
         if progress:
             progress.start(f"{task.name} · effort {effort}", len(requests))
+            progress.advance(len(requests) - len(todo))
+        last = [time.perf_counter()]
+
+        def done(j, o, effort=effort, todo=todo, rows=rows, last=last):
+            nonlocal seconds
+            i, now = todo[j], time.perf_counter()
+            record = {"effort": effort, "batch": [i], "seconds": round(now - last[0], 3),
+                      "rows": [_row_of(items[i], o, task.score(o, items[i]))]}
+            last[0] = now
+            if store:
+                store.append(record)
+            rows[i] = record["rows"][0]
+            seconds += record["seconds"]
+            if progress:
+                progress.advance(1)
+
         try:
-            for batch in sweep_batches(requests, batch_size):
-                key = tuple(batch)
-                if key in done:
-                    record = done[key]
-                    if progress:
-                        progress.advance(len(batch))
-                else:
-                    t0 = time.perf_counter()
-                    outputs = generate(model, tokenizer, [requests[i] for i in batch], batch_size=batch_size,
-                                       on_done=(lambda i, o: progress.advance(1)) if progress else None)
-                    record = {"effort": effort, "batch": list(batch), "seconds": round(time.perf_counter() - t0, 3),
-                              "rows": [_row_of(items[i], o, task.score(o, items[i])) for i, o in zip(batch, outputs)]}
-                    if store:
-                        store.append(record)
-                seconds += record["seconds"]
-                rows.update(zip(batch, record["rows"]))
+            if todo:  # the whole effort at once: the engine keeps batch_size sequences in flight
+                generate(model, tokenizer, [requests[i] for i in todo], batch_size=batch_size, on_done=done)
         finally:
             if progress:
                 progress.stop()

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dsv41.model import formats
-from dsv41.model.cache import WINDOW_CODEC
+from dsv41.model.cache import FP4_E4M3, INDEX_KEY_CODEC, WINDOW_CODEC
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.indexer import Indexer
 from dsv41.model.kernels import reference
@@ -206,6 +206,48 @@ class Attention(nn.Module):
         target = target / target.sum(-1, keepdim=True)
         log_p = torch.log_softmax(scores[rows], dim=-1)
         return (target * (torch.log(target.clamp_min(1e-30)) - log_p.clamp_min(-1e4))).sum(-1).mean()
+
+    def decode(self, x: torch.Tensor, cache, shared) -> torch.Tensor:
+        """One token per row of a continuous batch: x [R,1,dim] normalized sub-layer input, row b at its own
+        position p_b (model/batch_cache.py). The same equations as `forward` over the same stored bytes,
+        with per-row positions and REF's decode widths: each row attends to its W window slots (-1 past
+        its newest) and `index_topk` main entries (-1 where fewer are visible), whatever the other rows hold."""
+        pos = cache.positions[:cache.rows]
+        stop = cache.rope_stop()
+        freqs = self.freqs(pos.unsqueeze(1), x.device, stop=stop)  # [R, 1, rope/2]
+        qr, q = self.query(x, freqs)
+        cache.write_window(self.spec.id, WINDOW_CODEC.pack(self.window_latent(x, freqs)))
+        main_codes = main_scales = top = None
+        if self.spec.compress_ratio:
+            if self.spec.owns_kv:
+                self.compress_step(x, cache, stop)
+            src = self.spec.kv_source
+            n = cache.entries(src)
+            if self.spec.owns_index:
+                shared.topk = (self.indexer.decode(x, qr, cache.index_key_rows(src, n), freqs, cache.visible(src),
+                                                   shared) if n else
+                               torch.full((x.size(0), 1, self.indexer.topk), -1, dtype=torch.long, device=x.device))
+            if n:
+                (main_codes, main_scales), top = cache.main_rows(src, n), shared.topk
+        o = kernels_attention.sparse_attention_packed(q, *cache.window_rows(self.spec.id), main_codes, main_scales,
+                                                      self.attn_sink, cache.window_index(self.spec.id), top,
+                                                      self.scale)
+        return self.output(o, freqs)
+
+    def compress_step(self, x: torch.Tensor, cache, stop: int) -> None:
+        """kv-source layers in a decode step: this token's projection joins each row's open group; every
+        row writes its group's entry at its next index, counted where the group completes (batch_cache.py)."""
+        c = self.compressor
+        if c.ratio == 1:
+            latent = c.norm(c.wkv(x))
+        else:
+            xf = x.float()
+            kv, score = cache.open_group(self.spec.id, torch.nn.functional.linear(xf, c.wkv.weight.float()),
+                                         torch.nn.functional.linear(xf, c.wgate.weight.float()))
+            latent = c.norm((kv * score.softmax(dim=1)).sum(dim=1, keepdim=True).to(x.dtype))
+        freqs = self.freqs(cache.entry_positions(self.spec.id).unsqueeze(1), x.device, stop=stop)
+        keys = INDEX_KEY_CODEC.pack(self.indexer.key_latent(latent, freqs))
+        cache.append_entry(self.spec.id, FP4_E4M3.pack(rope_tail(latent, freqs, self.rope_dim)), keys)
 
     def forward(self, x: torch.Tensor, start_pos: int, cache, shared) -> torch.Tensor:
         """x [B,T,dim] normalized sub-layer input at positions start_pos..start_pos+T-1.

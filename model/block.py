@@ -78,8 +78,14 @@ class Block(nn.Module):
                 image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.mix(x, pre, lambda h: self.attn(h, start_pos, cache, shared), image_mask)
 
-    def mix(self, x: torch.Tensor, pre: torch.Tensor, attend, image_mask: torch.Tensor | None = None):
-        """The single-pass mHC wiring around an attention call `attend(normed input) -> output`.
+    def decode(self, x: torch.Tensor, pre: torch.Tensor, cache, shared: SharedState):
+        """One token per row of a continuous batch (model/batch_cache.py): attention in its per-row form,
+        the MoE with every chosen expert on every row (MoE.every_row: batch-invariant sums)."""
+        return self.mix(x, pre, lambda h: self.attn.decode(h, cache, shared), ffn=self.ffn.every_row)
+
+    def mix(self, x: torch.Tensor, pre: torch.Tensor, attend, image_mask: torch.Tensor | None = None, ffn=None):
+        """The single-pass mHC wiring around an attention call `attend(normed input) -> output` (and the
+        MoE, or `ffn(normed input)` in its place).
 
         The attention's input uses the previous sub-layer's `pre`; its own coefficients come from the same
         read. The FFN's step folds the attention's residual update into that read. The FFN's own update
@@ -87,5 +93,5 @@ class Block(nn.Module):
         x, h, pre_a, post_a, comb_a = self.mhc_step(x, pre, "attn")
         y = attend(self.attn_norm(h))
         x, h, pre_f, post_f, comb_f = self.mhc_step(x, pre_a, "ffn", y, post_a, comb_a)
-        z = self.ffn(self.ffn_norm(h), image_mask)
+        z = self.ffn(self.ffn_norm(h), image_mask) if ffn is None else ffn(self.ffn_norm(h))
         return mhc.expand(z, x, post_f, comb_f), pre_f

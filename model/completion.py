@@ -7,6 +7,9 @@ No special token or DSML fragment reaches the content or the reasoning, and ever
 official grammar is reported: in ``errors`` what the official parser rejects (or accepts only to
 return a broken call), in ``warnings`` what it accepts (docs/generation.md has the table). V4's DSML
 tags (``tool_calls``, no space before the tag name) are read as an accepted dialect, with a warning.
+:class:`CompletionStream` is its incremental form for streaming: fed one token id at a time, it emits
+reasoning/content deltas and tool calls as soon as they are certain, exactly consistent with
+:func:`parse_completion` of the whole text.
 """
 
 from __future__ import annotations
@@ -496,3 +499,351 @@ def parse_completion(text: str, mode: str = "thinking", *, finished: bool | None
         )
     result.dsml_dialect = "v4" if reader.seen_v4 else ("v4.1" if reader.seen_v41 else None)
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming: CompletionStream, fed one token id at a time
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamEvent:
+    """One event of :class:`CompletionStream`.
+
+    kind: "reasoning" | "content" (``text`` is a delta) | "tool_call" (one whole call: ``index``, ``id``,
+    ``name`` and its ``arguments`` JSON string) | "finish" (``finish_reason`` and ``parsed``, the
+    :func:`parse_completion` result of the whole text)."""
+
+    kind: str
+    text: str = ""
+    index: int | None = None
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+    finish_reason: str | None = None
+    parsed: ParsedCompletion | None = None
+
+
+# What a text tail may still turn into: markup, the end of the reasoning, the end of the completion.
+_MARKER_PATTERNS = (f"<{DSML}", f"</{DSML}", DSML, EOS)
+_REASONING_PATTERNS = _MARKER_PATTERNS + (THINK_END,)
+_SPECIAL_FULL = re.compile(r"<｜[^<>｜\s]{1,40}｜>")
+_SPECIAL_PREFIX = re.compile(r"<(?:｜(?:[^<>｜\s]{0,40}|[^<>｜\s]{1,40}｜))?")
+
+
+def _removable_tails(patterns: tuple[str, ...]) -> tuple[frozenset, int]:
+    """Every beginning of a text end that the parser may still drop or treat as markup: an ending
+    ``pattern`` (or none) after the tail parse_completion removes from a text before markup or at a
+    cut, at most a blank line, a cut tag's beginning (``<｜DS``) and a blank line again."""
+    words = {a + cut + b + pattern for a in ("", "\n\n") for cut in ("",) + _DSML_PREFIXES
+             for b in ("", "\n\n") for pattern in ("",) + patterns}
+    prefixes = frozenset(word[:n] for word in words for n in range(1, len(word) + 1))
+    return prefixes, max(len(word) for word in words)
+
+
+_CONTENT_TAILS = _removable_tails(_MARKER_PATTERNS)
+_REASONING_TAILS = _removable_tails(_REASONING_PATTERNS)
+
+
+def _held_tail(text: str, tails: tuple[frozenset, int]) -> int:
+    """Length of the longest suffix of ``text`` that may still be dropped or become markup."""
+    prefixes, limit = tails
+    for size in range(min(len(text), limit), 0, -1):
+        if text[-size:] in prefixes:
+            return size
+    return 0
+
+
+class _TokenRemover:
+    """Streaming ``str.replace(token, "")`` for a token whose only '<' is its first character (no
+    two occurrences can overlap, so text is final as soon as it cannot be the token's beginning)."""
+
+    def __init__(self, token: str):
+        self.token, self.buf = token, ""
+
+    def push(self, text: str) -> str:
+        if not self.buf and "<" not in text:
+            return text
+        out = []
+        for c in text:
+            if self.buf:
+                candidate = self.buf + c
+                if self.token.startswith(candidate):
+                    self.buf = "" if candidate == self.token else candidate
+                    continue
+                out.append(self.buf)
+                self.buf = ""
+            if c == "<":
+                self.buf = "<"
+            else:
+                out.append(c)
+        return "".join(out)
+
+
+class _SpecialRemover:
+    """Streaming removal of ``<｜name｜>`` tokens (``_OTHER_SPECIAL``). The batch rule removes each
+    distinct token found, one after the other, so a removal may join its neighbours into a token
+    removed later (``<｜a<｜b｜>｜>`` with ``<｜a｜>`` elsewhere). Where a removed token directly follows
+    the beginning of another (the only way that can happen), the stream freezes: nothing more is
+    released, and the exact text comes from the whole-text parse."""
+
+    def __init__(self):
+        self.left = self.buf = ""
+        self.frozen = False
+
+    def push(self, text: str) -> str:
+        if self.frozen:
+            return ""
+        if not self.buf and not self.left and "<" not in text:
+            return text
+        out = []
+        for c in text:
+            if self.buf:
+                candidate = self.buf + c
+                if _SPECIAL_FULL.fullmatch(candidate):
+                    if self.left:  # a removal next to a token's beginning: the batch result may differ
+                        self.frozen = True
+                        return "".join(out)
+                    self.buf = ""
+                    continue
+                if _SPECIAL_PREFIX.fullmatch(candidate):
+                    self.buf = candidate
+                    continue
+                if c == "<":  # the held beginning is followed by text that stays: keep it beside
+                    out.append(self.left)
+                    self.left, self.buf = self.buf, "<"
+                    continue
+                out.append(self.left + self.buf + c)
+                self.left = self.buf = ""
+                continue
+            if c == "<":
+                self.buf = "<"
+            else:
+                out.append(c)
+        return "".join(out)
+
+
+class _Scrubber:
+    """The streaming form of ``_scrub_special_tokens``: what it releases is a prefix of the batch
+    result for every continuation of the text pushed so far."""
+
+    def __init__(self):
+        self.stages = [_TokenRemover(token) for token in _REJECTED_IN_TEXT] + [_SpecialRemover()]
+
+    def push(self, text: str) -> str:
+        for stage in self.stages:
+            if not text:
+                break
+            text = stage.push(text)
+        return text
+
+
+class CompletionStream:
+    """Incremental :func:`parse_completion`: fed one generated token id at a time, it returns the
+    events that are certain so far (see docs/generation.md, "Streaming the parse").
+
+    Reasoning and content text stream as they come, except a tail that may still turn out to be
+    markup (a prefix of ``<｜DSML｜``, ``</think>`` or the end-of-sentence token, after up to a blank
+    line and a cut tag's beginning, which the parser drops before a calls block or at a cut) and, in the
+    scrubbing of special tokens, a tail that may still be a special token. From the first DSML marker
+    on, the content is held until :meth:`close`; each tool call is emitted whole (one event) once its
+    closing tag is read. :meth:`close` flushes the rest from ``parse_completion`` of the whole text,
+    so the concatenated deltas equal its reasoning, content and calls exactly.
+    """
+
+    def __init__(self, tokenizer, mode: str = "thinking"):
+        _check_mode(mode)
+        self.tokenizer, self.mode = tokenizer, mode
+        self.ids: list[int] = []
+        self._pending: list[int] = []  # ids whose text ends in an incomplete UTF-8 sequence
+        self._chunks: list[str] = []  # the decoded text so far
+        self._phase = "start" if mode == "thinking" else "content"  # start|reasoning|content|dsml|end|closed
+        self._buf = ""  # text of the current phase not yet released (bounded outside "dsml")
+        self._raw_reasoning: list[str] = []
+        self._scrub = {"reasoning": _Scrubber(), "content": _Scrubber()}
+        self._sent = {"reasoning": 0, "content": 0}  # characters emitted per channel
+        self._dsml: list[str] = []  # text from the first marker on
+        self._dsml_tail = ""  # the last characters of it (tags split across tokens)
+        self._closing_seen = False  # a closing tag began since the last read of the calls
+        self._calls_sent: list[dict] = []
+
+    @property
+    def text(self) -> str:
+        """The decoded text so far (complete UTF-8 characters only)."""
+        return "".join(self._chunks)
+
+    # -- input -------------------------------------------------------------------------------
+
+    def feed(self, token_id: int) -> list[StreamEvent]:
+        """Add one token; returns the events it made certain (often none)."""
+        if self._phase == "closed":
+            raise RuntimeError("CompletionStream.feed after close")
+        self.ids.append(int(token_id))
+        new = self._decode(int(token_id))
+        if not new:
+            return []
+        self._chunks.append(new)
+        return self._advance(new)
+
+    def close(self, finish_reason: str) -> list[StreamEvent]:
+        """End of generation: the held-back text, the calls not yet emitted, then the "finish" event,
+        whose ``parsed`` is ``parse_completion(text, mode, finished=finish_reason == "stop")``."""
+        if self._phase == "closed":
+            raise RuntimeError("CompletionStream.close called twice")
+        self._phase = "closed"
+        text = self.tokenizer.decode(self.ids, skip_special=False)
+        parsed = parse_completion(text, self.mode, finished=finish_reason == "stop")
+        events = self._emit_exact("reasoning", parsed.reasoning) + self._emit_exact("content", parsed.content)
+        events += self._emit_calls(parsed.tool_calls)
+        events.append(StreamEvent("finish", finish_reason=finish_reason, parsed=parsed))
+        return events
+
+    def _decode(self, token_id: int) -> str:
+        """The new text of one token; ids whose text ends in an incomplete UTF-8 sequence wait."""
+        self._pending.append(token_id)
+        text = self.tokenizer.decode(self._pending, skip_special=False)
+        if not text.endswith("\ufffd"):
+            self._pending = []
+            return text
+        if len(self._pending) > 8:  # invalid bytes: release what cannot change any more
+            head = self.tokenizer.decode(self._pending[:-4], skip_special=False)
+            if head + self.tokenizer.decode(self._pending[-4:], skip_special=False) == text:
+                self._pending = self._pending[-4:]
+                return head
+        return ""
+
+    # -- the phases --------------------------------------------------------------------------
+
+    def _advance(self, new: str) -> list[StreamEvent]:
+        if self._phase == "dsml":
+            return self._advance_dsml(new)
+        if self._phase == "end":
+            return []
+        self._buf += new
+        events: list[StreamEvent] = []
+        if self._phase == "start":  # thinking mode: a leading <think> is dropped (an error)
+            if THINK_START.startswith(self._buf) and len(self._buf) < len(THINK_START):
+                return events
+            if self._buf.startswith(THINK_START):
+                self._buf = self._buf[len(THINK_START):]
+            self._phase = "reasoning"
+        if self._phase == "reasoning":
+            events += self._advance_reasoning()
+        if self._phase == "content":
+            events += self._advance_content()
+        return events
+
+    def _find_ends(self, with_think_end: bool) -> tuple[int, str | None, int]:
+        """The first end of the current text run in ``_buf``: (start, kind, index after it)."""
+        found: list[tuple[int, str, int]] = []
+        position = self._buf.find(DSML)
+        if position >= 0:
+            start = position
+            if self._buf.startswith("</", position - 2) and position >= 2:
+                start = position - 2
+            elif position >= 1 and self._buf[position - 1] == "<":
+                start = position - 1
+            found.append((start, "marker", start))
+        position = self._buf.find(EOS)
+        if position >= 0:
+            found.append((position, "eos", position))
+        if with_think_end:
+            position = self._buf.find(THINK_END)
+            if position >= 0:
+                found.append((position, "think_end", position + len(THINK_END)))
+        if not found:
+            return -1, None, -1
+        return min(found)
+
+    def _release(self, channel: str, raw: str) -> list[StreamEvent]:
+        if channel == "reasoning":
+            self._raw_reasoning.append(raw)
+        text = self._scrub[channel].push(raw)
+        if not text:
+            return []
+        self._sent[channel] += len(text)
+        return [StreamEvent(channel, text=text)]
+
+    def _emit_exact(self, channel: str, exact: str) -> list[StreamEvent]:
+        """The rest of a channel whose exact text is known (a prefix of it was emitted)."""
+        rest = exact[self._sent[channel]:]
+        self._sent[channel] = len(exact)
+        return [StreamEvent(channel, text=rest)] if rest else []
+
+    def _advance_reasoning(self) -> list[StreamEvent]:
+        start, kind, after = self._find_ends(with_think_end=True)
+        if kind is None:
+            keep = _held_tail(self._buf, _REASONING_TAILS)
+            events = self._release("reasoning", self._buf[: len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep:]
+            return events
+        if kind == "eos":  # the reasoning was never closed: its end depends on `finished`
+            keep = _held_tail(self._buf[:start], _REASONING_TAILS)
+            events = self._release("reasoning", self._buf[: start - keep])
+            self._phase, self._buf = "end", ""
+            return events
+        before = self._buf[:start]
+        if kind == "marker":  # tool calls began before </think>: the blank line before them is dropped
+            whole = ("".join(self._raw_reasoning) + before).removesuffix("\n\n")
+        else:
+            whole = "".join(self._raw_reasoning) + before
+        self._raw_reasoning = [whole]
+        exact = _scrub_special_tokens(whole, "reasoning", ParsedCompletion())
+        events = self._emit_exact("reasoning", exact)
+        if kind == "marker":
+            rest, self._buf = self._buf[start:], ""
+            return events + self._enter_dsml(rest)
+        self._phase, self._buf = "content", self._buf[after:]
+        return events
+
+    def _advance_content(self) -> list[StreamEvent]:
+        start, kind, _ = self._find_ends(with_think_end=False)
+        if kind is None:
+            keep = _held_tail(self._buf, _CONTENT_TAILS)
+            events = self._release("content", self._buf[: len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep:]
+            return events
+        head = self._buf[:start]
+        if kind == "marker":  # the blank line before the first markup belongs to no part
+            head = head.removesuffix("\n\n")
+        # an unfinished completion loses a cut tag's beginning and the blank line before it
+        keep = _held_tail(head, _CONTENT_TAILS)
+        events = self._release("content", head[: len(head) - keep])
+        if kind == "eos":
+            self._phase, self._buf = "end", ""
+            return events
+        rest, self._buf = self._buf[start:], ""
+        return events + self._enter_dsml(rest)
+
+    def _enter_dsml(self, text: str) -> list[StreamEvent]:
+        """From the first marker on, the content waits for close(); calls are read as they close."""
+        self._phase = "dsml"
+        self._dsml, self._dsml_tail = [], ""
+        return self._advance_dsml(text)
+
+    def _advance_dsml(self, new: str) -> list[StreamEvent]:
+        self._dsml.append(new)
+        window = self._dsml_tail + new
+        self._dsml_tail = window[-24:]
+        if f"</{DSML}" in window:
+            self._closing_seen = True
+        if EOS in window:  # nothing after it counts; close() reads the rest
+            self._phase = "end"
+            return []
+        if not (self._closing_seen and ">" in new):
+            return []
+        self._closing_seen = False
+        # The calls depend only on the text from the first marker on (and each call, once its closing
+        # tag is read, stays as it is whatever follows).
+        calls = parse_completion("".join(self._dsml), "chat", finished=False).tool_calls
+        return self._emit_calls(calls)
+
+    def _emit_calls(self, calls: list[dict]) -> list[StreamEvent]:
+        events = []
+        for index in range(len(self._calls_sent), len(calls)):
+            call = calls[index]
+            self._calls_sent.append(call)
+            function = call["function"]
+            events.append(StreamEvent("tool_call", index=index, id=call["id"], name=function["name"],
+                                      arguments=function["arguments"]))
+        return events

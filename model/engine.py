@@ -1,14 +1,22 @@
 """The inference engine: prefill, one-token decode steps over the KV cache, sampling, the effort
-thinking budget, and DSpark speculative decoding.
+thinking budget, continuous batching, and DSpark speculative decoding.
 
-    prompt ids --prefill (chunked)--> cache --decode step / speculative step--> tokens --> text
+    prompt ids --prefill (chunked, one sequence)--> KVCache --load--> a row of the BatchCache
+    rows in use --one decode step for all of them (Transformer.decode)--> tokens --> text
 
-Everything runs under torch.inference_mode(). A `Generator` serves one sequence at a time (batch of
-one); batched scoring for evaluation uses `score_continuations`, which shares the same model forward.
+Read in gpt-fast's order: `Generator.prefill` (a prompt into a KVCache), `Scheduler.step` (admit waiting
+requests, prefill one chunk, decode one token for every running row), `Generator.generate` /
+`Generator.generate_many` (n tokens for one request / many at once). Every command that generates goes
+through `Scheduler` (docs/generation.md: admission, chunking, row reuse, cancellation); a DSpark request
+runs its own draft-and-verify loop (`Generator._speculative`), one sequence at a time.
+
+Everything runs under torch.inference_mode(). Batched scoring for evaluation uses the full forward.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -110,12 +118,7 @@ class Sampler:
     def check(self, logits: torch.Tensor) -> None:
         """One isfinite reduction over the logits about to be sampled (under 1 ms for 129K logits on one
         busy CPU thread, where a decode step of the bundled model took about 260 ms)."""
-        finite = torch.isfinite(logits)
-        if not bool(finite.all()):
-            where = self.source or "the checkpoint"
-            raise NonFiniteLogits(
-                f"{where}: the model's logits hold {int((~finite).sum()):,} NaN/inf of {logits.numel():,} values: "
-                f"its weights are corrupt or overflow (`dsv41 convert {where} --verify` scans every tensor)")
+        check_finite(logits, self.source)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         self.check(logits)
@@ -167,10 +170,7 @@ class Generator:
         return self.model(ids, start_pos=cache.pos, cache=cache, return_taps=return_taps)
 
     # ---------------------------------------------------------------- generation
-    @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], config: GenerationConfig,
-                 on_token: Callable[[int], None] | None = None, images: list | None = None) -> GenerationResult:
-        """`images`: the `vision.ImageInput`s of an expanded prompt (`vision.expand_image_placeholders`)."""
+    def check_request(self, prompt_ids: list[int], config: GenerationConfig) -> None:
         if config.dspark and not self.args.dspark_enabled:
             raise ValueError("this checkpoint has no DSpark drafter (n_mtp_layers = 0)")
         if not prompt_ids:
@@ -178,6 +178,15 @@ class Generator:
         if max(prompt_ids) >= self.args.vocab_size or min(prompt_ids) < 0:
             raise ValueError(f"the prompt has token ids outside the model's vocabulary of {self.args.vocab_size}: "
                              "the tokenizer does not belong to this checkpoint")
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], config: GenerationConfig,
+                 on_token: Callable[[int], str | None] | None = None, images: list | None = None) -> GenerationResult:
+        """One request to its end. `images`: the `vision.ImageInput`s of an expanded prompt
+        (`vision.expand_image_placeholders`). `on_token(token)` sees each token as it is committed."""
+        self.check_request(prompt_ids, config)
+        if not config.dspark:
+            return self.generate_many([Request(prompt_ids, config, images, on_token)], max_batch_size=1)[0]
         sampler = Sampler(config.sampling, self.device, self.source)
         _reset_peak_memory(self.device)
         t0 = time.perf_counter()
@@ -185,10 +194,7 @@ class Generator:
         _sync(self.device)
         t1 = time.perf_counter()
         budget = _Budget(config, prompt_ids)
-        if config.dspark:
-            out, finish, stats = self._speculative(cache, logits, taps, prompt_ids, config, sampler, budget, on_token)
-        else:
-            out, finish, stats = self._autoregressive(cache, logits, config, sampler, budget, on_token)
+        out, finish, stats = self._speculative(cache, logits, taps, prompt_ids, config, sampler, budget, on_token)
         _sync(self.device)
         t2 = time.perf_counter()
         pc = config.prefix_cache if not images else None
@@ -196,6 +202,33 @@ class Generator:
             pc.store(list(prompt_ids) + out, cache)
         return GenerationResult(len(prompt_ids), out, finish, t1 - t0, t2 - t1, _peak_memory(self.device),
                                 cache_bytes_per_token(cache), stats, budget.forced, prefill_stats)
+
+    @torch.inference_mode()
+    def generate_many(self, requests: list["Request"], max_batch_size: int = 32, max_batch_tokens: int | None = None,
+                      on_done: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
+        """Every request to its end, many at once (continuous batching, `Scheduler`); results in request
+        order. on_done(i, result) as each finishes (in the order they finish). DSpark requests run one at a
+        time, after the others."""
+        results: list[GenerationResult | None] = [None] * len(requests)
+
+        def done(i, result):
+            results[i] = result
+            if on_done:
+                on_done(i, result)
+
+        scheduler = Scheduler(self, max_batch_size, max_batch_tokens)
+        speculative = []
+        for i, r in enumerate(requests):
+            self.check_request(r.prompt_ids, r.config)
+            if r.config.dspark:
+                speculative.append(i)
+            else:
+                scheduler.submit(r, key=i)
+        for i, result in scheduler.run():
+            done(i, result)
+        for i in speculative:
+            done(i, self.generate(requests[i].prompt_ids, requests[i].config, requests[i].on_token, requests[i].images))
+        return results  # type: ignore[return-value]
 
     def _prompt(self, ids: list[int], config: GenerationConfig, images=None):
         """Fill a cache with the prompt: a prefix-cache lookup (exact restore, or global KV plus SWA
@@ -245,15 +278,6 @@ class Generator:
                  "decoder_tokens": decoder + replayed,
                  "prefix_hit": None if hit is None else ("exact" if hit.cache is not None else "bounded_replay")}
         return cache, logits, taps, stats
-
-    def _autoregressive(self, cache, logits, config, sampler, budget, on_token):
-        out: list[int] = []
-        while True:
-            token = budget.override(int(sampler(logits[0])))
-            finish = _emit(token, out, config, on_token)
-            if finish:
-                return out, finish, None
-            logits = self.step(cache, token)
 
     # ---------------------------------------------------------------- DSpark
     def _speculative(self, cache, logits, tap_segments, prompt_ids, config, sampler, budget, on_token):
@@ -369,13 +393,320 @@ class Generator:
         return n, int(sampler(target_logits[len(drafts)]))
 
 
+# ------------------------------------------------------------------------------------------- scheduler
+@dataclass
+class Request:
+    """One generation: a prompt, its settings (sampling, stop ids, length, thinking budget, CED, prefix
+    cache), the images of its prompt, and `on_token(token)`, called as each token is committed, which may
+    return a finish reason to end the request there (a stop string it saw)."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig = field(default_factory=GenerationConfig)
+    images: list | None = None
+    on_token: Callable[[int], str | None] | None = None
+
+
+class RequestTooLarge(ValueError):
+    """A request that can never be served: its prompt and reply exceed the model's context or the
+    scheduler's token budget."""
+
+
+PREFILL_CHUNK = 256  # prompt tokens per scheduler step while other rows decode
+
+
+class _Sequence:
+    """A request in the scheduler: waiting, prefilling (its own KVCache), or running (a BatchCache row)."""
+
+    def __init__(self, key, request: Request, generator: "Generator"):
+        self.key, self.request, self.config = key, request, request.config
+        self.sampler = Sampler(request.config.sampling, generator.device, generator.source)
+        self.budget = _Budget(request.config, request.prompt_ids)
+        self.out: list[int] = []
+        self.cache: KVCache | None = None
+        self.done_tokens = 0  # prompt tokens prefilled so far
+        self.prefill_seconds = 0.0
+        self.prefill_stats: dict | None = None
+        self.started = self.finished_at = 0.0
+        self.token = -1  # the next input token (the last one committed)
+        self.finish: str | None = None
+
+    @property
+    def need(self) -> int:
+        """Cache positions the request may reach: its prompt and its whole reply."""
+        return len(self.request.prompt_ids) + self.config.max_new_tokens
+
+    def chunked(self) -> bool:
+        """Whether the prompt prefills chunk by chunk between decode steps (a plain prompt), or in one go
+        (prefix-cache lookups, CED replay, images: `Generator._prompt`)."""
+        c = self.config
+        return c.prefix_cache is None and c.ced == "full" and not self.request.images
+
+
+class Scheduler:
+    """Continuous batching over one `BatchCache`.
+
+    `submit` queues requests; each `step` (1) admits the next waiting request when a row is free and the
+    token budget allows (the running rows' prompts plus replies, `max_batch_tokens`), (2) prefills one
+    chunk of `prefill_chunk` tokens of the request being admitted (a whole prompt for a prefix-cache
+    hit, CED replay or images), and when its prompt is done, samples its first token and loads it into
+    the next free row, (3) decodes one token for every running row in one forward. A finished row is
+    freed at once and the last row moves into its place (rows in use stay 0..B-1). `cancel` drops a
+    request wherever it is. A request that can never fit (context or token budget) is refused at
+    `submit` with RequestTooLarge, before any work. On CUDA the decode step replays from CUDA graphs
+    (`GraphedDecode`; cuda_graphs=False or DSV41_CUDA_GRAPHS=0 runs it eagerly)."""
+
+    def __init__(self, generator: "Generator", max_batch_size: int = 32, max_batch_tokens: int | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK, cuda_graphs: bool | None = None):
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be at least 1")
+        self.gen, self.model, self.args = generator, generator.model, generator.args
+        self.max_batch_size, self.prefill_chunk = max_batch_size, prefill_chunk
+        self.max_len = self.args.max_position_embeddings  # the model's context: a row's positions at most
+        self.max_batch_tokens = max_batch_tokens or max_batch_size * self.max_len
+        self.cache = self.model.new_batch_cache(max_batch_size, self.max_len)
+        if cuda_graphs is None:
+            cuda_graphs = cuda_graphs_default(generator.device)
+        self.decode = GraphedDecode(self.model, self.cache) if cuda_graphs else \
+            (lambda ids: self.model.decode(ids, self.cache))
+        self.waiting: list[_Sequence] = []
+        self.prefilling: _Sequence | None = None
+        self.running: list[_Sequence] = []  # running[i] is in row i
+        self.steps = 0
+        self._keys = itertools.count()
+        _reset_peak_memory(generator.device)
+
+    # ---------------------------------------------------------------- queue
+    def submit(self, request: Request, key=None) -> object:
+        """Queue a request; returns its key (`key`, default a running number), which `run` yields with it."""
+        key = next(self._keys) if key is None else key
+        self.gen.check_request(request.prompt_ids, request.config)
+        seq = _Sequence(key, request, self.gen)
+        if seq.need > self.max_len:
+            raise RequestTooLarge(f"the prompt ({len(request.prompt_ids)} tokens) and max_new_tokens "
+                                  f"({seq.config.max_new_tokens}) exceed the model's context of {self.max_len} tokens")
+        if seq.need > self.max_batch_tokens:
+            raise RequestTooLarge(f"the prompt ({len(request.prompt_ids)} tokens) and max_new_tokens "
+                                  f"({seq.config.max_new_tokens}) exceed max_batch_tokens ({self.max_batch_tokens})")
+        self.waiting.append(seq)
+        return key
+
+    def cancel(self, key) -> bool:
+        """Drop a request wherever it is (its row is freed); False if it is not here (finished or unknown)."""
+        for seq in self.waiting:
+            if seq.key == key:
+                self.waiting.remove(seq)
+                return True
+        if self.prefilling is not None and self.prefilling.key == key:
+            self.prefilling = None
+            return True
+        for seq in self.running:
+            if seq.key == key:
+                self._release(seq)
+                return True
+        return False
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def run(self):
+        """Step until every request finished; yields (key, GenerationResult) as each finishes."""
+        while self.busy:
+            yield from self.step()
+
+    # ---------------------------------------------------------------- one step
+    def step(self) -> list[tuple[object, GenerationResult]]:
+        finished: list[_Sequence] = []
+        self._admit(finished)
+        if self.running:
+            self._decode(finished)
+        self.steps += 1
+        return [(seq.key, self._result(seq)) for seq in finished]
+
+    def _reserved(self) -> int:
+        return sum(seq.need for seq in self.running)
+
+    def _admit(self, finished: list) -> None:
+        if self.prefilling is None and self.waiting and len(self.running) < self.max_batch_size \
+                and self._reserved() + self.waiting[0].need <= self.max_batch_tokens:
+            self.prefilling = self.waiting.pop(0)
+            self.prefilling.started = time.perf_counter()
+            if self.cache.static:  # room for its whole reply now: no new shapes (CUDA graphs) while it runs
+                self.cache.reserve(self.prefilling.need)
+        seq = self.prefilling
+        if seq is None:
+            return
+        t0 = time.perf_counter()
+        ids = seq.request.prompt_ids
+        if seq.chunked():
+            if seq.cache is None:
+                seq.cache = self.model.new_cache(1)
+            chunk = self.prefill_chunk if self.running else len(ids)  # alone: the whole prompt at once
+            if seq.config.prefill_chunk:
+                chunk = min(chunk, seq.config.prefill_chunk)
+            end = min(seq.done_tokens + chunk, len(ids))
+            logits = self.model(torch.tensor([ids[seq.done_tokens:end]], device=self.gen.device),
+                                start_pos=seq.done_tokens, cache=seq.cache)
+            seq.done_tokens = end
+            if end < len(ids):
+                seq.prefill_seconds += time.perf_counter() - t0
+                return
+            seq.prefill_stats = {"cached_tokens": 0, "replayed_tokens": 0, "prefilled_tokens": len(ids),
+                                 "decoder_tokens": len(ids), "prefix_hit": None}
+        else:
+            seq.cache, logits, _, seq.prefill_stats = self.gen._prompt(ids, seq.config, seq.request.images)
+        _sync(self.gen.device)
+        seq.prefill_seconds += time.perf_counter() - t0
+        self.prefilling = None
+        seq.started = time.perf_counter()
+        check_finite(logits, self.gen.source)
+        self._commit(seq, int(logits[0].argmax()) if seq.sampler.greedy else int(seq.sampler(logits[0])))
+        if seq.finish:
+            self._store_prefix(seq, seq.cache)
+            finished.append(seq)
+            return
+        row = len(self.running)
+        self.cache.load(row, seq.cache)
+        seq.cache = None
+        self.running.append(seq)
+
+    def _decode(self, finished: list) -> None:
+        ids = torch.tensor([seq.token for seq in self.running], device=self.gen.device)
+        logits = self.decode(ids)
+        check_finite(logits, self.gen.source)
+        greedy = logits.argmax(dim=-1).tolist() if any(seq.sampler.greedy for seq in self.running) else None
+        done = []
+        for row, seq in enumerate(self.running):
+            self._commit(seq, greedy[row] if seq.sampler.greedy else int(seq.sampler(logits[row])))
+            if seq.finish:
+                done.append(seq)
+        for seq in done:
+            row = self.running.index(seq)
+            self._store_prefix(seq, None, row)
+            seq.kv_bytes_per_token = self._kv_bytes_per_token(row)
+            self._release(seq)
+            finished.append(seq)
+
+    def _commit(self, seq: _Sequence, token: int) -> None:
+        token = seq.budget.override(token)
+        seq.token = token
+        seq.finish = _emit(token, seq.out, seq.config, seq.request.on_token)
+        if seq.finish:
+            _sync(self.gen.device)
+            seq.finished_at = time.perf_counter()
+
+    def _release(self, seq: _Sequence) -> None:
+        """Free seq's row; the last running row moves into it."""
+        row, last = self.running.index(seq), len(self.running) - 1
+        if row != last:
+            self.cache.move(last, row)
+            self.running[row] = self.running[last]
+        self.running.pop()
+        self.cache.free(last)
+
+    def _store_prefix(self, seq: _Sequence, cache: KVCache | None, row: int | None = None) -> None:
+        pc = seq.config.prefix_cache if not seq.request.images else None
+        if pc is None:
+            return
+        # the conversation so far (prompt and reply): a next turn continued over it hits. The last token
+        # was committed but never run through the model, so the cache holds the tokens before it.
+        pc.store(list(seq.request.prompt_ids) + seq.out, cache if cache is not None else self.cache.unload(row))
+
+    def _kv_bytes_per_token(self, row: int) -> float:
+        b = self.cache.row_bytes(row)
+        length = self.cache.lengths[row]
+        return (b["main"] + b["index_keys"]) / length if length else 0.0
+
+    def _result(self, seq: _Sequence) -> GenerationResult:
+        kv = getattr(seq, "kv_bytes_per_token", None)
+        if kv is None:  # finished at its first token: the prefill's cache
+            kv = cache_bytes_per_token(seq.cache) if isinstance(seq.cache, KVCache) else 0.0
+        return GenerationResult(len(seq.request.prompt_ids), seq.out, seq.finish, seq.prefill_seconds,
+                                seq.finished_at - seq.started, _peak_memory(self.gen.device), kv, None,
+                                seq.budget.forced, seq.prefill_stats)
+
+
+class GraphedDecode:
+    """`Transformer.decode` replayed from CUDA graphs: the whole step (every layer, the head) as one graph per
+    shape, so a step costs one launch instead of a few thousand. The cache runs static (BatchCache.static:
+    row counts in powers of two, the whole entry capacity read, a power-of-two RoPE table), so a shape
+    lasts until the entry capacity doubles. The first step of a shape runs eagerly (it compiles the kernels
+    and allocates what the step keeps), then the same step is captured (capturing runs nothing) and
+    replayed from the next step on. Same kernels, same numbers as the eager static step."""
+
+    def __init__(self, model, cache):
+        self.model, self.cache = model, cache
+        cache.static = True
+        self.graphs: dict[tuple, tuple] = {}
+        self.capacity = None
+        self.pool = None
+        self.captured = self.replays = 0
+        self.failed: str | None = None  # why capturing failed (then every step runs eagerly)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        if self.failed is not None:
+            return self.model.decode(ids, cache)
+        B = ids.size(0)
+        R = cache.prepare_step(B)
+        if cache.capacity != self.capacity:  # the entry stores were reallocated: the graphs read the old ones
+            self.graphs.clear()
+            self.capacity = cache.capacity
+        key = cache.static_key()
+        entry = self.graphs.get(key)
+        if entry is None:
+            buf = torch.zeros(R, dtype=torch.long, device=ids.device)
+            buf[:B] = ids
+            logits = self.model.decode_rows(buf, cache)
+            cache.advance()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self.model.decode_rows(buf, cache)
+            except RuntimeError as e:  # an operator that cannot be captured: run eagerly from now on
+                self.failed = f"{type(e).__name__}: {e}"
+                import warnings
+
+                warnings.warn(f"CUDA graph capture of the decode step failed, running it eagerly: {self.failed}")
+                torch.cuda.synchronize()
+                return logits[:B]
+            self.pool = graph.pool()
+            self.graphs[key] = (graph, buf, out)
+            self.captured += 1
+            return logits[:B]
+        graph, buf, out = entry
+        buf.zero_()
+        buf[:B] = ids
+        graph.replay()
+        self.replays += 1
+        cache.advance()
+        return out[:B]
+
+
+def cuda_graphs_default(device) -> bool:
+    """CUDA graphs for the decode step: on for a CUDA device unless DSV41_CUDA_GRAPHS=0."""
+    return torch.device(device).type == "cuda" and os.environ.get("DSV41_CUDA_GRAPHS", "1") != "0"
+
+
+def check_finite(logits: torch.Tensor, source: str | None = None) -> None:
+    """One isfinite reduction over the logits about to be sampled: NonFiniteLogits names the checkpoint."""
+    finite = torch.isfinite(logits)
+    if not bool(finite.all()):
+        where = source or "the checkpoint"
+        raise NonFiniteLogits(
+            f"{where}: the model's logits hold {int((~finite).sum()):,} NaN/inf of {logits.numel():,} values: "
+            f"its weights are corrupt or overflow (`dsv41 convert {where} --verify` scans every tensor)")
+
+
 def _emit(token: int, out: list[int], config: GenerationConfig, on_token) -> str | None:
-    """Commit one generated token; return the finish reason if generation ends with it."""
+    """Commit one generated token; return the finish reason if generation ends with it (`on_token` may end
+    it too, returning its own reason: a stop string it saw, say)."""
     out.append(token)
-    if on_token:
-        on_token(token)
+    reason = on_token(token) if on_token else None
     if token in config.stop_ids:
         return "stop"
+    if reason:
+        return reason
     if len(out) >= config.max_new_tokens:
         return "length"
     return None

@@ -37,6 +37,8 @@ reciprocal, which would change the E4M3 rounding of ``amax / 6`` at ties.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 # --------------------------------------------------------------------------------------------------
@@ -69,6 +71,10 @@ _WEIGHT_AMAX_FLOOR = torch.finfo(torch.float32).tiny
 # 1, 2, 4 = codes 2, 4, 6), downward across 0.25, 1.25, 2.5 and 5 (to 0, 1, 2, 4).
 _E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIE_GOES_UP = (False, True, False, True, False, True, False)
+# The boundaries where a tie goes up, moved to the next fp32 below: "magnitude > that" is "magnitude >= b".
+_E2M1_BELOW_BOUNDARIES = tuple(
+    struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", b))[0] - 1))[0] if up else b
+    for b, up in zip(_E2M1_BOUNDARIES, _E2M1_TIE_GOES_UP))
 
 
 # Small constant tensors, built once per device and then reused (read-only). Building one per call cost
@@ -78,7 +84,9 @@ _CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 
 def _constant(values: float | tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (repr(values), dtype, torch.device(device))  # repr: keeps 0.0 and -0.0 apart
+    # repr: keeps 0.0 and -0.0 apart. A tensor's .device is already a torch.device: constructing another
+    # would be an operator call per lookup.
+    key = (repr(values), dtype, device if isinstance(device, torch.device) else torch.device(device))
     t = _CONSTANTS.get(key)
     if t is None:
         # an ordinary tensor even when the first caller runs under inference_mode (an inference tensor
@@ -100,10 +108,14 @@ def _fp32_const(value: float, device: torch.device) -> torch.Tensor:
 
 def _split_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """[..., N] -> [..., N // block, block]; N must be a multiple of block."""
-    n = x.size(-1)
-    if n % block != 0:
-        raise ValueError(f"last dimension {n} is not a multiple of the block size {block}")
-    return x.unflatten(-1, (n // block, block))
+    # unflatten checks the size itself: reading it first would be one more operator call per quantization
+    try:
+        return x.unflatten(-1, (-1, block))
+    except RuntimeError:
+        n = x.size(-1)
+        if n % block != 0:
+            raise ValueError(f"last dimension {n} is not a multiple of the block size {block}") from None
+        return x.unflatten(-1, (n // block, block))  # N == 0: -1 cannot be inferred
 
 
 # --------------------------------------------------------------------------------------------------
@@ -148,21 +160,40 @@ def ue8m0_scale(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
     ratio = amax * fp32(1 / fmt_max) in fp32; its ceiling power of two is read off the bits: the biased
     exponent, plus one when any mantissa bit is set. Returns fp32. (A subnormal ratio yields 2^-126.)
     """
-    ratio = (amax.float() * _fp32_const(1.0 / fmt_max, amax.device)).contiguous()
-    bits = ratio.view(torch.int32)
-    biased_exponent = (bits >> 23) & 0xFF
-    has_fraction = (bits & 0x7FFFFF) != 0
-    ceil_biased_exponent = biased_exponent + has_fraction.to(torch.int32)
-    return (ceil_biased_exponent << 23).view(torch.float32)
+    # A Python float operand is cast to fp32 by the kernel (CPU and CUDA alike), the same value as the
+    # fp32 constant tensor; a multiplication (unlike a division) is not rewritten on CUDA.
+    bits = (amax.float() * (1.0 / fmt_max)).view(torch.int32)
+    return _ceil_pow2_bits(bits.bitwise_and_(0x7FFFFFFF)).view(torch.float32)
+
+
+def _ceil_pow2_bits(bits: torch.Tensor) -> torch.Tensor:
+    """In place on the int32 bits of a sign-cleared fp32 ratio: the bits of its ceiling power of two,
+    (exponent + any mantissa bit set) << 23, read off the bits with two operators instead of six.
+
+    Adding 0x7FFFFF carries into the exponent exactly when a mantissa bit is set, and the mask keeps the
+    exponent field and bit 31. For a NaN ratio the exponent 0xFF plus one wraps into bit 31 in both forms
+    (the integer add wraps on every backend), giving the bits of -0.0 as (0x100 << 23) did; a subnormal
+    ratio gives 2^-126, zero gives +0."""
+    return bits.add_(0x7FFFFF).bitwise_and_(-0x800000)  # -0x800000 == int32 0xFF800000
 
 
 def e8m0_to_float(e8m0: torch.Tensor) -> torch.Tensor:
     """UE8M0 bytes (uint8, int8 or float8_e8m0fnu) -> fp32: 2^(byte - 127); 255 is NaN; 0 is 2^-127."""
-    b = _as_bytes(e8m0).to(torch.int32)
-    bits = b << 23  # exact for 1..254; byte 0 is the fp32 subnormal 2^-127, byte 255 is NaN
-    bits = torch.where(b == 0, torch.full_like(bits, 0x00400000), bits)
-    bits = torch.where(b == E8M0_NAN, torch.full_like(bits, 0x7FC00000), bits)
-    return bits.view(torch.float32)
+    b = _as_bytes(e8m0)
+    # one gather from the 256 decoded values (built once per device) instead of a shift and two selects
+    return _e8m0_table(b.device)[b.int()]
+
+
+def _e8m0_table(device: torch.device) -> torch.Tensor:
+    """fp32 values of the 256 UE8M0 bytes: b << 23 for 1..254, the subnormal 2^-127 for 0, NaN
+    (0x7FC00000) for 255."""
+    t = _CONSTANTS.get(("e8m0", device))
+    if t is None:
+        bits = [0x00400000] + [b << 23 for b in range(1, 255)] + [0x7FC00000]
+        with torch.inference_mode(False), torch.no_grad():
+            t = torch.tensor(bits, dtype=torch.int32, device=device).view(torch.float32)
+        _CONSTANTS[("e8m0", device)] = t
+    return t
 
 
 def float_to_e8m0(pow2: torch.Tensor, check: bool = True) -> torch.Tensor:
@@ -172,19 +203,20 @@ def float_to_e8m0(pow2: torch.Tensor, check: bool = True) -> torch.Tensor:
     with check=False (hot paths whose scales are powers of two by construction) no sync is done and
     inf also maps to 255.
     """
-    bits = pow2.float().contiguous().view(torch.int32)
-    biased_exponent = (bits >> 23) & 0xFF
-    mantissa = bits & 0x7FFFFF
-    is_nan = (biased_exponent == 0xFF) & (mantissa != 0)
-    is_min = (biased_exponent == 0) & (mantissa == 0x400000)  # 2^-127 is an fp32 subnormal
+    bits = pow2.float().view(torch.int32)
     if check:
+        biased_exponent = (bits >> 23) & 0xFF
+        mantissa = bits & 0x7FFFFF
+        is_nan = (biased_exponent == 0xFF) & (mantissa != 0)
+        is_min = (biased_exponent == 0) & (mantissa == 0x400000)  # 2^-127 is an fp32 subnormal
         normal_pow2 = (bits > 0) & (biased_exponent > 0) & (biased_exponent < 0xFF) & (mantissa == 0)
         bad = ~(normal_pow2 | is_min | is_nan)
         if bool(bad.any()):
             raise ValueError(f"not a power of two in [2^-127, 2^127]: {pow2.float()[bad][:4].tolist()}")
-    byte = torch.where(is_min, torch.zeros_like(biased_exponent), biased_exponent)
-    byte = torch.where(is_nan, torch.full_like(byte, E8M0_NAN), byte)
-    return byte.to(torch.uint8)
+    # The byte is the biased exponent field for every input: 2^-127 (exponent field 0) gives 0, NaN and
+    # inf (field 0xFF) give 255. The uint8 cast keeps the low byte of the arithmetic shift, which is that
+    # field whatever the sign.
+    return (bits >> 23).to(torch.uint8)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -205,17 +237,31 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     that round to zero get code 8.
     """
     xf = x.float()
-    magnitude = xf.abs().unsqueeze(-1)
-    boundaries = _constant(_E2M1_BOUNDARIES, torch.float32, x.device)
-    tie_up = _constant(_E2M1_TIE_GOES_UP, torch.bool, x.device)
-    above = (magnitude > boundaries) | ((magnitude == boundaries) & tie_up)
-    code = above.sum(dim=-1, dtype=torch.uint8)
+    # "above b, or on b where ties go up" is "above the fp32 just below b" for those b: one comparison
+    # (NaN compares false with every boundary either way and keeps code 0)
+    boundaries = _constant(_E2M1_BELOW_BOUNDARIES, torch.float32, xf.device)
+    code = (xf.abs().unsqueeze(-1) > boundaries).sum(dim=-1, dtype=torch.uint8)
     return code | (torch.signbit(xf).to(torch.uint8) << 3)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """4-bit E2M1 codes (low 4 bits of any integer tensor) -> fp32. Code 8 decodes to -0.0 (== 0)."""
     return _grid_table(codes.device)[(codes.to(torch.int64) & 0xF)]
+
+
+def _decode_fp4_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """e2m1_decode(unpack_fp4(packed)) with one gather: a table of the two values of each of the 256 bytes
+    (low nibble first), built once per device."""
+    b = _as_bytes(packed)
+    device = b.device
+    t = _CONSTANTS.get(("e2m1 pairs", device))
+    if t is None:
+        grid = E2M1_GRID + tuple(-v for v in E2M1_GRID)
+        pairs = [(grid[v & 0xF], grid[v >> 4]) for v in range(256)]
+        with torch.inference_mode(False), torch.no_grad():
+            t = torch.tensor(pairs, dtype=torch.float32, device=device)
+        _CONSTANTS[("e2m1 pairs", device)] = t
+    return t[b.int()].flatten(-2)
 
 
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
@@ -244,10 +290,43 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 def _quantize_fp8_ue8m0(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (E4M3 values [..., G, block], fp32 power-of-two scales [..., G])."""
-    groups = _split_blocks(x.float(), block)
-    amax = groups.abs().amax(dim=-1).clamp_min(FP8_AMAX_FLOOR)
-    scale = ue8m0_scale(amax, FP8_E4M3_MAX)
-    return to_e4m3(groups / scale.unsqueeze(-1)), scale
+    values, scale, _ = _fp8_ue8m0_blocks(x.float(), block)
+    return values, scale.squeeze(-1)
+
+
+_FP8_RATIO = 1.0 / FP8_E4M3_MAX  # cast to fp32 by the multiplication, as ue8m0_scale's constant
+
+
+def _fp8_ue8m0_blocks(xf: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 x -> (E4M3 values [..., G, block], fp32 scales [..., G, 1], their int32 bits [..., G, 1]).
+
+    `_quantize_fp8_ue8m0`'s numbers with the fewest operators: every quantized GEMM's activation passes
+    here, so a decode step runs it over a hundred times. The max of |x| is one reduction (the inf-norm:
+    max |x|, NaN propagating, as abs().amax()); the scale's arithmetic is ue8m0_scale's, in place on
+    temporaries (the amax is >= the floor or NaN, never negative, so the sign needs no clearing); the
+    clamp before the cast is to_e4m3's."""
+    groups = _split_blocks(xf, block)
+    amax = torch.linalg.vector_norm(groups, float("inf"), dim=-1, keepdim=True)
+    if torch.is_grad_enabled():  # out of place: a graph through x may need these values in a backward
+        bits = (amax.clamp_min(FP8_AMAX_FLOOR) * _FP8_RATIO).view(torch.int32)
+        bits = bits.add(0x7FFFFF).bitwise_and_(-0x800000)
+        scale = bits.view(torch.float32)
+        return to_e4m3(groups / scale), scale, bits
+    bits = _ceil_pow2_bits(amax.clamp_min_(FP8_AMAX_FLOOR).mul_(_FP8_RATIO).view(torch.int32))
+    scale = bits.view(torch.float32)
+    q = (groups / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q.to(torch.float8_e4m3fn), scale, bits
+
+
+def fp8_fake_quant_f32(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """fp8_fake_quant(x, block) in fp32, without the cast back to x's dtype.
+
+    For a bf16 or fp32 x, fp8_fake_quant(x).float() equals this bit for bit: E4M3 values times a power of
+    two of at least 2^-22 (the amax floor) have at most 4 significant bits and a normal exponent, so the
+    bf16 round trip is exact (an overflow is inf either way); only a NaN's payload would be canonicalized
+    there, and a GEMM fed from here rounds its output, which canonicalizes NaN anyway (Linear.forward)."""
+    values, scale, _ = _fp8_ue8m0_blocks(x.float(), block)
+    return (values.float() * scale).flatten(-2)
 
 
 def _quantize_mxfp4(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,8 +362,7 @@ def fp8_fake_quant(x: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
 
     The window KV applies it over all 512 dims, RoPE tail included. Returns x's dtype.
     """
-    values, scale = _quantize_fp8_ue8m0(x, block)
-    return (values.float() * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
+    return fp8_fake_quant_f32(x, block).to(x.dtype)
 
 
 def mxfp4_fake_quant(x: torch.Tensor, block: int = MXFP4_BLOCK) -> torch.Tensor:
@@ -315,8 +393,9 @@ def pack_fp8_ue8m0(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tenso
 
     A 512-dim window KV entry takes 512 + 16 = 528 bytes.
     """
-    values, scale = _quantize_fp8_ue8m0(x, block)
-    return values.flatten(-2).view(torch.uint8), float_to_e8m0(scale, check=False)
+    values, _, bits = _fp8_ue8m0_blocks(x.float(), block)
+    # the UE8M0 byte is the scale's exponent field (float_to_e8m0), read off the bits at hand
+    return values.flatten(-2).view(torch.uint8), (bits >> 23).to(torch.uint8).squeeze(-1)
 
 
 def unpack_fp8_ue8m0(
@@ -324,7 +403,12 @@ def unpack_fp8_ue8m0(
 ) -> torch.Tensor:
     """(E4M3 bytes [..., N], UE8M0 bytes [..., N // block]) -> values [..., N] in `dtype`."""
     values = _split_blocks(_as_e4m3(codes).float(), block)
-    return (values * e8m0_to_float(scales).unsqueeze(-1)).flatten(-2).to(dtype)
+    return _to(values.mul_(e8m0_to_float(scales).unsqueeze(-1)).flatten(-2), dtype)
+
+
+def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (fp32) in `dtype`: skips the call when nothing changes (`.to` returns x itself then)."""
+    return x if dtype == torch.float32 else x.to(dtype)
 
 
 def pack_mxfp4(x: torch.Tensor, block: int = MXFP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,8 +424,8 @@ def unpack_mxfp4(
     packed: torch.Tensor, scales: torch.Tensor, block: int = MXFP4_BLOCK, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """(packed E2M1 [..., N // 2], UE8M0 bytes [..., N // block]) -> values [..., N] in `dtype`."""
-    values = _split_blocks(e2m1_decode(unpack_fp4(packed)), block)
-    return (values * e8m0_to_float(scales).unsqueeze(-1)).flatten(-2).to(dtype)
+    values = _split_blocks(_decode_fp4_pairs(packed), block)
+    return _to(values.mul_(e8m0_to_float(scales).unsqueeze(-1)).flatten(-2), dtype)
 
 
 def pack_fp4_e4m3(x: torch.Tensor, block: int = FP4_E4M3_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -357,8 +441,8 @@ def unpack_fp4_e4m3(
     packed: torch.Tensor, scales: torch.Tensor, block: int = FP4_E4M3_BLOCK, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """(packed E2M1 [..., N // 2], E4M3 scale bytes [..., N // block]) -> values [..., N] in `dtype`."""
-    values = _split_blocks(e2m1_decode(unpack_fp4(packed)), block)
-    return (values * _as_e4m3(scales).float().unsqueeze(-1)).flatten(-2).to(dtype)
+    values = _split_blocks(_decode_fp4_pairs(packed), block)
+    return _to(values.mul_(_as_e4m3(scales).float().unsqueeze(-1)).flatten(-2), dtype)
 
 
 def packed_nbytes(fmt: str, dim: int) -> int:

@@ -10,7 +10,8 @@ An entry is visible once the query has passed its group's last token: g < floor(
 Hierarchical pool: the candidate-source layer (decoder Full layer) scores the whole context and keeps
 the best `candidate_topk_blocks` blocks of `candidate_block_size` entries; Reindex layers score only
 inside that pool. Scores are computed in fp32 (REF keeps them in bf16, where near-ties may break
-differently); Top-K ties go to `torch.topk`.
+differently); Top-K ties go to `torch.topk` (in a continuous batch's decode step, to the lower index:
+`top_indices`).
 """
 
 from __future__ import annotations
@@ -33,8 +34,17 @@ def visible_counts(start_pos: int, seqlen: int, ratio: int, device) -> torch.Ten
                      rounding_mode="floor")
 
 
+def top_indices(values: torch.Tensor, k: int, stable: bool = False) -> torch.Tensor:
+    """Indices of the k largest values along the last dim (in no particular order). stable: equal values go
+    to the lower index, so the choice does not depend on what follows in the row (a continuous batch pads
+    each row to its fullest neighbour's width, and bf16 scores tie often); else torch.topk's choice."""
+    if stable:
+        return values.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    return values.topk(k, dim=-1, sorted=False).indices
+
+
 def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int,
-                            block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                            block_size: int, stable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Level one of the two-level Top-K. scores [..., T, N] (invisible = -inf), visible [T].
 
     A block's score is its best entry; the block holding the newest visible entry is always kept
@@ -47,10 +57,10 @@ def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_bl
     n_blocks = block_scores.size(-1)
     newest = torch.div(visible - 1, block_size, rounding_mode="floor").unsqueeze(-1)
     block_scores = block_scores.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, torch.inf)
-    top = block_scores.topk(min(topk_blocks, n_blocks), dim=-1)
-    kept = top.values > -torch.inf
-    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top.indices, kept)
-    entries = (top.indices.unsqueeze(-1) * block_size + torch.arange(block_size, device=scores.device))
+    top = top_indices(block_scores, min(topk_blocks, n_blocks), stable)
+    kept = block_scores.gather(-1, top) > -torch.inf
+    keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter_(-1, top, kept)
+    entries = (top.unsqueeze(-1) * block_size + torch.arange(block_size, device=scores.device))
     entries = torch.where(kept.unsqueeze(-1) & (entries < n), entries, -1).flatten(-2)
     return keep.repeat_interleave(block_size, dim=-1)[..., :n], entries
 
@@ -96,7 +106,7 @@ class Indexer(nn.Module):
         if self.spec.uses_candidates and isinstance(keys, tuple) and use_triton(keys[0]):
             # on the kernel, a Reindex layer scores its pool only. The references keep the masked full
             # scan below: Top-K over the whole row breaks ties between equal bf16 scores as REF does
-            return self.pool_topk(x, qr, keys, freqs, visible, shared.candidate_entries)
+            return self.pool_topk(x, qr, keys, freqs, visible.view(1, -1, 1), shared.candidate_entries)
         scores = self.head_scores(x, qr, keys, freqs)  # [B, T, N]
         n = scores.size(-1)
         scores = scores.masked_fill(torch.arange(n, device=x.device) >= visible.unsqueeze(-1), -torch.inf)
@@ -109,22 +119,45 @@ class Indexer(nn.Module):
         idx = scores.detach().topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
         return torch.where(idx < visible.view(1, T, 1), idx, -1), scores
 
+    def decode(self, x: torch.Tensor, qr: torch.Tensor, keys: tuple, freqs: torch.Tensor, visible: torch.Tensor,
+               shared) -> torch.Tensor:
+        """`forward` for one token per row of a continuous batch (model/batch_cache.py): row b sees its first
+        visible[b] entries (visible [B, 1]; keys packed, [B, N, ...] with N the batch's largest count).
+        Returns the Top-K [B, 1, index_topk], ascending, padded with -1 to the full width, so that the
+        attention after it reads the same number of columns whatever the other rows hold."""
+        B = x.size(0)
+        if self.spec.uses_candidates and use_triton(keys[0]):
+            top, _ = self.pool_topk(x, qr, keys, freqs, visible.view(B, 1, 1), shared.candidate_entries)
+        else:
+            scores = self.head_scores(x, qr, keys, freqs, by_entry=True)  # [B, 1, N]
+            n = scores.size(-1)
+            scores = scores.masked_fill(torch.arange(n, device=x.device) >= visible.unsqueeze(-1), -torch.inf)
+            if self.spec.builds_candidates:
+                shared.candidates, shared.candidate_entries = select_candidate_blocks(
+                    scores, visible, self.topk_blocks, self.block_size, stable=True)
+            elif self.spec.uses_candidates:
+                scores = scores.masked_fill(~shared.candidates, -torch.inf)
+            idx = top_indices(scores, min(self.topk, n), stable=True).sort(dim=-1).values
+            top = torch.where(idx < visible.view(B, 1, 1), idx, -1)
+        return F.pad(top, (0, self.topk - top.size(-1)), value=-1)
+
     def pool_topk(self, x: torch.Tensor, qr: torch.Tensor, keys: tuple, freqs: torch.Tensor, visible: torch.Tensor,
                   pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A Reindex layer over packed keys: score only the candidate pool's entries (pool [B, T, C], -1 =
-        none), so its work per query is the pool size whatever the context length. The same Top-K as the
+        none; visible: the entries each query sees, broadcastable to [B, T, 1]), so its work per query is the
+        pool size whatever the context length. The same Top-K as the
         masked full scan (ascending ids, then -1s) up to ties, returned with the scores over the pool
         [B, T, C]. (Where the pool holds fewer than K visible entries the scan also keeps -inf picks below
         the visible count, i.e. entries outside the pool, as REF does; here those slots stay empty.)"""
         scores = self.head_scores(x, qr, keys, freqs, candidates=pool)
-        scores = scores.masked_fill((pool < 0) | (pool >= visible.view(1, -1, 1)), -torch.inf)
+        scores = scores.masked_fill((pool < 0) | (pool >= visible), -torch.inf)
         top = scores.topk(min(self.topk, scores.size(-1)), dim=-1, sorted=False)
         last = torch.iinfo(torch.long).max  # sorts the empty picks after every id
         ids = torch.where(torch.isfinite(top.values), pool.gather(-1, top.indices), last).sort(dim=-1).values
         return torch.where(ids == last, -1, ids), scores
 
     def head_scores(self, x: torch.Tensor, qr: torch.Tensor, keys, freqs: torch.Tensor,
-                    candidates: torch.Tensor | None = None) -> torch.Tensor:
+                    candidates: torch.Tensor | None = None, by_entry: bool = False) -> torch.Tensor:
         """sum_h w_h ReLU(q_h . k_g) over the index heads held here, [B, T, N] fp32, before any masking
         (packed keys with a candidate list [B, T, C]: over those entries only, [B, T, C]).
         Under tensor parallelism (model/parallel.py) each rank holds some heads and the partial sums
@@ -134,5 +167,6 @@ class Indexer(nn.Module):
         bf16 = self.score_dtype == "bf16" and not torch.is_grad_enabled()  # REF's precision (inference only)
         w = self.weights_proj(x).to(torch.bfloat16 if bf16 else torch.float32) * self.weight_scale
         if isinstance(keys, tuple):  # packed bytes: model/kernels/indexer.py (Triton on CUDA)
-            return kernels_indexer.indexer_scores(q, w, *keys, candidates=candidates, bf16_scores=bf16)
+            return kernels_indexer.indexer_scores(q, w, *keys, candidates=candidates, bf16_scores=bf16,
+                                                  by_entry=by_entry)
         return weighted_relu_scores(q, keys, w, bf16)

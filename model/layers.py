@@ -41,7 +41,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        # the weight joins as it is stored: the multiply promotes it to fp32 exactly (one call fewer than
+        # weight.float() * xf, the same products)
+        return torch.mul(self.weight, xf).to(x.dtype)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -136,11 +138,21 @@ class Linear(nn.Module):
             return self.weight.to(dtype)
         if self.trainable:
             return qat(self._weight_grid, self.weight).to(dtype)
-        key = (self.weight._version, self.scale._version, self.weight.data_ptr(), self.weight.device)
-        if self._dequantized is None or self._dequantized[0] != key:
+        cached = self._cached_weight()
+        return cached if dtype == torch.float32 else cached.to(dtype)
+
+    def _cached_weight(self) -> torch.Tensor:
+        """The fp32 dequantized stored weight, rebuilt when the weight or scale changes in place (version)
+        or is replaced (address: a new .data, or a move to another device, whose address space CUDA's
+        unified addressing keeps apart from the host's)."""
+        w = self.weight
+        key = (w._version, self.scale._version, w.data_ptr())
+        cached = self._dequantized
+        if cached is None or cached[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # cached: an ordinary tensor, usable anywhere
-                self._dequantized = (key, self._dequantize())
-        return self._dequantized[1].to(dtype)
+                weight = self._dequantize()
+            cached = self._dequantized = (key, weight, weight.device.type == "cpu")
+        return cached[1]
 
     def _dequantize(self) -> torch.Tensor:
         if self.kind == "fp8":
@@ -154,6 +166,10 @@ class Linear(nn.Module):
                 and not (torch.is_grad_enabled() and x.requires_grad) and kernels.use_triton(x, self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self._host_weight(x)
+        if w is not None:
+            dtype = x.dtype
+            return self._host_forward(_host_act_quant(x, self.block, dtype), w, dtype)
         if self.kind == "dense":
             y = F.linear(x.to(self.weight.dtype), self.weight)
         elif GEMM_MODE["mode"] == "exact" and not self.trainable:
@@ -173,6 +189,48 @@ class Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def _host_forward(self, xq: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """forward's last branch given the fp32 activation grid xq and the cached weight."""
+        y = F.linear(xq, w).to(dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def _host_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The cached fp32 weight when forward's last branch is certain to run on the host with no graph
+        through x, else None. This is the decode step's common case, answered from the cache without
+        asking the device of x: a cached CPU weight means a CPU x (the GEMM needs both on one device),
+        and then only the Triton interpreter could route the call to a kernel."""
+        cached = self._dequantized
+        if (cached is None or not cached[2] or self.trainable or self.kind == "dense"
+                or GEMM_MODE["mode"] == "exact" or kernels.interpreting()
+                or torch.is_grad_enabled() and x.requires_grad):
+            return None
+        w = self.weight
+        if cached[0] != (w._version, self.scale._version, w.data_ptr()):
+            return None
+        return cached[1]
+
+
+def _host_act_quant(x: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """qat(fp8_fake_quant, x, block).float() off the graph: for bf16 and fp32 inputs straight in fp32,
+    skipping the cast to x's dtype and back (exact there; formats.fp8_fake_quant_f32)."""
+    if dtype == torch.bfloat16 or dtype == torch.float32:
+        return formats.fp8_fake_quant_f32(x, block)
+    return formats.fp8_fake_quant(x, block).float()
+
+
+def linear_pair(a: Linear, b: Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a(x), b(x)). When both take the host path with one block size (a SwiGLU's w1 and w3), x is
+    quantized once for both: the same grid, so the same outputs as two calls, at half the quantizing."""
+    wa = a._host_weight(x)
+    wb = b._host_weight(x) if wa is not None and a.block == b.block else None
+    if wb is None:
+        return a(x), b(x)
+    dtype = x.dtype
+    xq = _host_act_quant(x, a.block, dtype)
+    return a._host_forward(xq, wa, dtype), b._host_forward(xq, wb, dtype)
 
 
 # ----------------------------------------------------------------------------------- rotary
@@ -229,13 +287,18 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> t
     x: [B, T, r] or [B, T, H, r]; freqs: [T, r/2] complex, or [B, T, r/2] when the rows of the batch sit
     at different positions. Returns a new tensor in x's dtype; `inverse` applies the conjugate rotation
     (used to un-rotate the attention output)."""
+    # the shapes are read once from x and freqs (each size or dim query is an operator call); the complex
+    # product sees the same operands as ever (its vectorized and scalar paths round differently)
+    shape = x.shape
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
     f = freqs.conj() if inverse else freqs
-    lead = f.size(0) if f.dim() == 3 else 1
-    f = f.view(lead, xc.size(1), *([1] * (xc.dim() - 3)), xc.size(-1))
+    fshape = f.shape
+    lead = fshape[0] if len(fshape) == 3 else 1
+    f = f.view(lead, shape[1], *([1] * (len(shape) - 3)), shape[-1] // 2)
     return torch.view_as_real(xc * f).flatten(-2).to(x.dtype)
 
 
 def rope_tail(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
     """RoPE on the LAST rope_dim channels only; the leading channels carry no position."""
-    return torch.cat([x[..., :-rope_dim], apply_rope(x[..., -rope_dim:], freqs, inverse)], dim=-1)
+    head, tail = x.tensor_split([-rope_dim], dim=-1)  # x[..., :-rope_dim], x[..., -rope_dim:] in one call
+    return torch.cat([head, apply_rope(tail, freqs, inverse)], dim=-1)

@@ -16,7 +16,7 @@ from torch import nn
 from dsv41.model import formats
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.kernels import experts as expert_kernels
-from dsv41.model.layers import FP4, Linear, qat, storage_dtype, weight_grid
+from dsv41.model.layers import FP4, Linear, linear_pair, qat, storage_dtype, weight_grid
 
 
 class Gate(nn.Module):
@@ -33,7 +33,9 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
         """x [N, d] -> (weights [N, k] fp32, indices [N, k])."""
-        scores = F.linear(x.float(), self.weight.float()) / self.gate_temp
+        scores = F.linear(x.float(), self.weight.float())
+        if self.gate_temp != 1.0:  # (x / 1.0 is x, bit for bit)
+            scores = scores / self.gate_temp
         if self.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif self.score_func == "sigmoid":
@@ -61,8 +63,8 @@ class Expert(nn.Module):
         self.limit = swiglu_limit
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.w1(x).float(), self.w3(x).float()
-        return self.w2(self._hidden(gate, up, weights).to(x.dtype))
+        gate, up = linear_pair(self.w1, self.w3, x)  # one FP8 rounding of x for both where it can
+        return self.w2(self._hidden(gate.float(), up.float(), weights).to(x.dtype))
 
     def _hidden(self, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         if self.limit > 0:
@@ -107,28 +109,56 @@ class MoE(nn.Module):
         # tokens per expert: read by training to update the selection bias (aux-loss-free balancing).
         # (scatter_add, not bincount: on CUDA bincount reads the largest index back to size its output)
         flat = indices.flatten()
-        self.load = torch.zeros(self.n_routed, dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+        if flat.device.type == "cpu":  # the same counts in one operator
+            self.load = torch.bincount(flat, minlength=self.n_routed)
+        else:
+            self.load = torch.zeros(self.n_routed, dtype=torch.int64, device=x.device).scatter_add_(
+                0, flat, torch.ones_like(flat))
         y = self.routed(x, weights, indices)
         y += self.shared_experts(x).float()
         return y.to(x.dtype).reshape(shape)
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+               every_row: bool = False) -> torch.Tensor:
         """sum_k w_k E_k(x) over the selected experts held here, fp32 [N, dim]. Under expert
-        parallelism (model/parallel.py) the experts another rank holds are None and this is a partial sum."""
+        parallelism (model/parallel.py) the experts another rank holds are None and this is a partial sum.
+        every_row: each expert chosen by any row runs on every row, weight 0 where the row did not choose
+        it (see `every_row`); the same values, exact zeros added."""
         if expert_kernels.usable(self.experts, x):  # CUDA: grouped GEMMs over expert-sorted tokens
             weights_ = expert_kernels.cached_weights(self, self.experts)
             return expert_kernels.routed_experts(x, weights, indices, weights_, self._swiglu_limit())
         if self._trainable():
             return self._routed_trainable(x, weights, indices)
         y = torch.zeros_like(x, dtype=torch.float32)
+        if every_row:
+            dense = torch.zeros(x.size(0), self.n_routed, dtype=weights.dtype, device=x.device).scatter_(
+                1, indices, weights)
+            for e in torch.unique(indices).tolist():
+                if self.experts[e] is not None:
+                    y += self.experts[e](x, dense[:, e, None]).float()
+            return y
         # group tokens by expert: each expert runs once on the tokens routed to it
         for e in torch.unique(indices).tolist():
             if self.experts[e] is None:
                 continue
             rows, slot = torch.where(indices == e)
-            y[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()
+            # rows are distinct within an expert: index_add_ makes the same one addition per element as
+            # y[rows] += ..., in one operator instead of a gather, an add and a scatter
+            y.index_add_(0, rows, self.experts[e](x[rows], weights[rows, slot, None]).float())
         return y
+
+    def every_row(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` for a decode step of a continuous batch (model/batch_cache.py): each expert that any row
+        chose runs on every row, with weight 0 where the row did not choose it, so every expert GEMM has
+        the batch's row count and a row's sums do not depend on which other rows chose the same expert
+        (the routed loop gives each expert only its rows: on the CPU a one-row GEMM sums differently).
+        The same values as `forward` for each row: the unchosen experts add exact zeros."""
+        shape = x.shape
+        x = x.reshape(-1, self.dim)
+        weights, indices = self.gate(x)
+        y = self.routed(x, weights, indices, every_row=True)
+        y += self.shared_experts(x).float()
+        return y.to(x.dtype).reshape(shape)
 
     def _trainable(self) -> bool:
         return any(e is not None and e.w1.trainable for e in self.experts)

@@ -388,8 +388,8 @@ class HeadParallelIndexer(Indexer):
 
     group = None
 
-    def head_scores(self, x, qr, keys, freqs, candidates=None):
-        return _all_reduce(super().head_scores(x, qr, keys, freqs, candidates).contiguous(), self.group)
+    def head_scores(self, x, qr, keys, freqs, candidates=None, by_entry=False):
+        return _all_reduce(super().head_scores(x, qr, keys, freqs, candidates, by_entry).contiguous(), self.group)
 
 
 class ExpertParallelMoE(MoE):
@@ -399,8 +399,8 @@ class ExpertParallelMoE(MoE):
 
     group = None
 
-    def routed(self, x, weights, indices):
-        return _all_reduce(super().routed(x, weights, indices), self.group)
+    def routed(self, x, weights, indices, every_row=False):
+        return _all_reduce(super().routed(x, weights, indices, every_row), self.group)
 
 
 # ====================================================================================================

@@ -31,9 +31,22 @@ class Head(nn.Module):
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(vocab_size, dim, dtype=torch.bfloat16))
+        self._fp32: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x.float(), self.fp32_weight())
+
+    def fp32_weight(self) -> torch.Tensor:
+        """The weight widened to fp32, kept until the weight changes (widening the vocabulary-sized matrix
+        took most of a decode step of the bundled model). Training widens it on the fly (gradients)."""
+        w = self.weight
+        if torch.is_grad_enabled() and w.requires_grad:
+            return w.float()
+        key = (w._version, w.data_ptr(), w.device)
+        if self._fp32 is None or self._fp32[0] != key:
+            with torch.inference_mode(False), torch.no_grad():  # an ordinary tensor, usable anywhere
+                self._fp32 = (key, w.detach().float())
+        return self._fp32[1]
 
 
 class Transformer(nn.Module):
@@ -110,6 +123,12 @@ class Transformer(nn.Module):
 
     def new_cache(self, batch_size: int, **kw) -> KVCache:
         return KVCache(self.args, batch_size, self.embed.weight.device, **kw)
+
+    def new_batch_cache(self, n_rows: int, max_len: int):
+        """The cache of a continuous batch (`decode`): n_rows sequences of up to max_len positions each."""
+        from dsv41.model.batch_cache import BatchCache
+
+        return BatchCache(self.args, n_rows, max_len, self.embed.weight.device)
 
     def forward(self, ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
                 image_mask: torch.Tensor | None = None, all_logits: bool = False,
@@ -201,6 +220,38 @@ class Transformer(nn.Module):
             return logits, (torch.cat(taps, dim=-1) if taps else None)
         return logits
 
+
+    def decode(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """One token for each of the rows in use 0..B-1 of a continuous batch, each at its own position:
+        ids [B] -> logits [B, V] (fp32). `cache` is a `BatchCache` (model/batch_cache.py); those rows advance
+        by one. The step computes at least BatchCache.MIN_ROWS rows (free rows as padding, see there)."""
+        B = ids.size(0)
+        R = cache.prepare_step(B)
+        if R > B:
+            ids = torch.cat([ids, ids.new_zeros(R - B)])
+        logits = self.decode_rows(ids, cache)
+        cache.advance()
+        return logits[:B]
+
+    def decode_rows(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """The device work of `decode` on all the step's rows (ids [R] -> logits [R, V]), no host reads: the
+        part a CUDA graph captures (model/engine.py). The same layers as `forward`, their attention in its
+        per-row form (`Block.decode`)."""
+        ids = ids.view(-1, 1)
+        R = ids.size(0)
+        rows = None
+        if self.hasher is not None:
+            rows, cache.engram_history[:R] = self.hasher(ids, None, cache.engram_history[:R])
+        x = self.embed(ids).unsqueeze(2).repeat(1, 1, self.args.hc_mult, 1)
+        pre = mhc.identity_pre(x)
+        shared = SharedState()
+        for block in self.layers:
+            if block.engram is not None:
+                x = block.engram(x, rows[:, :, block.spec.engram], None)
+            x, pre = block.decode(x, pre, cache, shared)
+        cache.advance_positions()
+        # the head on every row: its GEMM's row count stays >= MIN_ROWS (batch invariance, batch_cache.py)
+        return self.head(self.norm(mhc.collapse(x, pre)[:, -1]))
 
 # ---------------------------------------------------------------------------------- random weights
 @torch.no_grad()

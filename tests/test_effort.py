@@ -35,35 +35,68 @@ def loaded(small_ckpt):
     return load_model(small_ckpt)
 
 
+class ScriptedRows:
+    """The batch cache of a ScriptedModel: which script each row follows and how far it is."""
+
+    static = False
+
+    def __init__(self, n_rows):
+        self.key, self.step = [None] * n_rows, [0] * n_rows
+        self.lengths = [0] * n_rows
+
+    def load(self, row, kv):
+        self.key[row], self.step[row], self.lengths[row] = kv.key, kv.pos - kv.prompt_len, kv.pos
+
+    def move(self, src, dst):
+        self.key[dst], self.step[dst], self.lengths[dst] = self.key[src], self.step[src], self.lengths[src]
+
+    def free(self, row):
+        self.key[row], self.lengths[row] = None, 0
+
+    def row_bytes(self, row):
+        return {"main": 0, "index_keys": 0, "window": 0}
+
+
 class ScriptedModel(torch.nn.Module):
-    """Emits a fixed token script per batch row (one-hot logits), whatever it is fed: lets a test
-    say exactly what the "model" writes, reasoning and stop strings included. Checks that the
-    decode loop feeds one token per step at the cache's position."""
+    """Emits a fixed token script per sequence (one-hot logits), whatever it is fed: lets a test say
+    exactly what the "model" writes, reasoning and stop strings included. A sequence's script is named
+    by its prompt's first token; the engine prefills it (forward) and then decodes it in a row of the
+    batch cache, one token per step (decode), among other rows at other positions."""
 
     def __init__(self, scripts: dict[int, list[int]], vocab: int, max_seq_len: int = 512):
         super().__init__()
         self.scripts, self.vocab = scripts, vocab
-        self.args = SimpleNamespace(max_seq_len=max_seq_len, vocab_size=vocab)
+        self.args = SimpleNamespace(max_seq_len=max_seq_len, max_position_embeddings=max_seq_len, vocab_size=vocab,
+                                    dspark_enabled=False)
         self.embed = torch.nn.Embedding(1, 1)
-        self.rows: list[int] = []
 
     def new_cache(self, batch_size):
-        return SimpleNamespace(pos=0, batch_size=batch_size)
+        return SimpleNamespace(pos=0, batch_size=batch_size, key=None, prompt_len=0)
 
-    def forward(self, ids, start_pos=0, cache=None, all_logits=False):
-        assert start_pos == cache.pos
-        if start_pos == 0:  # prefill: the prompt's first token names the script
-            self.rows = [int(r[0]) for r in ids]
-            self.prompt_len = ids.size(1)
-        else:
-            assert ids.shape == (len(self.rows), 1)
-        cache.pos += ids.size(1)
-        step = cache.pos - self.prompt_len
-        logits = torch.full((ids.size(0), self.vocab), -1e9)
-        for r, key in enumerate(self.rows):
+    def new_batch_cache(self, n_rows, max_len):
+        return ScriptedRows(n_rows)
+
+    def _logits(self, keys_steps):
+        logits = torch.full((len(keys_steps), self.vocab), -1e9)
+        for r, (key, step) in enumerate(keys_steps):
             script = self.scripts[key]
             logits[r, script[min(step, len(script) - 1)]] = 0.0
         return logits
+
+    def forward(self, ids, start_pos=0, cache=None, all_logits=False):
+        assert start_pos == cache.pos and ids.size(0) == 1
+        if start_pos == 0:  # the prompt's first token names the script
+            cache.key = int(ids[0, 0])
+        cache.pos += ids.size(1)
+        cache.prompt_len = cache.pos
+        return self._logits([(cache.key, 0)])
+
+    def decode(self, ids, rows):
+        assert ids.dim() == 1 and all(rows.key[r] is not None for r in range(ids.size(0)))
+        for r in range(ids.size(0)):
+            rows.step[r] += 1
+            rows.lengths[r] += 1
+        return self._logits([(rows.key[r], rows.step[r]) for r in range(ids.size(0))])
 
 
 @pytest.fixture(scope="session")

@@ -160,6 +160,12 @@ def command(
     if interactive:
         _interactive(engine, tokenizer, config, mode, effort_value, system, tool_list, image_blocks, ctx)
         return
+    if input_file is not None:  # the whole file to the engine at once; replies in the file's order
+        try:
+            run_batch(engine, tokenizer, config, [encode(msgs) for msgs in batch], mode, as_json, notes=ctx.is_main)
+        except ContextFull as e:
+            fail(str(e))
+        return
     for msgs in batch:
         prompt_text, records = encode(msgs)
         try:
@@ -383,8 +389,59 @@ def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool
     context leaves after the prompt is capped with a note (ContextFull if nothing is left).
     `cancelled`: asked after every token; True raises _Cancel (the reply is abandoned). `notes`: print the
     cap's note on stderr (default: when streaming)."""
-    from dsv41.model.completion import parse_completion
+    ids, inputs, config, capped = _prepare(engine, tokenizer, config, prompt_text, images, prompt_ids,
+                                           stream if notes is None else notes)
+    streamer = _Stream(tokenizer, mode, stream)
+    on_token = streamer
+    if cancelled is not None:
+        def on_token(token: int) -> None:
+            streamer(token)
+            if cancelled():
+                raise _Cancel()
+    try:
+        result = engine.generate(ids, config, on_token=on_token, images=inputs)
+    except _Cancel:
+        streamer.close()
+        raise
+    streamer.close()
+    return _document(result, tokenizer, mode, capped, stream)
 
+
+def run_batch(engine, tokenizer, config, encoded: list[tuple], mode: str, as_json: bool, notes: bool) -> None:
+    """`--input-file`: every prompt (encoded: (prompt text, image records)) to the engine at once
+    (continuous batching). Replies come out in the file's order, each as soon as it and every reply
+    before it are done: a JSON line each with --json (flushed), else the reply as `generate` streams it
+    (reasoning dimmed, then the answer, then the stats line), written whole."""
+    from dsv41.model.engine import Request
+
+    prepared = [_prepare(engine, tokenizer, config, text, records, None, notes) for text, records in encoded]
+    requests = [Request(ids, cfg, inputs) for ids, inputs, cfg, _ in prepared]
+    docs: dict[int, tuple] = {}
+    shown = [0]
+
+    def done(i, result):
+        docs[i] = result
+        while shown[0] in docs:
+            k = shown[0]
+            result = docs.pop(k)
+            if as_json:
+                sys.stdout.write(json.dumps(_document(result, tokenizer, mode, prepared[k][3], False)) + "\n")
+                sys.stdout.flush()
+            else:
+                streamer = _Stream(tokenizer, mode, True)
+                for token in result.output_ids:
+                    streamer(token)
+                streamer.close()
+                _document(result, tokenizer, mode, prepared[k][3], True)
+                if k + 1 < len(prepared):
+                    out.print()
+            shown[0] += 1
+
+    engine.generate_many(requests, on_done=done)
+
+
+def _prepare(engine, tokenizer, config, prompt_text: str, images, prompt_ids, notes: bool):
+    """(prompt ids with image spans expanded, the ImageInputs, the config capped to the context, the cap)."""
     ids = list(prompt_ids) if prompt_ids is not None else tokenizer.encode(prompt_text, allow_special=True)
     inputs = None
     if images or engine.args.image_token_id in ids:
@@ -401,22 +458,17 @@ def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool
             fail(str(e))
     asked = config.max_new_tokens if config is not None else None
     config, capped = cap_to_context(config, len(ids), getattr(engine.args, "max_position_embeddings", None))
-    if capped is not None and (stream if notes is None else notes):
+    if capped is not None and notes:
         note(f"--max-new-tokens {asked} capped to {capped}: the model's context is "
              f"{engine.args.max_position_embeddings} tokens and the prompt takes {len(ids)}")
-    streamer = _Stream(tokenizer, mode, stream)
-    on_token = streamer
-    if cancelled is not None:
-        def on_token(token: int) -> None:
-            streamer(token)
-            if cancelled():
-                raise _Cancel()
-    try:
-        result = engine.generate(ids, config, on_token=on_token, images=inputs)
-    except _Cancel:
-        streamer.close()
-        raise
-    streamer.close()
+    return ids, inputs, config, capped
+
+
+def _document(result, tokenizer, mode: str, capped, stream: bool) -> dict:
+    """The JSON document of a finished reply; with `stream`, also its tool calls, parser warnings and
+    the stats line on the terminal."""
+    from dsv41.model.completion import parse_completion
+
     completion = tokenizer.decode(result.output_ids, skip_special=False)
     parsed = parse_completion(completion, mode, finished=result.finish_reason == "stop")
     n_reason = _reasoning_tokens(result.output_ids, tokenizer, mode)

@@ -58,11 +58,12 @@ def launch_config(B: int, T: int, H: int, N: int, C: int, gather: bool, device: 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scales: torch.Tensor,
                    visible: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
-                   bf16_scores: bool = False, force_triton: bool = False) -> torch.Tensor:
+                   bf16_scores: bool = False, by_entry: bool = False, force_triton: bool = False) -> torch.Tensor:
     """See reference.indexer_scores (same signature and result up to fp32 summation order; with bf16_scores,
-    up to the bf16 roundings that order moves)."""
+    up to the bf16 roundings that order moves). The kernel sums in its own order whatever `by_entry` says."""
     if not use_triton(q, key_codes, force=force_triton):
-        return reference.indexer_scores(q, weights, key_codes, key_scales, visible, candidates, bf16_scores)
+        return reference.indexer_scores(q, weights, key_codes, key_scales, visible, candidates, bf16_scores,
+                                        by_entry)
     from dsv41.model.kernels._triton_indexer import kernel
 
     B, T, H, DK = q.shape

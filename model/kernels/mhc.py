@@ -78,6 +78,8 @@ def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: t
     """See reference.mhc_step: returns (X', collapsed, pre, post, comb). The reference runs where the kernel
     does not apply: off CUDA, when a gradient is wanted (training), or for shapes it does not take (a
     stream count that is not a power of two, d not a multiple of 16; a forced call raises instead)."""
+    if not force_triton and not use_triton(x, y):  # the usual CPU answer, before any shape is read
+        return reference.mhc_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb)
     *lead, n, d = x.shape
     fits = n & (n - 1) == 0 and d % 16 == 0
     if force_triton and not fits:

@@ -17,6 +17,8 @@ This module imports nothing of the model but model/formats.py.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -84,11 +86,20 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
 
 
 # --------------------------------------------------------------------------------- indexer
-def weighted_relu_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, bf16: bool) -> torch.Tensor:
+def weighted_relu_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, bf16: bool,
+                         by_entry: bool = False) -> torch.Tensor:
     """score = sum_h w_h ReLU(q_h . k), fp32. q [B, T, H, D], weights [B, T, H]; keys [B, N, D] (every entry:
     [B, T, N]) or [B, T, C, D] (a candidate list per token: [B, T, C]). bf16: q, k, the products, the weighted
-    terms and the head sum in bf16, as REF keeps them (and breaks Top-K ties on those values)."""
+    terms and the head sum in bf16, as REF keeps them (and breaks Top-K ties on those values).
+
+    by_entry (one query per sequence, keys [B, N, D]): the product taken as keys @ q^T, entries as the GEMM's
+    rows, and the head sum over the last dim. A score then does not depend on how many entries are scored
+    (the decode step of a continuous batch scores as many as its fullest row holds; model/batch_cache.py),
+    where q @ keys^T sums a column differently for some widths. Same terms, fp32 sums in another order."""
     dtype = torch.bfloat16 if bf16 else torch.float32
+    if by_entry and keys.dim() == 3 and q.size(1) == 1:
+        scores = torch.bmm(keys.to(dtype), q[:, 0].to(dtype).transpose(1, 2)).relu_()  # [B, N, H]
+        return (scores * weights.to(dtype)).sum(dim=-1).float().unsqueeze(1)
     pattern = "bthd,bnd->bthn" if keys.dim() == 3 else "bthd,btcd->bthc"
     scores = torch.einsum(pattern, q.to(dtype), keys.to(dtype)).relu_()
     return (scores * weights.to(dtype).unsqueeze(-1)).sum(dim=2).float()
@@ -96,8 +107,9 @@ def weighted_relu_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Ten
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scales: torch.Tensor,
                    visible: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
-                   bf16_scores: bool = False) -> torch.Tensor:
-    """score_{t,g} = sum_h w_{t,h} ReLU(q_{t,h} . k_g) over packed MXFP4 keys, fp32.
+                   bf16_scores: bool = False, by_entry: bool = False) -> torch.Tensor:
+    """score_{t,g} = sum_h w_{t,h} ReLU(q_{t,h} . k_g) over packed MXFP4 keys, fp32 (by_entry: see
+    weighted_relu_scores).
 
     q [B,T,H,Dk] (MXFP4-valued floats), weights [B,T,H] (already scaled by (Dk H)^-1/2), keys packed MXFP4
     (codes [B,N,Dk/2], scales [B,N,Dk/32] uint8). visible [T]: entries g >= visible[t] score -inf (None:
@@ -107,7 +119,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
     keys = formats.unpack_mxfp4(key_codes, key_scales, formats.MXFP4_BLOCK, torch.float32)
     n = keys.size(1)
     if candidates is None:
-        scores = weighted_relu_scores(q, keys, weights, bf16_scores)
+        scores = weighted_relu_scores(q, keys, weights, bf16_scores, by_entry)
         if visible is not None:
             scores = scores.masked_fill(torch.arange(n, device=q.device) >= visible.view(-1, 1), -torch.inf)
         return scores
@@ -128,7 +140,39 @@ def sinkhorn_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
 
     comb starts as a row softmax plus eps, is column-normalized once, then alternates row and column
     normalization iters-1 more times, each divisor padded by eps: the order REF's kernel uses."""
-    m, scale, base = mixes.float(), scale.float(), base.float()
+    return _sinkhorn_split(mixes.float(), scale, base, n, iters, eps)
+
+
+def _sinkhorn_split(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sinkhorn_split of fp32 mixes."""
+    if torch.is_grad_enabled():  # training: the graph wants the out-of-place form and the live parameters
+        return _sinkhorn_split_graph(m, scale, base, n, iters, eps)
+    # Operator count matters here (a decode step runs this 2 x layers times, one token each): the three
+    # affine maps are one multiply and one add over all (n+2)n mixes with the scales spread per mix (the
+    # same products and sums, element by element), and the normalizations run in place on temporaries.
+    # The transcendental functions (sigmoid, exp) see the same shapes and memory layouts as written out
+    # per part, since their vectorized and scalar code paths may round differently; each sum runs over
+    # the same 4-element rows and columns as before.
+    scale_per_mix, base = _mix_affine(scale, base, n)
+    z = m * scale_per_mix
+    z += base
+    pre = torch.sigmoid(z[..., :n].contiguous()).add_(eps)
+    post = torch.sigmoid(z[..., n:2 * n].contiguous()).mul_(2)
+    comb = z[..., 2 * n:].unflatten(-1, (n, n))
+    comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))  # the softmax written out, as REF's kernel
+    comb = comb.div_(comb.sum(dim=-1, keepdim=True)).add_(eps)
+    comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
+    for _ in range(iters - 1):
+        comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
+        comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
+    return pre, post, comb
+
+
+def _sinkhorn_split_graph(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sinkhorn_split written out per part, out of place (the same numbers; autograd records it)."""
+    scale, base = scale.float(), base.float()
     pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + eps
     post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
     comb = (m[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
@@ -141,15 +185,42 @@ def sinkhorn_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
     return pre, post, comb
 
 
+_MIX_AFFINE: dict = {}
+
+
+def _mix_affine(scale: torch.Tensor, base: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale spread over the (n+2)n mixes: s0 for pre, s1 for post, s2 for comb; base), both fp32, cached
+    per live pair of tensors and their versions (a weak reference checks the cached tensor is the same
+    object, as model/kernels/mhc.py's split of W_fn does)."""
+    key = (id(scale), id(base), n)
+    hit = _MIX_AFFINE.get(key)
+    if hit is not None and hit[0]() is scale and hit[1]() is base and hit[2] == (scale._version, base._version):
+        return hit[3], hit[4]
+    with torch.inference_mode(False), torch.no_grad():
+        s = scale.detach().float()
+        spread = torch.cat([s[0:1].expand(n), s[1:2].expand(n), s[2:3].expand(n * n)])
+        b = base.detach().float().clone()
+    if len(_MIX_AFFINE) > 256:
+        _MIX_AFFINE.clear()
+    _MIX_AFFINE[key] = (weakref.ref(scale), weakref.ref(base), (scale._version, base._version), spread, b)
+    return spread, b
+
+
 def hc_coefficients(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
                     hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, T, n, d] -> (pre, post, comb). The RMS statistic is over the flattened n*d stream, one per
     token, and is folded in after the projection (mu = (W x) * rsqrt(mean x^2 + eps))."""
-    n = x.size(-2)
-    flat = x.flatten(-2).float()
+    return _hc_coefficients(x.float(), fn, scale, base, iters, hc_eps, norm_eps)
+
+
+def _hc_coefficients(xf: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
+                     hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hc_coefficients of x already in fp32 (x.float().flatten(-2) is x.flatten(-2).float(), value for value)."""
+    *_, n, d = xf.shape
+    flat = xf.flatten(-2)
     rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     mixes = F.linear(flat, fn.float()) * rstd
-    return sinkhorn_split(mixes, scale, base, n, iters, hc_eps)
+    return _sinkhorn_split(mixes, scale, base, n, iters, hc_eps)  # mixes are fp32 already
 
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -158,21 +229,40 @@ def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     The sum runs in fp32 in the fixed order j = 0, 1, ..., n-1 (not through a reduction kernel whose
     order may depend on the CPU's vector width); this is the order ATen's sum used on the golden's CPU,
     so the result is bit for bit the one `tests/test_fidelity.py` pins (docs/fidelity.md §7)."""
-    xf = x.float()
-    out = pre[..., 0, None] * xf[..., 0, :]
-    for j in range(1, x.size(-2)):
-        out = out + pre[..., j, None] * xf[..., j, :]
-    return out.to(x.dtype)
+    return _collapse(x.float(), pre, x.dtype)
+
+
+def _collapse(xf: torch.Tensor, pre: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """collapse of x already in fp32, returned in `dtype` (x's)."""
+    # all n products in one multiply (the same products), then the n-1 additions in order, in place
+    terms = (pre.unsqueeze(-1) * xf).unbind(-2)
+    out = terms[0] + terms[1] if len(terms) > 1 else terms[0]
+    for term in terms[2:]:
+        out.add_(term)
+    return out.to(dtype)
 
 
 def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Residual update: X'_k = post_k y + sum_j comb_{jk} X_j (the residual is indexed by comb's first index).
     The sum over j runs in fp32 in the fixed order j = 0..n-1, as in `collapse`."""
     r = residual.float()
-    mixed = comb[..., 0, :, None] * r[..., 0, None, :]
-    for j in range(1, r.size(-2)):
-        mixed = mixed + comb[..., j, :, None] * r[..., j, None, :]
-    return (post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(y.dtype)
+    if r.numel() <= _EXPAND_BATCHED_NUMEL:
+        # few tokens (decode): all n x n products in one multiply ([.., j, k, d], the same products), then
+        # the additions over j in order, in place; n times the residual's size in temporaries
+        terms = (comb.unsqueeze(-1) * r.unsqueeze(-2)).unbind(-3)
+        mixed = terms[0] + terms[1] if len(terms) > 1 else terms[0]
+        for term in terms[2:]:
+            mixed.add_(term)
+    else:
+        mixed = comb[..., 0, :, None] * r[..., 0, None, :]
+        for j in range(1, r.size(-2)):
+            mixed = mixed + comb[..., j, :, None] * r[..., j, None, :]
+    out = post.unsqueeze(-1) * y.float().unsqueeze(-2)
+    out += mixed
+    return out.to(y.dtype)
+
+
+_EXPAND_BATCHED_NUMEL = 1 << 20  # residual elements up to which expand forms all products at once
 
 
 def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -185,8 +275,9 @@ def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: t
     collapse(X', pre_prev) [B,T,d] and its coefficients (pre, post, comb) = hc_coefficients(X', fn, ...).
     Returns (X' [B,T,n,d], collapsed, pre, post, comb), as Block.mix computes them."""
     x_new = x if y is None else expand(y, x, post, comb)
-    collapsed = collapse(x_new, pre_prev)
-    pre_n, post_n, comb_n = hc_coefficients(x_new, fn, scale, base, iters, hc_eps, norm_eps)
+    xf = x_new.float()  # once for both readers of X'
+    collapsed = _collapse(xf, pre_prev, x_new.dtype)
+    pre_n, post_n, comb_n = _hc_coefficients(xf, fn, scale, base, iters, hc_eps, norm_eps)
     return x_new, collapsed, pre_n, post_n, comb_n
 
 

@@ -109,52 +109,24 @@ def evaluate_bpb(model, tok, families=FAMILIES, heldout: Path = HELDOUT) -> dict
 
 
 # ------------------------------------------------------------------------------------ generation
-@torch.inference_mode()
 def greedy_generate(model, prompts: list[list[int]], max_new: int, stop_id: int | None = None,
-                    temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
-    """Batched decoding with the KV cache; all prompts must have the same length. Returns the new
-    tokens of each row, cut after `stop_id` when given."""
-    device = model.embed.weight.device
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.tensor(prompts, device=device)
-    B, T = x.shape
-    cache = model.new_cache(B)
+                    temperature: float = 0.0, seed: int = 0, batch: int = 64) -> list[list[int]]:
+    """The new tokens of each prompt (any lengths), cut after `stop_id` when given, through the engine's
+    scheduler (model/engine.py: continuous batching, `batch` sequences at once). Sampling (temperature >
+    0) draws row i from its own generator seeded seed + i."""
+    from dsv41.model.engine import GenerationConfig, Generator, Request, SamplingConfig
 
-    def pick(logits):
-        if temperature <= 0:
-            return logits.argmax(-1)
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=g).squeeze(-1)
-
-    nxt = pick(model(x, cache=cache))
-    out = [nxt]
-    done = nxt == stop_id if stop_id is not None else torch.zeros_like(nxt, dtype=torch.bool)
-    pos = T
-    for _ in range(max_new - 1):
-        if bool(done.all()):
-            break
-        nxt = pick(model(nxt.unsqueeze(1), start_pos=pos, cache=cache))
-        pos += 1
-        out.append(nxt)
-        if stop_id is not None:
-            done |= nxt == stop_id
-    gen = torch.stack(out, 1).tolist()
-    if stop_id is not None:
-        gen = [row[: row.index(stop_id) + 1] if stop_id in row else row for row in gen]
-    return gen
+    stops = (stop_id,) if stop_id is not None else ()
+    requests = [Request(list(p), GenerationConfig(max_new_tokens=max_new, stop_ids=stops,
+                                                  sampling=SamplingConfig(temperature, 1.0, seed + i)))
+                for i, p in enumerate(prompts)]
+    return [r.output_ids for r in Generator(model).generate_many(requests, max_batch_size=batch)]
 
 
 def wilson_interval(p: float, n: int, z: float = 1.96) -> list[float]:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return [max(0.0, centre - half), min(1.0, centre + half)]
-
-
-def _groups_by_length(rows: list[tuple]) -> dict[int, list[tuple]]:
-    groups: dict[int, list[tuple]] = {}
-    for r in rows:
-        groups.setdefault(len(r[0]), []).append(r)
-    return groups
 
 
 def reasoning_sweep(model, tok, items: list[dict], efforts=(1, 25, 50, 75, 100), max_new: int | None = None,
@@ -168,17 +140,14 @@ def reasoning_sweep(model, tok, items: list[dict], efforts=(1, 25, 50, 75, 100),
         max_new = longest + 24
     rows = [(tok.encode(task.prompt_text(it, e)), e, it) for e in efforts for it in items]
     results = {e: [] for e in efforts}
-    for _, group in sorted(_groups_by_length(rows).items()):
-        for i in range(0, len(group), batch):
-            chunk = group[i:i + batch]
-            gens = greedy_generate(model, [r[0] for r in chunk], max_new, stop_id=tok.eos_id)
-            for (prompt, e, it), gen in zip(chunk, gens):
-                body = gen[:-1] if gen and gen[-1] == tok.eos_id else gen
-                n_reason = body.index(think_end) if think_end in body else len(body)
-                text = tok.decode(body)
-                results[e].append({"id": it["id"], "correct": task.score(text, it), "reasoning_tokens": n_reason,
-                                   "output_tokens": len(gen), "finished": bool(gen) and gen[-1] == tok.eos_id,
-                                   "completion": text})
+    gens = greedy_generate(model, [r[0] for r in rows], max_new, stop_id=tok.eos_id, batch=batch)
+    for (prompt, e, it), gen in zip(rows, gens):
+        body = gen[:-1] if gen and gen[-1] == tok.eos_id else gen
+        n_reason = body.index(think_end) if think_end in body else len(body)
+        text = tok.decode(body)
+        results[e].append({"id": it["id"], "correct": task.score(text, it), "reasoning_tokens": n_reason,
+                           "output_tokens": len(gen), "finished": bool(gen) and gen[-1] == tok.eos_id,
+                           "completion": text})
     points = []
     for e in efforts:
         r = results[e]

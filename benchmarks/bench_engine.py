@@ -1,0 +1,252 @@
+"""The generation engine against a git revision, on the CPU, with the bundled model (issue #21's numbers).
+
+Both trees run in fresh processes with this same Python: the current working tree and a `git archive` of
+--rev (default HEAD), each from its own folder first on sys.path (as benchmarks/bench_startup.py does).
+
+    single       one sequence, greedy, 40-token prompt, 96 new tokens: decode tokens/s (median of --runs)
+    concurrent   32 requests, prompts of 8..400 tokens, 16..96 new tokens each (fixed seed): aggregate
+                 tokens/s (all generated tokens / wall). The revision runs them one after another (it has
+                 no engine for mixed lengths); the current tree submits them at once (continuous
+                 batching, 32 rows) and also runs each alone, to check that every row's greedy tokens
+                 are the ones it gets alone (batch invariance).
+    concurrency  the current tree only: aggregate tokens/s of 64 requests against the number of rows in
+                 flight (1, 2, 4, ..., 64); the plot of docs/generation.md (--plot PATH)
+    commands     wall time of `dsv41 effort-sweep tiny-reasoning --limit 50`, `dsv41 eval --suite smoke` and
+                 `dsv41 bpb` (docs/architecture.md as the corpus) in each tree
+
+    python benchmarks/bench_engine.py --rev 26ff6f6 --json benchmarks/results/cpu-engine/engine.json \
+        --plot docs/img/concurrency.png
+    python -m benchmarks engine --rev 26ff6f6 --json ...   (--quick: fewer requests, shorter outputs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_startup import env_for, export_revision, probe  # noqa: E402
+
+# The worker runs inside one tree (its folder first on sys.path) and prints one JSON document. It uses only
+# the API both trees share (load_model, Generator.generate, GenerationConfig), plus generate_many where the
+# tree has it.
+WORKER = r'''
+import json, random, statistics, sys, time
+import torch
+from dsv41.model.assets import bundled_model_dir
+from dsv41.model.checkpoint import load_model
+from dsv41.model.engine import GenerationConfig, Generator
+what, runs, n_req, scale, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+model, args, tok = load_model(bundled_model_dir(), device=device)
+gen = Generator(model, tok)
+rng = random.Random(0)
+def workload(n):
+    prompts = [[rng.randrange(1000, 60000) for _ in range(rng.randint(8, 400))] for _ in range(n)]
+    lengths = [max(4, int(rng.randint(16, 96) * scale)) for _ in range(n)]
+    return prompts, lengths
+def cfg(n):
+    return GenerationConfig(max_new_tokens=n, stop_ids=())
+out = {}
+with torch.inference_mode():
+    prompt = tok.encode("Add: 7 3 9 2 5. Think about it step by step, then answer with the sum.")[:40]
+    gen.generate(prompt, cfg(8))  # warm-up
+    if what == "single":
+        rates = [gen.generate(prompt, cfg(int(96 * scale))).decode_tokens_per_s for _ in range(runs)]
+        out = {"decode_tokens_per_s": rates}
+    elif what in ("sequential", "batched"):
+        prompts, lengths = workload(n_req)
+        t0 = time.perf_counter()
+        if what == "sequential":
+            ids = [gen.generate(p, cfg(n)).output_ids for p, n in zip(prompts, lengths)]
+        else:
+            from dsv41.model.engine import Request
+            ids = [r.output_ids for r in gen.generate_many([Request(p, cfg(n)) for p, n in zip(prompts, lengths)],
+                                                           max_batch_size=n_req)]
+        wall = time.perf_counter() - t0
+        out = {"wall_s": wall, "tokens": sum(map(len, ids)), "output_ids": ids,
+               "prompt_tokens": [len(p) for p in prompts], "new_tokens": lengths}
+    elif what == "concurrency":
+        from dsv41.model.engine import Request
+        prompts, lengths = workload(n_req)
+        points = []
+        for rows in [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= n_req]:
+            t0 = time.perf_counter()
+            res = gen.generate_many([Request(p, cfg(n)) for p, n in zip(prompts, lengths)], max_batch_size=rows)
+            wall = time.perf_counter() - t0
+            points.append({"rows": rows, "wall_s": wall, "tokens": sum(len(r.output_ids) for r in res)})
+        out = {"points": points}
+print(json.dumps(out))
+'''
+
+
+def worker(tree: Path, what: str, runs: int = 1, n_req: int = 32, scale: float = 1.0, device: str = "cpu",
+           graphs: bool = True) -> dict:
+    env = {**env_for(tree), "DSV41_CUDA_GRAPHS": "1" if graphs else "0"}
+    if device != "cpu" and os.environ.get("PYTHONPATH"):  # the device machine's extra packages stay reachable
+        env["PYTHONPATH"] = str(tree) + os.pathsep + os.environ["PYTHONPATH"]
+    r = subprocess.run([sys.executable, "-c", WORKER, what, str(runs), str(n_req), str(scale), device], cwd=tree,
+                       env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bench_engine: {what} failed in {tree}: {r.stderr.strip()[-800:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def command_wall(tree: Path, args: list[str], work: Path) -> float:
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "dsv41_cli", *args], cwd=work, env=env_for(tree),
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"bench_engine: `dsv41 {' '.join(args)}` failed in {tree}: {r.stderr.strip()[-500:]}")
+    return wall
+
+
+COMMANDS = {
+    "effort-sweep tiny-reasoning --limit 50": ["effort-sweep", "tiny-reasoning", "--limit", "50", "--fresh",
+                                               "--no-plot", "--output", "{out}/sweep"],
+    "eval --suite smoke": ["eval", "--suite", "smoke", "--output", "{out}/eval", "--confirm-run-unsafe-code"],
+    "bpb docs/architecture.md": ["bpb", str(REPO / "docs" / "architecture.md"), "--no-plot", "--output",
+                                 "{out}/bpb"],
+}
+
+
+def plot_concurrency(points: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [p["rows"] for p in points]
+    rate = [p["tokens"] / p["wall_s"] for p in points]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(rows, rate, "o-")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(rows, [str(r) for r in rows])
+    ax.set_xlabel("sequences in flight (max_batch_size)")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title("dsv41-tiny, greedy, 2-core CPU: 64 requests, prompts 8-400 tokens")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def gpu_main(a) -> int:
+    """The bundled model on a GPU, current tree: CUDA graphs on and off in the same run."""
+    n_req, scale = (8, 0.25) if a.quick else (32, 1.0)
+    doc: dict = {"benchmark": "engine-gpu", "device": a.device}
+    for graphs in (False, True):
+        label = "graph" if graphs else "eager"
+        single = worker(REPO, "single", a.runs, scale=scale, device=a.device, graphs=graphs)
+        batched = worker(REPO, "batched", n_req=n_req, scale=scale, device=a.device, graphs=graphs)
+        doc[label] = {"single_decode_tokens_per_s": single["decode_tokens_per_s"],
+                      "concurrent_tokens_per_s": batched["tokens"] / batched["wall_s"], "requests": n_req,
+                      "output_ids": batched["output_ids"]}
+        print(f"{label}: one sequence {statistics.median(single['decode_tokens_per_s']):.1f} tok/s; {n_req} "
+              f"concurrent {doc[label]['concurrent_tokens_per_s']:.1f} tok/s")
+    doc["graph_over_eager_single"] = (statistics.median(doc["graph"]["single_decode_tokens_per_s"])
+                                      / statistics.median(doc["eager"]["single_decode_tokens_per_s"]))
+    doc["graph_over_eager_concurrent"] = doc["graph"]["concurrent_tokens_per_s"] / doc["eager"]["concurrent_tokens_per_s"]
+    doc["rows_equal_graph_eager"] = sum(x == y for x, y in zip(doc["graph"].pop("output_ids"),
+                                                               doc["eager"].pop("output_ids")))
+    print(f"graph / eager: one sequence {doc['graph_over_eager_single']:.2f}x, concurrent "
+          f"{doc['graph_over_eager_concurrent']:.2f}x; greedy rows equal {doc['rows_equal_graph_eager']}/{n_req}")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rev", default="HEAD")
+    ap.add_argument("--runs", type=int, default=3, help="single-sequence runs per tree (median)")
+    ap.add_argument("--only", nargs="+", choices=["single", "concurrent", "concurrency", "commands"])
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--plot", metavar="PATH", help="the concurrency curve as a PNG")
+    ap.add_argument("--quick", action="store_true", help="8 requests, outputs a quarter as long, no commands")
+    ap.add_argument("--device", default="cpu", help="cuda: the current tree only, the decode step from CUDA "
+                    "graphs against eager (one sequence, 32 concurrent requests)")
+    a = ap.parse_args(argv)
+    if a.device != "cpu":
+        return gpu_main(a)
+    parts = a.only or (["single", "concurrent", "concurrency"] + ([] if a.quick else ["commands"]))
+    n_req, scale = (8, 0.25) if a.quick else (32, 1.0)
+    tmp = Path(tempfile.mkdtemp(prefix="dsv41-engine-"))
+    doc: dict = {"benchmark": "engine", "revision": a.rev, "python": platform.python_version(), "cpus": os.cpu_count()}
+    try:
+        rev_tree = tmp / "tree"
+        rev_tree.mkdir()
+        doc["revision_commit"] = export_revision(a.rev, rev_tree)
+        trees = {"current": REPO, "revision": rev_tree}
+        for tree in trees.values():
+            probe(tree)
+        if "single" in parts:
+            single = {label: worker(tree, "single", a.runs, scale=scale) for label, tree in trees.items()}
+            med = {k: statistics.median(v["decode_tokens_per_s"]) for k, v in single.items()}
+            doc["single"] = {**{f"{k}_decode_tokens_per_s": v["decode_tokens_per_s"] for k, v in single.items()},
+                             "ratio": med["current"] / med["revision"]}
+            print(f"single sequence decode: revision {med['revision']:.1f} tok/s, current {med['current']:.1f} "
+                  f"tok/s, {doc['single']['ratio']:.2f}x")
+        if "concurrent" in parts:
+            seq_rev = worker(rev_tree, "sequential", n_req=n_req, scale=scale)
+            batched = worker(REPO, "batched", n_req=n_req, scale=scale)
+            alone = worker(REPO, "sequential", n_req=n_req, scale=scale)
+            same = [x == y for x, y in zip(batched["output_ids"], alone["output_ids"])]
+            rate = {k: v["tokens"] / v["wall_s"] for k, v in (("revision_sequential", seq_rev),
+                                                              ("current_batched", batched),
+                                                              ("current_sequential", alone))}
+            doc["concurrent"] = {"requests": n_req, "prompt_tokens": batched["prompt_tokens"],
+                                 "new_tokens": batched["new_tokens"],
+                                 **{f"{k}_tokens_per_s": round(v, 2) for k, v in rate.items()},
+                                 **{f"{k}_wall_s": round(w["wall_s"], 2) for k, w in (("revision_sequential", seq_rev),
+                                    ("current_batched", batched), ("current_sequential", alone))},
+                                 "ratio_vs_revision": rate["current_batched"] / rate["revision_sequential"],
+                                 "rows_identical_to_alone": sum(same),
+                                 "revision_tokens_equal_current": sum(x == y for x, y in zip(seq_rev["output_ids"],
+                                                                                              alone["output_ids"]))}
+            print(f"{n_req} concurrent requests: revision one by one {rate['revision_sequential']:.1f} tok/s, current "
+                  f"batched {rate['current_batched']:.1f} tok/s ({doc['concurrent']['ratio_vs_revision']:.1f}x); rows "
+                  f"identical to alone: {sum(same)}/{n_req}")
+        if "concurrency" in parts:
+            points = worker(REPO, "concurrency", n_req=2 * n_req, scale=scale)["points"]
+            doc["concurrency"] = [{**p, "tokens_per_s": round(p["tokens"] / p["wall_s"], 2)} for p in points]
+            for p in doc["concurrency"]:
+                print(f"  rows {p['rows']:3d}: {p['tokens_per_s']:8.1f} tok/s")
+            if a.plot:
+                plot_concurrency(points, a.plot)
+        if "commands" in parts:
+            doc["commands"] = {}
+            for name, args in COMMANDS.items():
+                walls = {}
+                for label, tree in trees.items():
+                    out = tmp / f"out-{label}"
+                    out.mkdir(exist_ok=True)
+                    walls[label] = command_wall(tree, [x.format(out=out) for x in args], out)
+                doc["commands"][name] = {"revision_s": round(walls["revision"], 1), "current_s": round(walls["current"], 1),
+                                         "ratio": round(walls["revision"] / walls["current"], 2)}
+                print(f"dsv41 {name}: revision {walls['revision']:.1f} s, current {walls['current']:.1f} s, "
+                      f"{walls['revision'] / walls['current']:.2f}x")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        doc["load_average_1min_at_end"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""The continuous batch: per-row positions in the cache and the decode step (model/batch_cache.py,
+Transformer.decode), and the scheduler over them (model/engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv41.model.batch_cache import BatchCache
+from dsv41.model.engine import GenerationConfig, Generator, Request, RequestTooLarge, Scheduler
+
+LENGTHS = (1, 3, 8, 9, 17, 40)  # around the window (8), the ratio-2 groups, the candidate pool (8 entries)
+
+
+def prompts(n_tokens=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in n_tokens]
+
+
+def prefilled(model, ids):
+    kv = model.new_cache(1)
+    logits = model(torch.tensor([ids], device=model.embed.weight.device), 0, kv)
+    return kv, logits[0]
+
+
+def teacher_tokens(step, seq):
+    """The token fed to sequence `seq` (its prompt) at decode step `step`: fixed, whatever else runs."""
+    return (7 * step + 13 * len(seq) + seq[0]) % 400 + 3
+
+
+@torch.inference_mode()
+def run_rows(model, ids_list, steps, rows=None, static=False, decode=None):
+    """Decode logits [steps, V] per sequence, all in one batch (rows: the row each sequence takes; static:
+    the cache's fixed-shape mode; decode(model, cache): the step function, default Transformer.decode)."""
+    cache = BatchCache(model.args, 16, model.args.max_seq_len, model.embed.weight.device)
+    cache.static = static
+    step_fn = decode(model, cache) if decode is not None else (lambda ids: model.decode(ids, cache))
+    order = list(range(len(ids_list))) if rows is None else rows
+    for seq, row in zip(range(len(ids_list)), order):
+        cache.load(row, prefilled(model, ids_list[seq])[0])
+    by_row = {row: seq for seq, row in zip(range(len(ids_list)), order)}
+    out = [[] for _ in ids_list]
+    for step in range(steps):
+        ids = torch.tensor([teacher_tokens(step, ids_list[by_row[r]]) for r in range(len(ids_list))],
+                           device=model.embed.weight.device)
+        logits = step_fn(ids)
+        for r in range(len(ids_list)):
+            out[by_row[r]].append(logits[r].clone())
+    return [torch.stack(o) for o in out]
+
+
+def test_a_row_in_a_mixed_batch_equals_the_row_alone_bit_for_bit(tiny_model):
+    """Rows at six different positions decode together; each row's logits are the logits it gets alone,
+    bit for bit, over steps that cross window wraps, group completions and the candidate pool."""
+    ids = prompts()
+    together = run_rows(tiny_model, ids, 24)
+    for i, seq in enumerate(ids):
+        (alone,) = run_rows(tiny_model, [seq], 24)
+        assert torch.equal(alone, together[i]), f"row of length {len(seq)}"
+    # and in another row order (the rows a sequence takes do not matter)
+    shuffled = run_rows(tiny_model, ids, 24, rows=[5, 2, 0, 4, 1, 3])
+    assert all(torch.equal(a, b) for a, b in zip(shuffled, together))
+
+
+def test_the_static_step_computes_the_same_bits(tiny_model):
+    """The fixed-shape step a CUDA graph captures (whole entry capacity, rows in powers of two, a
+    power-of-two RoPE table) gives the same logits as reading only the entries in use."""
+    ids = prompts()
+    for a, b in zip(run_rows(tiny_model, ids, 20), run_rows(tiny_model, ids, 20, static=True)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_the_eager_step(tiny_model, monkeypatch):
+    """On CUDA: the decode step replayed from CUDA graphs equals the eager static step bit for bit, and
+    graphs are captured once per shape and replayed."""
+    from dsv41.model.engine import GraphedDecode
+
+    model = tiny_model.to("cuda")
+    try:
+        ids = prompts()
+        made = []
+
+        def graphed(m, cache):
+            made.append(GraphedDecode(m, cache))
+            return made[-1]
+
+        eager = run_rows(model, ids, 20, static=True)
+        replayed = run_rows(model, ids, 20, decode=graphed)
+        assert all(torch.equal(a, b) for a, b in zip(eager, replayed))
+        assert made[0].replays >= 10 and made[0].captured <= 3
+        reqs = [Request(p, greedy(12)) for p in ids]
+        graphed_tokens = [r.output_ids for r in Generator(model).generate_many(reqs)]
+        monkeypatch.setenv("DSV41_CUDA_GRAPHS", "0")
+        assert graphed_tokens == [r.output_ids for r in Generator(model).generate_many(reqs)]
+    finally:
+        tiny_model.to("cpu")
+
+
+@torch.inference_mode()
+def test_decode_follows_the_full_forward(tiny_model):
+    """The decode step against the oracle, the one-sequence forward over a KVCache: same tokens fed, logits
+    within 2e-2 of max|logit| (the step computes its GEMMs on 16 rows where the oracle's decode has one, and
+    lays out REF's fixed attention widths; docs/generation.md)."""
+    for seq in prompts():
+        kv, _ = prefilled(tiny_model, seq)
+        (rows,) = run_rows(tiny_model, [seq], 20)
+        for step in range(20):
+            want = tiny_model(torch.tensor([[teacher_tokens(step, seq)]]), kv.pos, kv)[0]
+            assert (rows[step] - want).abs().max() <= 2e-2 * want.abs().max(), (len(seq), step)
+
+
+@torch.inference_mode()
+def test_rows_move_free_and_reload(tiny_model):
+    """A freed row is reloaded with a new sequence while others run, and the last row moves into a freed
+    one (as the scheduler does): every sequence still decodes as it does alone."""
+    a, b, c, d = prompts((5, 12, 30, 2), seed=1)
+    alone = {name: run_rows(tiny_model, [s], 10)[0] for name, s in zip("abcd", (a, b, c, d))}
+    cache = BatchCache(tiny_model.args, 16, tiny_model.args.max_seq_len)
+    for row, s in enumerate((a, b, c)):
+        cache.load(row, prefilled(tiny_model, s)[0])
+    seqs = dict(zip("abcd", (a, b, c, d)))
+    live = ["a", "b", "c"]
+    step_of = {"a": 0, "b": 0, "c": 0}
+    seen = {k: [] for k in "abcd"}
+    for t in range(20):
+        if t == 4:  # b leaves: c moves from row 2 to row 1; d enters at row 2
+            cache.move(2, 1)
+            cache.free(2)
+            live = ["a", "c"]
+            cache.load(2, prefilled(tiny_model, d)[0])
+            live.append("d")
+            step_of["d"] = 0
+        ids = torch.tensor([teacher_tokens(step_of[k], seqs[k]) for k in live])
+        logits = tiny_model.decode(ids, cache)
+        for r, k in enumerate(live):
+            seen[k].append(logits[r])
+            step_of[k] += 1
+        if t == 9:
+            break
+    for k in "acd":
+        got = torch.stack(seen[k])
+        assert torch.equal(got, alone[k][:len(got)]), k
+
+
+@torch.inference_mode()
+def test_unload_is_the_inverse_of_load(tiny_model):
+    """A row unloaded to a KVCache continues exactly as the row does."""
+    seq = prompts((19,))[0]
+    cache = BatchCache(tiny_model.args, 16, tiny_model.args.max_seq_len)
+    cache.load(0, prefilled(tiny_model, seq)[0])
+    for step in range(5):
+        tiny_model.decode(torch.tensor([teacher_tokens(step, seq)]), cache)
+    kv = cache.unload(0)
+    again = BatchCache(tiny_model.args, 16, tiny_model.args.max_seq_len)
+    again.load(3, kv)
+    for step in range(6):
+        x = tiny_model.decode(torch.tensor([teacher_tokens(step + 5, seq)]), cache)
+        y = tiny_model.decode(torch.tensor([teacher_tokens(step + 5, seq)] * 4), again)
+        assert torch.equal(x[0], y[3])
+
+
+def greedy(n):
+    return GenerationConfig(max_new_tokens=n, stop_ids=())
+
+
+def test_scheduler_matches_each_request_alone(tiny_model):
+    """Greedy: every request of a mixed workload (lengths 1..40, outputs 3..20 tokens, more requests
+    than rows, so rows are reused) gets the tokens it gets alone; results come as they finish."""
+    gen = Generator(tiny_model)
+    ids = prompts() + prompts((2, 25), seed=3)
+    lengths = (20, 3, 11, 7, 16, 5, 9, 13)
+    alone = [gen.generate(p, greedy(n)).output_ids for p, n in zip(ids, lengths)]
+    order = []
+    together = gen.generate_many([Request(p, greedy(n)) for p, n in zip(ids, lengths)], max_batch_size=3,
+                                 on_done=lambda i, r: order.append(i))
+    assert [r.output_ids for r in together] == alone
+    assert sorted(order) == list(range(len(ids))) and order != list(range(len(ids)))  # short ones first
+    assert all(len(r.output_ids) == n and r.finish_reason == "length" for r, n in zip(together, lengths))
+
+
+def test_long_prompts_prefill_in_chunks_between_decode_steps(tiny_model):
+    """A long prompt enters in chunks while a running row keeps decoding (one token per step)."""
+    gen = Generator(tiny_model)
+    short, long = prompts((4, 100), seed=5)
+    scheduler = Scheduler(gen, max_batch_size=4, prefill_chunk=16)
+    a = scheduler.submit(Request(short, greedy(30)))
+    b = scheduler.submit(Request(long, greedy(5)))
+    progress = []
+    while scheduler.busy:
+        finished = scheduler.step()
+        running = [s.key for s in scheduler.running]
+        progress.append((running, len(scheduler.running[0].out) if running and running[0] == a else None,
+                         scheduler.prefilling.done_tokens if scheduler.prefilling is not None else None))
+        if any(k == a for k, _ in finished):
+            break
+    chunks = [p[2] for p in progress if p[2] is not None]
+    assert chunks[:3] == [16, 32, 48]  # the long prompt, 16 tokens a step
+    decoded = [p[1] for p in progress[:6]]
+    assert decoded == sorted(decoded) and decoded[-1] > decoded[0]  # while `a` kept decoding
+    assert any(b in p[0] for p in progress)  # b joined the batch
+
+
+def test_cancel_frees_the_row_and_too_large_is_refused(tiny_model):
+    gen = Generator(tiny_model)
+    scheduler = Scheduler(gen, max_batch_size=2, max_batch_tokens=120)
+    p = prompts((6, 6, 6), seed=2)
+    keys = [scheduler.submit(Request(x, greedy(40))) for x in p]
+    for _ in range(4):
+        scheduler.step()
+    assert len(scheduler.running) == 2 and len(scheduler.waiting) == 1  # the budget: 2 x 46 tokens
+    assert scheduler.cancel(keys[0])
+    assert [s.key for s in scheduler.running] == [keys[1]]
+    results = dict(scheduler.run())
+    assert set(results) == {keys[1], keys[2]} and all(len(r.output_ids) == 40 for r in results.values())
+    assert not scheduler.cancel(keys[0])
+    with pytest.raises(RequestTooLarge, match="max_batch_tokens"):
+        scheduler.submit(Request(p[0], greedy(200)))
+    with pytest.raises(RequestTooLarge, match="context"):
+        Scheduler(gen).submit(Request(p[0], greedy(tiny_model.args.max_position_embeddings)))
+
+
+def test_a_cancelled_or_stopped_request_never_disturbs_the_others(tiny_model):
+    """Stop ids end one row; the rows decoding beside it keep their alone tokens."""
+    gen = Generator(tiny_model)
+    ids = prompts((5, 9, 14), seed=4)
+    alone = [gen.generate(p, greedy(12)).output_ids for p in ids]
+    stop = alone[1][3]
+    cfgs = [greedy(12), GenerationConfig(max_new_tokens=12, stop_ids=(stop,)), greedy(12)]
+    together = gen.generate_many([Request(p, c) for p, c in zip(ids, cfgs)])
+    assert together[1].finish_reason == "stop" and together[1].output_ids == alone[1][:alone[1].index(stop) + 1]
+    assert together[0].output_ids == alone[0] and together[2].output_ids == alone[2]
