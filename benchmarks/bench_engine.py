@@ -115,8 +115,7 @@ COMMANDS = {
     "effort-sweep tiny-reasoning --limit 50": ["effort-sweep", "tiny-reasoning", "--limit", "50", "--fresh",
                                                "--no-plot", "--output", "{out}/sweep"],
     "eval --suite smoke": ["eval", "--suite", "smoke", "--output", "{out}/eval", "--confirm-run-unsafe-code"],
-    "bpb docs/architecture.md": ["bpb", str(REPO / "docs" / "architecture.md"), "--no-plot", "--output",
-                                 "{out}/bpb"],
+    "bpb docs/architecture.md": ["bpb", str(REPO / "docs" / "architecture.md"), "--no-plot"],
 }
 
 
