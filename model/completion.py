@@ -522,6 +522,7 @@ class StreamEvent:
     arguments: str = ""
     finish_reason: str | None = None
     parsed: ParsedCompletion | None = None
+    result: Any = None  # finish, from the engine's stream (model/engine.py Generator.stream): the GenerationResult
 
 
 # What a text tail may still turn into: markup, the end of the reasoning, the end of the completion.

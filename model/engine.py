@@ -203,6 +203,38 @@ class Generator:
         return GenerationResult(len(prompt_ids), out, finish, t1 - t0, t2 - t1, _peak_memory(self.device),
                                 cache_bytes_per_token(cache), stats, budget.forced, prefill_stats)
 
+    def stream(self, prompt_ids: list[int], config: GenerationConfig, mode: str = "thinking",
+               images: list | None = None):
+        """One request as a stream of events (mlx-lm's stream_generate): `StreamEvent`s of model/completion.py's
+        CompletionStream, yielded as the tokens that make them certain are committed: reasoning and content
+        text deltas (no marker split across two events, no markup in them), each tool call whole as its
+        block closes, then one "finish" event with the finish reason, the parse of the whole completion
+        and the GenerationResult (`event.result`). Needs the Generator's tokenizer."""
+        from dsv41.model.completion import CompletionStream
+
+        if self.tokenizer is None:
+            raise ValueError("Generator.stream needs a Generator built with its tokenizer")
+        self.check_request(prompt_ids, config)
+        parser = CompletionStream(self.tokenizer, mode)
+        pending: list = []
+        if config.dspark:  # DSpark's own loop: its tokens come in runs of accepted drafts
+            result = self.generate(prompt_ids, config, lambda t: pending.extend(parser.feed(t)), images)
+            yield from pending
+        else:
+            scheduler = Scheduler(self, max_batch_size=1)
+            scheduler.submit(Request(prompt_ids, config, images, lambda t: pending.extend(parser.feed(t))))
+            result = None
+            with torch.inference_mode():
+                while scheduler.busy:
+                    for _, result in scheduler.step():
+                        pass
+                    yield from pending
+                    pending.clear()
+        for event in parser.close(result.finish_reason):
+            if event.kind == "finish":
+                event.result = result
+            yield event
+
     @torch.inference_mode()
     def generate_many(self, requests: list["Request"], max_batch_size: int = 32, max_batch_tokens: int | None = None,
                       on_done: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
@@ -429,6 +461,7 @@ class _Sequence:
         self.started = self.finished_at = 0.0
         self.token = -1  # the next input token (the last one committed)
         self.finish: str | None = None
+        self.kv_bytes_per_token: float | None = None  # measured from its row as it finishes
 
     @property
     def need(self) -> int:
@@ -527,24 +560,42 @@ class Scheduler:
         return sum(seq.need for seq in self.running)
 
     def _admit(self, finished: list) -> None:
-        if self.prefilling is None and self.waiting and len(self.running) < self.max_batch_size \
-                and self._reserved() + self.waiting[0].need <= self.max_batch_tokens:
-            self.prefilling = self.waiting.pop(0)
-            self.prefilling.started = time.perf_counter()
-            if self.cache.static:  # room for its whole reply now: no new shapes (CUDA graphs) while it runs
-                self.cache.reserve(self.prefilling.need)
-        seq = self.prefilling
-        if seq is None:
-            return
+        """Prefill up to `prefill_chunk` prompt tokens this step (whole chunks, at least one), admitting
+        waiting requests as rows and the token budget allow: several short prompts, or one chunk of a long one."""
+        spent = 0
+        while True:
+            if self.prefilling is None:
+                if not (self.waiting and len(self.running) < self.max_batch_size
+                        and self._reserved() + self.waiting[0].need <= self.max_batch_tokens):
+                    return
+                self.prefilling = self.waiting.pop(0)
+                self.prefilling.started = time.perf_counter()
+                if self.cache.static:  # room for its whole reply now: no new shapes (CUDA graphs) while it runs
+                    self.cache.reserve(self.prefilling.need)
+            seq = self.prefilling
+            size = self._next_chunk(seq)
+            if spent and spent + size > self.prefill_chunk:
+                return
+            spent += size
+            self._prefill(seq, size, finished)
+
+    def _next_chunk(self, seq: _Sequence) -> int:
+        """The prompt tokens `seq`'s next prefill forward takes. A prompt is cut at fixed multiples of the
+        chunk size from its start (never by what else runs), so its prefill computes the same numbers in
+        any batch; a prefix-cache lookup, CED replay or images take the whole prompt in one go."""
+        n = len(seq.request.prompt_ids)
+        if not seq.chunked():
+            return n
+        chunk = min(self.prefill_chunk, seq.config.prefill_chunk or self.prefill_chunk)
+        return min(chunk, n - seq.done_tokens)
+
+    def _prefill(self, seq: _Sequence, size: int, finished: list) -> None:
         t0 = time.perf_counter()
         ids = seq.request.prompt_ids
         if seq.chunked():
             if seq.cache is None:
                 seq.cache = self.model.new_cache(1)
-            chunk = self.prefill_chunk if self.running else len(ids)  # alone: the whole prompt at once
-            if seq.config.prefill_chunk:
-                chunk = min(chunk, seq.config.prefill_chunk)
-            end = min(seq.done_tokens + chunk, len(ids))
+            end = seq.done_tokens + size
             logits = self.model(torch.tensor([ids[seq.done_tokens:end]], device=self.gen.device),
                                 start_pos=seq.done_tokens, cache=seq.cache)
             seq.done_tokens = end
@@ -618,7 +669,7 @@ class Scheduler:
         return (b["main"] + b["index_keys"]) / length if length else 0.0
 
     def _result(self, seq: _Sequence) -> GenerationResult:
-        kv = getattr(seq, "kv_bytes_per_token", None)
+        kv = seq.kv_bytes_per_token
         if kv is None:  # finished at its first token: the prefill's cache
             kv = cache_bytes_per_token(seq.cache) if isinstance(seq.cache, KVCache) else 0.0
         return GenerationResult(len(seq.request.prompt_ids), seq.out, seq.finish, seq.prefill_seconds,

@@ -160,8 +160,8 @@ def test_unload_is_the_inverse_of_load(tiny_model):
         assert torch.equal(x[0], y[3])
 
 
-def greedy(n):
-    return GenerationConfig(max_new_tokens=n, stop_ids=())
+def greedy(n, **kw):
+    return GenerationConfig(max_new_tokens=n, stop_ids=(), **kw)
 
 
 def test_scheduler_matches_each_request_alone(tiny_model):
@@ -170,10 +170,11 @@ def test_scheduler_matches_each_request_alone(tiny_model):
     gen = Generator(tiny_model)
     ids = prompts() + prompts((2, 25), seed=3)
     lengths = (20, 3, 11, 7, 16, 5, 9, 13)
-    alone = [gen.generate(p, greedy(n)).output_ids for p, n in zip(ids, lengths)]
+    # prompts prefill in chunks of 8 (several chunks for most), interleaved with the others' decode steps
+    alone = [gen.generate(p, greedy(n, prefill_chunk=8)).output_ids for p, n in zip(ids, lengths)]
     order = []
-    together = gen.generate_many([Request(p, greedy(n)) for p, n in zip(ids, lengths)], max_batch_size=3,
-                                 on_done=lambda i, r: order.append(i))
+    together = gen.generate_many([Request(p, greedy(n, prefill_chunk=8)) for p, n in zip(ids, lengths)],
+                                 max_batch_size=3, on_done=lambda i, r: order.append(i))
     assert [r.output_ids for r in together] == alone
     assert sorted(order) == list(range(len(ids))) and order != list(range(len(ids)))  # short ones first
     assert all(len(r.output_ids) == n and r.finish_reason == "length" for r, n in zip(together, lengths))
@@ -194,7 +195,7 @@ def test_long_prompts_prefill_in_chunks_between_decode_steps(tiny_model):
                          scheduler.prefilling.done_tokens if scheduler.prefilling is not None else None))
         if any(k == a for k, _ in finished):
             break
-    chunks = [p[2] for p in progress if p[2] is not None]
+    chunks = [p[2] for p in progress if p[2]]
     assert chunks[:3] == [16, 32, 48]  # the long prompt, 16 tokens a step
     decoded = [p[1] for p in progress[:6]]
     assert decoded == sorted(decoded) and decoded[-1] > decoded[0]  # while `a` kept decoding
@@ -230,3 +231,19 @@ def test_a_cancelled_or_stopped_request_never_disturbs_the_others(tiny_model):
     together = gen.generate_many([Request(p, c) for p, c in zip(ids, cfgs)])
     assert together[1].finish_reason == "stop" and together[1].output_ids == alone[1][:alone[1].index(stop) + 1]
     assert together[0].output_ids == alone[0] and together[2].output_ids == alone[2]
+
+
+def test_stream_yields_the_parse_as_it_goes(tiny_model):
+    """Generator.stream: reasoning and content deltas that add up to the parse of the whole completion, and
+    a finish event with the same result as generate()."""
+    from dsv41.model.tokenizer import load_tokenizer
+
+    gen = Generator(tiny_model, load_tokenizer())
+    ids = prompts((11,), seed=6)[0]
+    events = list(gen.stream(ids, greedy(24), mode="thinking"))
+    finish = events[-1]
+    assert finish.kind == "finish" and all(e.kind != "finish" for e in events[:-1])
+    assert finish.result.output_ids == gen.generate(ids, greedy(24)).output_ids
+    assert "".join(e.text for e in events if e.kind == "reasoning") == finish.parsed.reasoning
+    assert "".join(e.text for e in events if e.kind == "content") == finish.parsed.content
+    assert len([e for e in events if e.kind == "tool_call"]) == len(finish.parsed.tool_calls)

@@ -209,6 +209,24 @@ def test_input_file_json_prints_json_lines_even_for_one_prompt(small_checkpoint,
     assert r.returncode == 0 and r.stdout.startswith("{\n") and json.loads(r.stdout)["tokens"]["total"] <= 2
 
 
+def test_input_file_runs_the_prompts_together_as_each_alone(small_checkpoint, tmp_path):
+    """--input-file hands every prompt to the engine at once (prompts of different lengths, outputs of
+    different lengths): each greedy reply is the one its prompt gets alone; a prompt that cannot fit the
+    --max-batch-tokens budget is exit 2 before any work."""
+    common = ["--model", str(small_checkpoint), "--max-new-tokens", "12", "--temperature", "0", "--mode", "chat",
+              "--json"]
+    prompts = ["a short one", "a somewhat longer prompt than the first one, with more words in it", "mid length"]
+    f = tmp_path / "p.txt"
+    f.write_text("\n\n".join(prompts) + "\n")
+    r = run_cli("generate", "--input-file", str(f), "--max-batch-size", "2", *common)
+    assert r.returncode == 0, r.stderr
+    together = [json.loads(x)["output_ids"] for x in r.stdout.splitlines()]
+    alone = [json.loads(run_cli("generate", p, *common).stdout)["output_ids"] for p in prompts]
+    assert together == alone
+    r = run_cli("generate", "--input-file", str(f), "--max-batch-tokens", "15", *common)
+    assert r.returncode == 2 and "--max-batch-tokens" in one_error_line(r)
+
+
 # ------------------------------------------------------------------------------ 5. flags, -h, examples
 def test_dash_h_shows_the_help_with_stdin_json_lines_and_examples():
     r = run_cli("generate", "-h")

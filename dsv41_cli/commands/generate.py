@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import signal
 import sys
 import threading
@@ -61,6 +62,14 @@ def command(
                                                 "(global KV on disk, SWA state in memory)."),
     image: Optional[List[Path]] = typer.Option(None, "--image", help="An image file placed before the prompt's text "
                                                "(repeatable; with --messages: in the last user message)."),
+    max_batch_size: int = typer.Option(32, "--max-batch-size", min=1, help="--input-file: at most this many "
+                                       "prompts decoding at once (continuous batching)."),
+    max_batch_tokens: Optional[int] = typer.Option(None, "--max-batch-tokens", min=1, show_default=False,
+                                                   help="--input-file: the prompts in flight reserve their prompt and "
+                                                   "--max-new-tokens; at most this many positions in all (default: "
+                                                   "--max-batch-size x the model's context)."),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On CUDA, replay the decode step "
+                                     "from CUDA graphs (DSV41_CUDA_GRAPHS=0 also turns them off)."),
     print_prompt: bool = typer.Option(False, "--print-prompt", help="Print the exact prompt text and exit (no weights loaded)."),
     model: Optional[str] = ModelOpt,
     device: str = DeviceOpt,
@@ -139,6 +148,8 @@ def command(
 
     from dsv41.model.engine import GenerationConfig, Generator, SamplingConfig
 
+    if not cuda_graphs:
+        os.environ["DSV41_CUDA_GRAPHS"] = "0"
     model_dir = resolve_model_dir(model)
     net, args, tokenizer = load_on_ranks(model_dir, ctx)  # this rank's part of the model
     if use_dspark and not args.dspark_enabled:
@@ -162,7 +173,8 @@ def command(
         return
     if input_file is not None:  # the whole file to the engine at once; replies in the file's order
         try:
-            run_batch(engine, tokenizer, config, [encode(msgs) for msgs in batch], mode, as_json, notes=ctx.is_main)
+            run_batch(engine, tokenizer, config, [encode(msgs) for msgs in batch], mode, as_json, notes=ctx.is_main,
+                      max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
         except ContextFull as e:
             fail(str(e))
         return
@@ -344,38 +356,39 @@ def _typed_text() -> bool:
 
 
 class _Stream:
-    """Incremental detokenization for the terminal: reasoning dimmed, then the answer."""
+    """The reply on the terminal as it is written: the completion parser's stream (model/completion.py
+    CompletionStream) prints reasoning dimmed, then the answer; DSML markup and special tokens never show
+    (tool calls are listed after the reply)."""
 
     def __init__(self, tokenizer, mode: str, enabled: bool):
-        self.tok, self.enabled = tokenizer, enabled
-        self.ids: list[int] = []
-        self.shown = 0
-        self.in_reasoning = mode == "thinking"
-        if enabled and self.in_reasoning:
-            out.print("[dim]Thinking…[/dim]")
+        self.enabled = enabled
+        self.parser = None
+        self.in_reasoning = False
+        if enabled:
+            from dsv41.model.completion import CompletionStream
+
+            self.parser = CompletionStream(tokenizer, mode)
+            if mode == "thinking":
+                out.print("[dim]Thinking…[/dim]")
+                self.in_reasoning = True
 
     def __call__(self, token: int) -> None:
-        if not self.enabled:
-            return
-        self.ids.append(token)
-        text = self.tok.decode(self.ids, skip_special=False)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return
-        new, self.shown = text[self.shown:], len(text)
-        if self.in_reasoning and "</think>" in text:
-            before, _, after = new.partition("</think>")
-            self._emit(before, dim=True)
-            out.print("\n[dim]—[/dim]")
-            self.in_reasoning = False
-            new = after
-        self._emit(new.replace("<｜end▁of▁sentence｜>", ""), dim=self.in_reasoning)
-
-    def _emit(self, text: str, dim: bool) -> None:
-        if text:
-            out.print(text, end="", style="dim" if dim else None, markup=False, highlight=False)
-
-    def close(self) -> None:
         if self.enabled:
+            self._show(self.parser.feed(token))
+
+    def _show(self, events) -> None:
+        for e in events:
+            if e.kind == "reasoning" and e.text:
+                out.print(e.text, end="", style="dim", markup=False, highlight=False)
+            elif e.kind == "content" and e.text:
+                if self.in_reasoning:
+                    out.print("\n[dim]—[/dim]")
+                    self.in_reasoning = False
+                out.print(e.text, end="", markup=False, highlight=False)
+
+    def close(self, finish_reason: str = "length") -> None:
+        if self.enabled:
+            self._show(self.parser.close(finish_reason))
             out.print()
 
 
@@ -403,16 +416,17 @@ def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool
     except _Cancel:
         streamer.close()
         raise
-    streamer.close()
+    streamer.close(result.finish_reason)
     return _document(result, tokenizer, mode, capped, stream)
 
 
-def run_batch(engine, tokenizer, config, encoded: list[tuple], mode: str, as_json: bool, notes: bool) -> None:
+def run_batch(engine, tokenizer, config, encoded: list[tuple], mode: str, as_json: bool, notes: bool,
+              max_batch_size: int = 32, max_batch_tokens: int | None = None) -> None:
     """`--input-file`: every prompt (encoded: (prompt text, image records)) to the engine at once
     (continuous batching). Replies come out in the file's order, each as soon as it and every reply
     before it are done: a JSON line each with --json (flushed), else the reply as `generate` streams it
     (reasoning dimmed, then the answer, then the stats line), written whole."""
-    from dsv41.model.engine import Request
+    from dsv41.model.engine import Request, RequestTooLarge
 
     prepared = [_prepare(engine, tokenizer, config, text, records, None, notes) for text, records in encoded]
     requests = [Request(ids, cfg, inputs) for ids, inputs, cfg, _ in prepared]
@@ -431,13 +445,16 @@ def run_batch(engine, tokenizer, config, encoded: list[tuple], mode: str, as_jso
                 streamer = _Stream(tokenizer, mode, True)
                 for token in result.output_ids:
                     streamer(token)
-                streamer.close()
+                streamer.close(result.finish_reason)
                 _document(result, tokenizer, mode, prepared[k][3], True)
                 if k + 1 < len(prepared):
                     out.print()
             shown[0] += 1
 
-    engine.generate_many(requests, on_done=done)
+    try:
+        engine.generate_many(requests, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, on_done=done)
+    except RequestTooLarge as e:
+        fail(f"--max-batch-tokens: {e}")
 
 
 def _prepare(engine, tokenizer, config, prompt_text: str, images, prompt_ids, notes: bool):

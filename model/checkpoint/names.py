@@ -17,6 +17,7 @@ import torch
 
 from dsv41.model.checkpoint.safetensors import ST_DTYPES, CheckpointError, itemsize, st_name
 from dsv41.model.config import ModelArgs
+from dsv41.model.inventory import _RELEASE_DTYPES, inventory_totals, release_dtype  # noqa: F401
 
 
 # ====================================================================================================
@@ -103,20 +104,8 @@ def _inventory(args_json: str) -> tuple:
                  for name, shape, dtype in parameter_inventory(args))
 
 
-def inventory_totals(tensors: Iterable[tuple[str, tuple[int, ...], str]]) -> dict:
-    """Tensor and byte counts of (name, shape, safetensors dtype) entries, in total and per dtype (the
-    numbers a shard-header tally of a checkpoint gives)."""
-    by_dtype: dict[str, dict[str, int]] = {}
-    for _, shape, dtype in tensors:
-        row = by_dtype.setdefault(dtype, {"tensors": 0, "bytes": 0})
-        row["tensors"] += 1
-        row["bytes"] += math.prod(shape) * itemsize(dtype)
-    return {"tensors": sum(r["tensors"] for r in by_dtype.values()),
-            "bytes": sum(r["bytes"] for r in by_dtype.values()),
-            "by_dtype": dict(sorted(by_dtype.items()))}
-
-
-# Tensors the release stores in another dtype than the model holds: (pattern, model dtype, release dtype).
+# Tensors the release stores in another dtype than the model holds (`release_dtype`, its table and the
+# shard-header tally `inventory_totals` live in the torch-free model/inventory.py, which `dsv41 info` reads).
 # The ViT RMSNorm weights are fp32 Parameters in S0's vision.py (`torch.ones(dim, dtype=torch.float32)`),
 # but the release's shard headers store its 65 norm vectors of 1024 (32 blocks x norm1/norm2 + the
 # final norm) as BF16 (BF16 520, F32 387 tensors; 133,120 bytes below an all-F32 inventory). S0 loads
@@ -125,17 +114,6 @@ def inventory_totals(tensors: Iterable[tuple[str, tuple[int, ...], str]]) -> dic
 # e.g. the bundled dsv41-tiny), `convert` keeps either as stored (so the round trip is byte for byte),
 # and both are widened losslessly to F32 when loaded into the model. Every other tensor must have the
 # model's dtype.
-_RELEASE_DTYPES: tuple[tuple[re.Pattern, str, str], ...] = (
-    (re.compile(r"vision\.(?:blocks\.\d+\.norm[12]|norm)\.weight"), "F32", "BF16"),
-)
-
-
-def release_dtype(name: str, dtype: str) -> str:
-    """The safetensors dtype the release stores tensor `name` in, when the model holds it as `dtype`."""
-    for pattern, model_dtype, stored in _RELEASE_DTYPES:
-        if dtype == model_dtype and pattern.fullmatch(name):
-            return stored
-    return dtype
 
 
 def model_dtype(name: str, dtype: str) -> str:
