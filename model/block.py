@@ -81,7 +81,8 @@ class Block(nn.Module):
     def decode(self, x: torch.Tensor, pre: torch.Tensor, cache, shared: SharedState):
         """One token per row of a continuous batch (model/batch_cache.py): attention in its per-row form,
         the MoE with every chosen expert on every row (MoE.every_row: batch-invariant sums)."""
-        return self.mix(x, pre, lambda h: self.attn.decode(h, cache, shared), ffn=self.ffn.every_row)
+        return self.mix(x, pre, lambda h: self.attn.decode(h, cache, shared),
+                        ffn=lambda h: self.ffn.every_row(h, cache.active))
 
     def mix(self, x: torch.Tensor, pre: torch.Tensor, attend, image_mask: torch.Tensor | None = None, ffn=None):
         """The single-pass mHC wiring around an attention call `attend(normed input) -> output` (and the

@@ -119,21 +119,21 @@ class MoE(nn.Module):
         return y.to(x.dtype).reshape(shape)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-               every_row: bool = False) -> torch.Tensor:
+               every_row: int | None = None) -> torch.Tensor:
         """sum_k w_k E_k(x) over the selected experts held here, fp32 [N, dim]. Under expert
         parallelism (model/parallel.py) the experts another rank holds are None and this is a partial sum.
-        every_row: each expert chosen by any row runs on every row, weight 0 where the row did not choose
-        it (see `every_row`); the same values, exact zeros added."""
+        every_row (a count n): each expert chosen by any of the first n rows runs on every row, weight 0
+        where the row did not choose it (see `every_row`); the same values, exact zeros added."""
         if expert_kernels.usable(self.experts, x):  # CUDA: grouped GEMMs over expert-sorted tokens
             weights_ = expert_kernels.cached_weights(self, self.experts)
             return expert_kernels.routed_experts(x, weights, indices, weights_, self._swiglu_limit())
         if self._trainable():
             return self._routed_trainable(x, weights, indices)
         y = torch.zeros_like(x, dtype=torch.float32)
-        if every_row:
+        if every_row is not None:
             dense = torch.zeros(x.size(0), self.n_routed, dtype=weights.dtype, device=x.device).scatter_(
                 1, indices, weights)
-            for e in torch.unique(indices).tolist():
+            for e in torch.unique(indices[:every_row]).tolist():
                 if self.experts[e] is not None:
                     y += self.experts[e](x, dense[:, e, None]).float()
             return y
@@ -147,16 +147,17 @@ class MoE(nn.Module):
             y.index_add_(0, rows, self.experts[e](x[rows], weights[rows, slot, None]).float())
         return y
 
-    def every_row(self, x: torch.Tensor) -> torch.Tensor:
+    def every_row(self, x: torch.Tensor, rows_in_use: int | None = None) -> torch.Tensor:
         """`forward` for a decode step of a continuous batch (model/batch_cache.py): each expert that any row
         chose runs on every row, with weight 0 where the row did not choose it, so every expert GEMM has
         the batch's row count and a row's sums do not depend on which other rows chose the same expert
         (the routed loop gives each expert only its rows: on the CPU a one-row GEMM sums differently).
-        The same values as `forward` for each row: the unchosen experts add exact zeros."""
+        The same values as `forward` for each row: the unchosen experts add exact zeros. rows_in_use: only
+        the first rows' choices decide which experts run (the rest pad the step: batch_cache.py)."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, indices = self.gate(x)
-        y = self.routed(x, weights, indices, every_row=True)
+        y = self.routed(x, weights, indices, every_row=x.size(0) if rows_in_use is None else rows_in_use)
         y += self.shared_experts(x).float()
         return y.to(x.dtype).reshape(shape)
 

@@ -399,7 +399,7 @@ class ExpertParallelMoE(MoE):
 
     group = None
 
-    def routed(self, x, weights, indices, every_row=False):
+    def routed(self, x, weights, indices, every_row=None):
         return _all_reduce(super().routed(x, weights, indices, every_row), self.group)
 
 
