@@ -46,7 +46,8 @@ def command(
         help="Folder for partial.jsonl, sweep.json, sweep.csv and sweep.png (default below). The same "
              "command again with the same folder resumes an interrupted sweep."),
     fresh: bool = typer.Option(False, "--fresh", help="Discard the partial results in --output and start over."),
-    batch_size: int = typer.Option(8, "--batch-size", min=1),
+    batch_size: int = typer.Option(32, "--batch-size", min=1, help="Requests decoding at once (the engine's "
+                                   "rows; the results do not depend on it)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, show_default=False,
                                                  help="Generation length per item (default 256 for tiny-reasoning, "
                                                       "the task's own for lm-eval)."),
