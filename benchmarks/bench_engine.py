@@ -11,8 +11,8 @@ Both trees run in fresh processes with this same Python: the current working tre
                  are the ones it gets alone (batch invariance).
     concurrency  the current tree only: aggregate tokens/s of 64 requests against the number of rows in
                  flight (1, 2, 4, ..., 64); the plot of docs/generation.md (--plot PATH)
-    commands     wall time of `dsv41 effort-sweep tiny-reasoning --limit 50`, `dsv41 eval --suite smoke` and
-                 `dsv41 bpb` (docs/architecture.md as the corpus) in each tree
+    commands     wall time of `dsv41 effort-sweep tiny-reasoning --limit 50`, `dsv41 eval --suite smoke --limit 20`
+                 (the suite's documented run) and `dsv41 bpb` (docs/architecture.md as the corpus) in each tree
 
     python benchmarks/bench_engine.py --rev 26ff6f6 --json benchmarks/results/cpu-engine/engine.json \
         --plot docs/img/concurrency.png
@@ -114,7 +114,8 @@ def command_wall(tree: Path, args: list[str], work: Path) -> float:
 COMMANDS = {
     "effort-sweep tiny-reasoning --limit 50": ["effort-sweep", "tiny-reasoning", "--limit", "50", "--fresh",
                                                "--no-plot", "--output", "{out}/sweep"],
-    "eval --suite smoke": ["eval", "--suite", "smoke", "--output", "{out}/eval", "--confirm-run-unsafe-code"],
+    "eval --suite smoke --limit 20": ["eval", "--suite", "smoke", "--limit", "20", "--output", "{out}/eval",
+                                      "--confirm-run-unsafe-code"],
     "bpb docs/architecture.md": ["bpb", str(REPO / "docs" / "architecture.md"), "--no-plot"],
 }
 
@@ -133,7 +134,7 @@ def plot_concurrency(points: list[dict], path: str) -> None:
     ax.set_xticks(rows, [str(r) for r in rows])
     ax.set_xlabel("sequences in flight (max_batch_size)")
     ax.set_ylabel("aggregate tokens/s")
-    ax.set_title("dsv41-tiny, greedy, 2-core CPU: 64 requests, prompts 8-400 tokens")
+    ax.set_title("dsv41-tiny, greedy, 2-core CPU\n64 requests, prompts of 8-400 tokens", fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -163,6 +164,11 @@ def gpu_main(a) -> int:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
+
+
+def replot(json_path: str, png_path: str) -> None:
+    """Draw the concurrency curve again from a run's JSON."""
+    plot_concurrency(json.loads(Path(json_path).read_text())["concurrency"], png_path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             doc["single"] = {**{f"{k}_decode_tokens_per_s": v["decode_tokens_per_s"] for k, v in single.items()},
                              "ratio": med["current"] / med["revision"]}
             print(f"single sequence decode: revision {med['revision']:.1f} tok/s, current {med['current']:.1f} "
-                  f"tok/s, {doc['single']['ratio']:.2f}x")
+                  f"tok/s, {doc['single']['ratio']:.2f}x", flush=True)
+        write(a.json, doc)
         if "concurrent" in parts:
             seq_rev = worker(rev_tree, "sequential", n_req=n_req, scale=scale)
             batched = worker(REPO, "batched", n_req=n_req, scale=scale)
@@ -216,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n_req} concurrent requests: revision one by one {rate['revision_sequential']:.1f} tok/s, current "
                   f"batched {rate['current_batched']:.1f} tok/s ({doc['concurrent']['ratio_vs_revision']:.1f}x); rows "
                   f"identical to alone: {sum(same)}/{n_req}")
+        write(a.json, doc)
         if "concurrency" in parts:
             points = worker(REPO, "concurrency", n_req=2 * n_req, scale=scale)["points"]
             doc["concurrency"] = [{**p, "tokens_per_s": round(p["tokens"] / p["wall_s"], 2)} for p in points]
@@ -223,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  rows {p['rows']:3d}: {p['tokens_per_s']:8.1f} tok/s")
             if a.plot:
                 plot_concurrency(points, a.plot)
+        write(a.json, doc)
         if "commands" in parts:
             doc["commands"] = {}
             for name, args in COMMANDS.items():
@@ -234,17 +243,23 @@ def main(argv: list[str] | None = None) -> int:
                 doc["commands"][name] = {"revision_s": round(walls["revision"], 1), "current_s": round(walls["current"], 1),
                                          "ratio": round(walls["revision"] / walls["current"], 2)}
                 print(f"dsv41 {name}: revision {walls['revision']:.1f} s, current {walls['current']:.1f} s, "
-                      f"{walls['revision'] / walls['current']:.2f}x")
+                      f"{walls['revision'] / walls['current']:.2f}x", flush=True)
+                write(a.json, doc)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
         doc["load_average_1min_at_end"] = os.getloadavg()[0]
     except OSError:
         pass
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+    write(a.json, doc)
     return 0
+
+
+def write(path: str | None, doc: dict) -> None:
+    """The results so far (after every part: an interrupted run keeps what it measured)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":
