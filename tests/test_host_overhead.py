@@ -9,7 +9,6 @@ bundled model, so that an accidental regression of the host overhead fails.
 
 from __future__ import annotations
 
-import collections
 import os
 import subprocess
 import sys
@@ -17,9 +16,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
-from dsv41.model import formats, layers, moe as moe_mod
+from dsv41.model import formats, layers
 from dsv41.model.kernels import reference
 
 # ------------------------------------------------------------------------------------------- helpers
