@@ -65,7 +65,8 @@ class BatchCache:
         self.pending_score = {l: torch.zeros_like(t) for l, t in self.pending_kv.items()}
         self.engram_history: torch.Tensor | None = None  # [R, N-1], made on the first load that has one
         self.dtype = torch.bfloat16  # what the written values were (reads of a KVCache return it)
-        self.active = self.rows = 0  # this step: rows in use, rows computed (prepare_step)
+        self.active = self.rows = self.longest = 0  # this step: rows in use, rows computed, longest row (prepare_step)
+        self._row_ids: dict[int, torch.Tensor] = {}
         # static: every step reads the whole entry capacity and a RoPE table of a power-of-two length, so
         # that its shapes stay fixed between capacity doublings (a CUDA graph replays it: model/engine.py).
         # The same numbers as reading only the entries in use (the rest are masked; tests/test_batch_engine.py)
@@ -233,11 +234,15 @@ class BatchCache:
         if self.static:  # a few row counts only: each is one CUDA graph
             rows = min(1 << (rows - 1).bit_length(), self.n_rows)
         self.active, self.rows = active, rows
+        self.longest = max(self.lengths[:active])  # the padding rows sit at position 0
+        if rows not in self._row_ids:  # kept per row count: a captured step reads the same tensor every replay
+            self._row_ids[rows] = torch.arange(rows, device=self.device)
+        self.row_ids = self._row_ids[rows]
         return self.rows
 
     def rope_stop(self) -> int:
         """One past the largest position the step rotates at (static: a power of two, at least 64)."""
-        stop = max(self.lengths[:self.rows]) + 1
+        stop = self.longest + 1
         return max(1 << (stop - 1).bit_length(), 64) if self.static else stop
 
     def static_key(self) -> tuple:
@@ -258,7 +263,7 @@ class BatchCache:
 
     def write_window(self, layer_id: int, packed: tuple[torch.Tensor, torch.Tensor]) -> None:
         """This step's window row of each row (packed FP8 [R, 1, D] and scales) at slot p mod W."""
-        rows = torch.arange(self.rows, device=self.device)
+        rows = self.row_ids
         slots = self.positions[:self.rows] % self.window_size
         self.window_codes[layer_id][rows, slots] = packed[0][:, 0]
         self.window_scales[layer_id][rows, slots] = packed[1][:, 0]
@@ -270,7 +275,7 @@ class BatchCache:
         """Add this step's projections (kv, score [R, 1, D] fp32) to each row's open group; return the
         group's projections and scores [R, m, D] (slots after p mod m hold the previous group's: a row's
         pooled value is only used when its group completes at this token)."""
-        rows = torch.arange(self.rows, device=self.device)
+        rows = self.row_ids
         slot = self.positions[:self.rows] % self.ratio[layer_id]
         self.pending_kv[layer_id][rows, slot] = kv[:, 0]
         self.pending_score[layer_id][rows, slot] = score[:, 0]
@@ -283,7 +288,7 @@ class BatchCache:
     def append_entry(self, layer_id: int, main: tuple[torch.Tensor, ...], keys: tuple[torch.Tensor, ...]) -> None:
         """Write each row's entry (packed main [R, 1, ...], packed index key) at index n_compressed; count it
         for the rows in use whose group completes at this token (position p with (p + 1) mod m == 0)."""
-        rows = torch.arange(self.rows, device=self.device)
+        rows = self.row_ids
         n = self.n_compressed[layer_id]
         for store, new in ((self.main[layer_id], main), (self.index_keys[layer_id], keys)):
             for t, v in zip(store, new):
@@ -300,8 +305,7 @@ class BatchCache:
         or the whole capacity when static (the rest are masked)."""
         if self.static:
             return self.capacity - 1
-        m = self.ratio[layer_id]
-        return max((self.lengths[b] + 1) // m for b in range(self.active))
+        return (self.longest + 1) // self.ratio[layer_id]
 
     def main_rows(self, layer_id: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(t[:self.rows, :n] for t in self.main[layer_id])

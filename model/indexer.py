@@ -101,23 +101,12 @@ class Indexer(nn.Module):
 
         keys: the index keys of every compressed entry written so far, as values [B, N, index_head_dim]
         (training) or as the cache's packed MXFP4 bytes (codes, scales) (inference: the kernel decodes them)."""
-        B, T, _ = x.shape
-        visible = visible_counts(start_pos, T, self.ratio, x.device)
+        visible = visible_counts(start_pos, x.size(1), self.ratio, x.device)
         if self.spec.uses_candidates and isinstance(keys, tuple) and use_triton(keys[0]):
             # on the kernel, a Reindex layer scores its pool only. The references keep the masked full
             # scan below: Top-K over the whole row breaks ties between equal bf16 scores as REF does
-            return self.pool_topk(x, qr, keys, freqs, visible.view(1, -1, 1), shared.candidate_entries)
-        scores = self.head_scores(x, qr, keys, freqs)  # [B, T, N]
-        n = scores.size(-1)
-        scores = scores.masked_fill(torch.arange(n, device=x.device) >= visible.unsqueeze(-1), -torch.inf)
-        if self.spec.builds_candidates:
-            shared.candidates, shared.candidate_entries = select_candidate_blocks(scores, visible, self.topk_blocks,
-                                                                                  self.block_size)
-        elif self.spec.uses_candidates:
-            scores = scores.masked_fill(~shared.candidates, -torch.inf)
-        k = min(self.topk, n)
-        idx = scores.detach().topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
-        return torch.where(idx < visible.view(1, T, 1), idx, -1), scores
+            return self.pool_topk(x, qr, keys, freqs, visible.unsqueeze(-1), shared.candidate_entries)
+        return self.select(x, qr, keys, freqs, visible, shared)
 
     def decode(self, x: torch.Tensor, qr: torch.Tensor, keys: tuple, freqs: torch.Tensor, visible: torch.Tensor,
                shared) -> torch.Tensor:
@@ -125,21 +114,28 @@ class Indexer(nn.Module):
         visible[b] entries (visible [B, 1]; keys packed, [B, N, ...] with N the batch's largest count).
         Returns the Top-K [B, 1, index_topk], ascending, padded with -1 to the full width, so that the
         attention after it reads the same number of columns whatever the other rows hold."""
-        B = x.size(0)
         if self.spec.uses_candidates and use_triton(keys[0]):
-            top, _ = self.pool_topk(x, qr, keys, freqs, visible.view(B, 1, 1), shared.candidate_entries)
+            top, _ = self.pool_topk(x, qr, keys, freqs, visible.unsqueeze(-1), shared.candidate_entries)
         else:
-            scores = self.head_scores(x, qr, keys, freqs, by_entry=True)  # [B, 1, N]
-            n = scores.size(-1)
-            scores = scores.masked_fill(torch.arange(n, device=x.device) >= visible.unsqueeze(-1), -torch.inf)
-            if self.spec.builds_candidates:
-                shared.candidates, shared.candidate_entries = select_candidate_blocks(
-                    scores, visible, self.topk_blocks, self.block_size, stable=True)
-            elif self.spec.uses_candidates:
-                scores = scores.masked_fill(~shared.candidates, -torch.inf)
-            idx = top_indices(scores, min(self.topk, n), stable=True).sort(dim=-1).values
-            top = torch.where(idx < visible.view(B, 1, 1), idx, -1)
+            top, _ = self.select(x, qr, keys, freqs, visible, shared, batch_invariant=True)
         return F.pad(top, (0, self.topk - top.size(-1)), value=-1)
+
+    def select(self, x: torch.Tensor, qr: torch.Tensor, keys, freqs: torch.Tensor, visible: torch.Tensor, shared,
+               batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The masked full scan: scores over every entry, -inf where invisible (visible: the entries each query
+        sees, broadcastable to [B, T]) or outside the candidate pool; the pool built here on the candidate-source
+        layer; the Top-K ascending, -1 where invisible. batch_invariant (the decode step): scores as keys @ q^T
+        and ties to the lower index, so that a row's choice does not depend on the other rows' widths."""
+        scores = self.head_scores(x, qr, keys, freqs, by_entry=batch_invariant)  # [B, T, N]
+        n = scores.size(-1)
+        scores = scores.masked_fill(torch.arange(n, device=x.device) >= visible.unsqueeze(-1), -torch.inf)
+        if self.spec.builds_candidates:
+            shared.candidates, shared.candidate_entries = select_candidate_blocks(
+                scores, visible, self.topk_blocks, self.block_size, stable=batch_invariant)
+        elif self.spec.uses_candidates:
+            scores = scores.masked_fill(~shared.candidates, -torch.inf)
+        idx = top_indices(scores.detach(), min(self.topk, n), batch_invariant).sort(dim=-1).values
+        return torch.where(idx < visible.unsqueeze(-1), idx, -1), scores
 
     def pool_topk(self, x: torch.Tensor, qr: torch.Tensor, keys: tuple, freqs: torch.Tensor, visible: torch.Tensor,
                   pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

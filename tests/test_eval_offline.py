@@ -135,6 +135,21 @@ reference = { "Ref" = 74.1 }
 
 
 # ------------------------------------------------------------------------------------ interrupt and resume
+def interrupted(args, cwd, ready) -> tuple[str, str]:
+    """Run `dsv41 ARGS` with the Hub unreachable, send SIGINT once ready() holds; its (stdout, stderr) after
+    checking it stopped with exit 130."""
+    proc = subprocess.Popen([sys.executable, "-m", "dsv41_cli", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=hub_down_env(), cwd=cwd)
+    deadline = time.monotonic() + 300
+    while not ready() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "finished before it could be interrupted: " + proc.stderr.read()
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    return stdout, stderr
+
+
 def _cached_answers(out: Path) -> int:
     from sqlitedict import SqliteDict
 
@@ -162,15 +177,7 @@ def test_interrupt_keeps_the_answers_and_the_rerun_resumes(small_ckpt, tmp_path)
     assert (default_out / "results.json").is_file() and (default_out / "samples_tiny_reasoning.jsonl").is_file()
 
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "dsv41_cli", *map(str, args), "--output", str(out), "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=hub_down_env(), cwd=tmp_path)
-    deadline = time.monotonic() + 300
-    while _cached_answers(out) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, "finished before it could be interrupted: " + proc.stderr.read()
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr
+    stdout, stderr = interrupted([*args, "--output", out, "--json"], tmp_path, lambda: _cached_answers(out) >= 2)
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("interrupted: 0 of 1 tasks done") and f"kept in {out}" in last
     assert last.endswith("run the same command again to resume")
@@ -283,15 +290,7 @@ result = "exact_match,flexible-extract"
     out = tmp_path / "out"
     args = ["eval", "--suite", suite, "--model", small_ckpt, "--limit", 3, "--batch-size", 1, "--max-new-tokens", 24,
             "--output", out, "--json"]
-    proc = subprocess.Popen([sys.executable, "-m", "dsv41_cli", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=hub_down_env(), cwd=tmp_path)
-    deadline = time.monotonic() + 300
-    while not (out / "rows" / "00.json").is_file() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, "finished before it could be interrupted: " + proc.stderr.read()
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr
+    _, stderr = interrupted(args, tmp_path, lambda: (out / "rows" / "00.json").is_file())
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("interrupted: 1 of 2 rows done") and f"kept in {out}" in last
     partial = json.loads((out / "report.json").read_text())  # the partial report: one row done, one pending

@@ -6,7 +6,6 @@ storage dtypes (the release's, the model's, the accepted ones)."""
 from __future__ import annotations
 
 import json
-import math
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import torch
 
 from dsv41.model.checkpoint.safetensors import ST_DTYPES, CheckpointError, itemsize, st_name
 from dsv41.model.config import ModelArgs
+from dsv41.model import inventory
 from dsv41.model.inventory import _RELEASE_DTYPES, inventory_totals, release_dtype  # noqa: F401
 
 
@@ -315,69 +315,8 @@ def _layer_id(name: str, args: ModelArgs) -> int:
 
 
 def _v4_inventory(args: ModelArgs) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """Tensor shapes of a V4 (Flash/Pro) checkpoint, from spec §3 and §6 (ledgers only: the V4
-    forward pass is not implemented). Names follow the official checkpoint."""
-    d, b = args.dim, args.fp8_block_size
-    f8, e8, bf, f32, i8 = torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.bfloat16, torch.float32, torch.int8
-    out: list = []
+    """Tensor shapes of a V4 (Flash/Pro) checkpoint (ledgers only: the V4 forward pass is not implemented):
+    model/inventory.py's torch-free list, in torch dtypes."""
+    return [(name, shape, ST_DTYPES[dtype]) for name, shape, dtype in inventory._v4_inventory(args)]
 
-    def linear(name, o, i, dtype=f8):
-        out.append((f"{name}.weight", (o, i), dtype))
-        if dtype == f8:
-            out.append((f"{name}.scale", (math.ceil(o / b), math.ceil(i / b)), e8))
 
-    def block(p, layer, ratio, mtp=False):
-        n_mix = (2 + args.hc_mult) * args.hc_mult
-        for sub in ("attn", "ffn"):
-            out.extend([(f"{p}.hc_{sub}_fn", (n_mix, args.hc_mult * d), f32), (f"{p}.hc_{sub}_base", (n_mix,), f32),
-                        (f"{p}.hc_{sub}_scale", (3,), f32)])
-        out.extend([(f"{p}.attn_norm.weight", (d,), bf), (f"{p}.ffn_norm.weight", (d,), bf),
-                    (f"{p}.attn.attn_sink", (args.n_heads,), f32), (f"{p}.attn.q_norm.weight", (args.q_lora_rank,), bf),
-                    (f"{p}.attn.kv_norm.weight", (args.head_dim,), bf)])
-        linear(f"{p}.attn.wq_a", args.q_lora_rank, d)
-        linear(f"{p}.attn.wq_b", args.n_heads * args.head_dim, args.q_lora_rank)
-        linear(f"{p}.attn.wkv", args.head_dim, d)
-        linear(f"{p}.attn.wo_a", args.o_groups * args.o_lora_rank, args.n_heads * args.head_dim // args.o_groups)
-        linear(f"{p}.attn.wo_b", d, args.o_groups * args.o_lora_rank)
-        if ratio:
-            overlap = 2 if ratio == 4 else 1
-            width = overlap * args.head_dim
-            out.extend([(f"{p}.attn.compressor.wkv.weight", (width, d), bf),
-                        (f"{p}.attn.compressor.wgate.weight", (width, d), bf),
-                        (f"{p}.attn.compressor.ape", (ratio, width), f32),
-                        (f"{p}.attn.compressor.norm.weight", (args.head_dim,), bf)])
-            if ratio == 4:
-                iw = 2 * args.index_head_dim
-                linear(f"{p}.attn.indexer.wq_b", args.index_n_heads * args.index_head_dim, args.q_lora_rank)
-                out.extend([(f"{p}.attn.indexer.weights_proj.weight", (args.index_n_heads, d), bf),
-                            (f"{p}.attn.indexer.compressor.wkv.weight", (iw, d), bf),
-                            (f"{p}.attn.indexer.compressor.wgate.weight", (iw, d), bf),
-                            (f"{p}.attn.indexer.compressor.ape", (ratio, iw), f32),
-                            (f"{p}.attn.indexer.compressor.norm.weight", (args.index_head_dim,), bf)])
-        out.append((f"{p}.ffn.gate.weight", (args.n_routed_experts, d), bf))
-        if layer < args.n_hash_layers and not mtp:
-            out.append((f"{p}.ffn.gate.tid2eid", (args.vocab_size, args.n_activated_experts), torch.int64))
-        else:
-            out.append((f"{p}.ffn.gate.bias", (args.n_routed_experts,), f32))
-        inter = args.moe_inter_dim
-        for e in range(args.n_routed_experts):
-            for w, (o, i) in (("w1", (inter, d)), ("w2", (d, inter)), ("w3", (inter, d))):
-                out.append((f"{p}.ffn.experts.{e}.{w}.weight", (o, i // 2), i8))
-                out.append((f"{p}.ffn.experts.{e}.{w}.scale", (o, i // 32), e8))
-        for w, (o, i) in (("w1", (inter, d)), ("w2", (d, inter)), ("w3", (inter, d))):
-            linear(f"{p}.ffn.shared_experts.{w}", o, i)
-
-    out.extend([("embed.weight", (args.vocab_size, d), bf), ("head.weight", (args.vocab_size, d), bf),
-                ("norm.weight", (d,), bf), ("hc_head_fn", (args.hc_mult, args.hc_mult * d), f32),
-                ("hc_head_base", (args.hc_mult,), f32), ("hc_head_scale", (1,), f32)])
-    for l in range(args.n_layers):
-        block(f"layers.{l}", l, args.compress_ratios[l])
-    for k in range(args.n_mtp_layers):
-        p = f"mtp.{k}"
-        block(p, args.n_layers + k, 0, mtp=True)
-        linear(f"{p}.e_proj", d, d)
-        linear(f"{p}.h_proj", d, d)
-        out.extend([(f"{p}.enorm.weight", (d,), bf), (f"{p}.hnorm.weight", (d,), bf), (f"{p}.norm.weight", (d,), bf),
-                    (f"{p}.hc_head_fn", (args.hc_mult, args.hc_mult * d), f32),
-                    (f"{p}.hc_head_base", (args.hc_mult,), f32), (f"{p}.hc_head_scale", (1,), f32)])
-    return out
