@@ -7,8 +7,9 @@ thinking budget, continuous batching, and DSpark speculative decoding.
 Read in gpt-fast's order: `Generator.prefill` (a prompt into a KVCache), `Scheduler.step` (admit waiting
 requests, prefill one chunk, decode one token for every running row), `Generator.generate` /
 `Generator.generate_many` (n tokens for one request / many at once). Every command that generates goes
-through `Scheduler` (docs/generation.md: admission, chunking, row reuse, cancellation); a DSpark request
-runs its own draft-and-verify loop (`Generator._speculative`), one sequence at a time.
+through `Scheduler` (docs/generation.md: admission, chunking, row reuse, cancellation). A DSpark request
+runs in the same scheduler beside the batch's rows: its own KVCache, one draft-and-verify step
+(`Generator._speculate`) per scheduler step, accepting as many drafts as the target agrees with.
 
 Everything runs under torch.inference_mode(). Batched scoring for evaluation uses the full forward.
 """
@@ -179,29 +180,12 @@ class Generator:
             raise ValueError(f"the prompt has token ids outside the model's vocabulary of {self.args.vocab_size}: "
                              "the tokenizer does not belong to this checkpoint")
 
-    @torch.inference_mode()
     def generate(self, prompt_ids: list[int], config: GenerationConfig,
                  on_token: Callable[[int], str | None] | None = None, images: list | None = None) -> GenerationResult:
         """One request to its end. `images`: the `vision.ImageInput`s of an expanded prompt
         (`vision.expand_image_placeholders`). `on_token(token)` sees each token as it is committed."""
         self.check_request(prompt_ids, config)
-        if not config.dspark:
-            return self.generate_many([Request(prompt_ids, config, images, on_token)], max_batch_size=1)[0]
-        sampler = Sampler(config.sampling, self.device, self.source)
-        _reset_peak_memory(self.device)
-        t0 = time.perf_counter()
-        cache, logits, taps, prefill_stats = self._prompt(prompt_ids, config, images)
-        _sync(self.device)
-        t1 = time.perf_counter()
-        budget = _Budget(config, prompt_ids)
-        out, finish, stats = self._speculative(cache, logits, taps, prompt_ids, config, sampler, budget, on_token)
-        _sync(self.device)
-        t2 = time.perf_counter()
-        pc = config.prefix_cache if not images else None
-        if pc is not None:  # the conversation so far (prompt and reply): a next turn continued over it hits
-            pc.store(list(prompt_ids) + out, cache)
-        return GenerationResult(len(prompt_ids), out, finish, t1 - t0, t2 - t1, _peak_memory(self.device),
-                                cache_bytes_per_token(cache), stats, budget.forced, prefill_stats)
+        return self.generate_many([Request(prompt_ids, config, images, on_token)], max_batch_size=1)[0]
 
     def stream(self, prompt_ids: list[int], config: GenerationConfig, mode: str = "thinking",
                images: list | None = None):
@@ -217,19 +201,15 @@ class Generator:
         self.check_request(prompt_ids, config)
         parser = CompletionStream(self.tokenizer, mode)
         pending: list = []
-        if config.dspark:  # DSpark's own loop: its tokens come in runs of accepted drafts
-            result = self.generate(prompt_ids, config, lambda t: pending.extend(parser.feed(t)), images)
-            yield from pending
-        else:
-            scheduler = Scheduler(self, max_batch_size=1)
-            scheduler.submit(Request(prompt_ids, config, images, lambda t: pending.extend(parser.feed(t))))
-            result = None
-            with torch.inference_mode():
-                while scheduler.busy:
-                    for _, result in scheduler.step():
-                        pass
-                    yield from pending
-                    pending.clear()
+        scheduler = Scheduler(self, max_batch_size=1)
+        scheduler.submit(Request(prompt_ids, config, images, lambda t: pending.extend(parser.feed(t))))
+        result = None
+        with torch.inference_mode():
+            while scheduler.busy:
+                for _, result in scheduler.step():
+                    pass
+                yield from pending  # a DSpark step commits a run of accepted drafts at once
+                pending.clear()
         for event in parser.close(result.finish_reason):
             if event.kind == "finish":
                 event.result = result
@@ -239,8 +219,7 @@ class Generator:
     def generate_many(self, requests: list["Request"], max_batch_size: int = 32, max_batch_tokens: int | None = None,
                       on_done: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
         """Every request to its end, many at once (continuous batching, `Scheduler`); results in request
-        order. on_done(i, result) as each finishes (in the order they finish). DSpark requests run one at a
-        time, after the others."""
+        order. on_done(i, result) as each finishes (in the order they finish)."""
         results: list[GenerationResult | None] = [None] * len(requests)
 
         def done(i, result):
@@ -249,17 +228,10 @@ class Generator:
                 on_done(i, result)
 
         scheduler = Scheduler(self, max_batch_size, max_batch_tokens)
-        speculative = []
         for i, r in enumerate(requests):
-            self.check_request(r.prompt_ids, r.config)
-            if r.config.dspark:
-                speculative.append(i)
-            else:
-                scheduler.submit(r, key=i)
+            scheduler.submit(r, key=i)
         for i, result in scheduler.run():
             done(i, result)
-        for i in speculative:
-            done(i, self.generate(requests[i].prompt_ids, requests[i].config, requests[i].on_token, requests[i].images))
         return results  # type: ignore[return-value]
 
     def _prompt(self, ids: list[int], config: GenerationConfig, images=None):
@@ -312,10 +284,12 @@ class Generator:
         return cache, logits, taps, stats
 
     # ---------------------------------------------------------------- DSpark
-    def _speculative(self, cache, logits, tap_segments, prompt_ids, config, sampler, budget, on_token):
-        """Draft S tokens with the drafter, verify them in one target forward, keep the accepted
-        prefix plus one token from the target (chain verification). Greedy: accept while the draft
-        equals the argmax of the verification logits, so every emitted token is that argmax. It equals
+    def _speculate(self, cache, logits, tap_segments, prompt_ids, config, sampler, budget, on_token, out: list[int]):
+        """DSpark decoding as a generator the scheduler steps: each `next` drafts S tokens with the drafter,
+        verifies them in one target forward and keeps the accepted prefix plus one token from the target
+        (chain verification), committing them to `out` (and `on_token`); it returns (finish reason,
+        stats) when the request ends. The first `next` also commits the token the prompt's logits give.
+        Greedy: accept while the draft equals the argmax of the verification logits, so every emitted token is that argmax. It equals
         plain greedy decoding's token wherever plain's top-1 margin exceeds twice the logit difference
         between this k+1-row forward and one-token steps (not zero: row-count-dependent fp32 sums, Top-K
         ties broken per row length, and the KV this forward writes; docs/generation.md, DSpark;
@@ -327,7 +301,6 @@ class Generator:
         ring_ids = [args.n_layers + k for k in range(len(model.mtp))]  # the drafter's rings live in the cache
         for taps, positions in tap_segments:
             self._feed_drafter(cache, ring_ids, dspark.main_x(model, taps), positions)
-        out: list[int] = []
         accepted_at = [0] * S  # how often draft position i was accepted
         proposed_at = [0] * S
         steps = accepted_total = 0
@@ -382,13 +355,14 @@ class Generator:
                 finish = stop
                 break
             anchor = next_token
+            yield  # one verification step done: the scheduler's other rows take theirs
         stats = {
             "acceptance_per_position": [a / p if p else 0.0 for a, p in zip(accepted_at, proposed_at)],
             # tokens committed per verification step: the accepted drafts plus the target's own token
             "mean_accepted_per_step": (accepted_total + steps) / steps if steps else 0.0,
             "steps": steps,
         }
-        return out, finish, stats
+        return finish, stats
 
     def _feed_drafter(self, cache, ring_ids, main_x, positions):
         for lid, stage in zip(ring_ids, self.model.mtp):
@@ -450,7 +424,8 @@ PREFILL_CHUNK = {"cpu": 256, "cuda": 2048}
 
 
 class _Sequence:
-    """A request in the scheduler: waiting, prefilling (its own KVCache), or running (a BatchCache row)."""
+    """A request in the scheduler: waiting, prefilling (its own KVCache), running (a BatchCache row), or
+    speculating (DSpark: its own KVCache, stepped by `Generator._speculate`)."""
 
     def __init__(self, key, request: Request, generator: "Generator"):
         self.key, self.request, self.config = key, request, request.config
@@ -465,6 +440,8 @@ class _Sequence:
         self.token = -1  # the next input token (the last one committed)
         self.finish: str | None = None
         self.kv_bytes_per_token: float | None = None  # measured from its row as it finishes
+        self.spec = None  # DSpark: the `Generator._speculate` generator that steps it
+        self.dspark_stats: dict | None = None
 
     @property
     def need(self) -> int:
@@ -473,9 +450,9 @@ class _Sequence:
 
     def chunked(self) -> bool:
         """Whether the prompt prefills chunk by chunk between decode steps (a plain prompt), or in one go
-        (prefix-cache lookups, CED replay, images: `Generator._prompt`)."""
+        (prefix-cache lookups, CED replay, images, DSpark's taps: `Generator._prompt`)."""
         c = self.config
-        return c.prefix_cache is None and c.ced == "full" and not self.request.images
+        return c.prefix_cache is None and c.ced == "full" and not self.request.images and not c.dspark
 
 
 class Scheduler:
@@ -485,7 +462,10 @@ class Scheduler:
     token budget allows (the running rows' prompts plus replies, `max_batch_tokens`), (2) prefills one
     chunk of `prefill_chunk` tokens of the request being admitted (a whole prompt for a prefix-cache
     hit, CED replay or images), and when its prompt is done, samples its first token and loads it into
-    the next free row, (3) decodes one token for every running row in one forward. A finished row is
+    the next free row, (3) decodes one token for every running row in one forward, (4) runs one DSpark
+    draft-and-verify step for each speculative request (DSpark requests keep their own KVCache: a
+    verification forward takes several tokens of one sequence, which the one-token batch step does not;
+    each counts as a row against max_batch_size and its tokens against max_batch_tokens). A finished row is
     freed at once and the last row moves into its place (rows in use stay 0..B-1). `cancel` drops a
     request wherever it is. A request that can never fit (context or token budget) is refused at
     `submit` with RequestTooLarge, before any work. On CUDA the decode step replays from CUDA graphs
@@ -508,6 +488,7 @@ class Scheduler:
         self.waiting: list[_Sequence] = []
         self.prefilling: _Sequence | None = None
         self.running: list[_Sequence] = []  # running[i] is in row i
+        self.speculating: list[_Sequence] = []  # DSpark requests, each in its own KVCache
         self.steps = 0
         self._keys = itertools.count()
         _reset_peak_memory(generator.device)
@@ -540,11 +521,16 @@ class Scheduler:
             if seq.key == key:
                 self._release(seq)
                 return True
+        for seq in self.speculating:
+            if seq.key == key:
+                self.speculating.remove(seq)
+                seq.spec.close()
+                return True
         return False
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self.speculating)
 
     def run(self):
         """Step until every request finished; yields (key, GenerationResult) as each finishes."""
@@ -557,11 +543,13 @@ class Scheduler:
         self._admit(finished)
         if self.running:
             self._decode(finished)
+        if self.speculating:
+            self._speculative_steps(finished)
         self.steps += 1
         return [(seq.key, self._result(seq)) for seq in finished]
 
     def _reserved(self) -> int:
-        return sum(seq.need for seq in self.running)
+        return sum(seq.need for seq in self.running) + sum(seq.need for seq in self.speculating)
 
     def _admit(self, finished: list) -> None:
         """Prefill up to `prefill_chunk` prompt tokens this step (whole chunks, at least one), admitting
@@ -569,7 +557,7 @@ class Scheduler:
         spent = 0
         while True:
             if self.prefilling is None:
-                if not (self.waiting and len(self.running) < self.max_batch_size
+                if not (self.waiting and len(self.running) + len(self.speculating) < self.max_batch_size
                         and self._reserved() + self.waiting[0].need <= self.max_batch_tokens):
                     return
                 self.prefilling = self.waiting.pop(0)
@@ -608,12 +596,17 @@ class Scheduler:
             seq.prefill_stats = {"cached_tokens": 0, "replayed_tokens": 0, "prefilled_tokens": len(ids),
                                  "decoder_tokens": len(ids), "prefix_hit": None}
         else:
-            seq.cache, logits, _, seq.prefill_stats = self.gen._prompt(ids, seq.config, seq.request.images)
+            seq.cache, logits, taps, seq.prefill_stats = self.gen._prompt(ids, seq.config, seq.request.images)
         _sync(self.gen.device)
         seq.prefill_seconds += time.perf_counter() - t0
         self.prefilling = None
         seq.started = time.perf_counter()
         check_finite(logits, self.gen.source)
+        if seq.config.dspark:  # its first step (next scheduler step) commits the prompt's next token
+            seq.spec = self.gen._speculate(seq.cache, logits, taps, ids, seq.config, seq.sampler, seq.budget,
+                                           seq.request.on_token, seq.out)
+            self.speculating.append(seq)
+            return
         self._commit(seq, int(logits[0].argmax()) if seq.sampler.greedy else int(seq.sampler(logits[0])))
         if seq.finish:
             self._store_prefix(seq, seq.cache)
@@ -640,6 +633,20 @@ class Scheduler:
             seq.kv_bytes_per_token = self._kv_bytes_per_token(row)
             self._release(seq)
             finished.append(seq)
+
+    def _speculative_steps(self, finished: list) -> None:
+        """One DSpark draft-and-verify step for each speculative request."""
+        for seq in list(self.speculating):
+            try:
+                next(seq.spec)
+            except StopIteration as end:
+                seq.finish, seq.dspark_stats = end.value
+                _sync(self.gen.device)
+                seq.finished_at = time.perf_counter()
+                self._store_prefix(seq, seq.cache)
+                seq.kv_bytes_per_token = cache_bytes_per_token(seq.cache)
+                self.speculating.remove(seq)
+                finished.append(seq)
 
     def _commit(self, seq: _Sequence, token: int) -> None:
         token = seq.budget.override(token)
@@ -676,7 +683,7 @@ class Scheduler:
         if kv is None:  # finished at its first token: the prefill's cache
             kv = cache_bytes_per_token(seq.cache) if isinstance(seq.cache, KVCache) else 0.0
         return GenerationResult(len(seq.request.prompt_ids), seq.out, seq.finish, seq.prefill_seconds,
-                                seq.finished_at - seq.started, _peak_memory(self.gen.device), kv, None,
+                                seq.finished_at - seq.started, _peak_memory(self.gen.device), kv, seq.dspark_stats,
                                 seq.budget.forced, seq.prefill_stats)
 
 

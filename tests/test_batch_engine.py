@@ -247,3 +247,48 @@ def test_stream_yields_the_parse_as_it_goes(tiny_model):
     assert "".join(e.text for e in events if e.kind == "reasoning") == finish.parsed.reasoning
     assert "".join(e.text for e in events if e.kind == "content") == finish.parsed.content
     assert len([e for e in events if e.kind == "tool_call"]) == len(finish.parsed.tool_calls)
+
+
+def test_dspark_requests_run_in_the_scheduler_beside_the_batch(tiny_model):
+    """DSpark requests share the scheduler with plain ones: each keeps its own KVCache and takes one
+    draft-and-verify step per scheduler step, so every request, plain or speculative, gets exactly the
+    tokens it gets alone; a DSpark request counts as a row against max_batch_size."""
+    gen = Generator(tiny_model)
+    ids = prompts((5, 9, 14, 22), seed=7)
+    cfgs = [greedy(14, dspark=True), greedy(10), greedy(16, dspark=True, dspark_draft_len=2), greedy(6)]
+    alone = [gen.generate(p, c) for p, c in zip(ids, cfgs)]
+    assert all(r.dspark is not None and r.dspark["steps"] > 0 for r, c in zip(alone, cfgs) if c.dspark)
+    scheduler = Scheduler(gen, max_batch_size=3)
+    keys = [scheduler.submit(Request(p, c)) for p, c in zip(ids, cfgs)]
+    results, most = {}, 0
+    while scheduler.busy:
+        for key, result in scheduler.step():
+            results[key] = result
+        most = max(most, len(scheduler.running) + len(scheduler.speculating))
+    assert most == 3  # the fourth request waited for a slot
+    for key, a in zip(keys, alone):
+        assert results[key].output_ids == a.output_ids
+        assert (results[key].dspark is None) == (a.dspark is None)
+    spec = results[keys[0]].dspark
+    assert spec["steps"] < len(results[keys[0]].output_ids)  # drafts were accepted: fewer steps than tokens
+
+
+def test_a_dspark_request_streams_and_cancels(tiny_model):
+    """stream() of a DSpark request goes through the scheduler (runs of accepted drafts arrive together);
+    cancelling a speculative request frees its slot for the next."""
+    from dsv41.model.tokenizer import load_tokenizer
+
+    gen = Generator(tiny_model, load_tokenizer())
+    ids = prompts((11,), seed=6)[0]
+    events = list(gen.stream(ids, greedy(20, dspark=True), mode="thinking"))
+    assert events[-1].kind == "finish"
+    assert events[-1].result.output_ids == gen.generate(ids, greedy(20, dspark=True)).output_ids
+    scheduler = Scheduler(gen, max_batch_size=1)
+    first = scheduler.submit(Request(ids, greedy(40, dspark=True)))
+    second = scheduler.submit(Request(ids[:4], greedy(5)))
+    scheduler.step()
+    scheduler.step()
+    assert [s.key for s in scheduler.speculating] == [first] and len(scheduler.waiting) == 1
+    assert scheduler.cancel(first) and not scheduler.speculating
+    results = dict(scheduler.run())
+    assert set(results) == {second} and len(results[second].output_ids) == 5
