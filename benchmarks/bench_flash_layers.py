@@ -87,7 +87,8 @@ def decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool) -> dict:
 
 
 @torch.inference_mode()
-def engine_decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool, graphs: bool) -> dict:
+def engine_decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool, graphs: bool,
+                     compiled: bool = False) -> dict:
     """The engine's decode step (Transformer.decode over a BatchCache row, model/batch_cache.py) at ctx, one
     sequence: eagerly, or replayed from a CUDA graph (model/engine.py GraphedDecode). No per-layer times
     (a graph replays as one launch)."""
@@ -97,7 +98,7 @@ def engine_decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool, graph
     kv = fs.fill_cache(model, start, spare=0)
     cache = model.new_batch_cache(1, ctx + 1)
     if graphs:
-        step = GraphedDecode(model, cache)
+        step = GraphedDecode(model, cache, compiled=compiled)
     else:
         step = lambda ids: model.decode(ids, cache)  # noqa: E731
     cache.reserve(ctx + 1)
@@ -115,7 +116,8 @@ def engine_decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool, graph
     b, f = fs.work(model, ctx - 1, 1)
     extra = {"graph_replays": step.replays, "graphs_captured": step.captured, "graph_failed": step.failed} \
         if graphs else {}
-    return fs.row(f"engine decode step at ctx {fs.context_label(ctx)} ({'CUDA graph' if graphs else 'eager'})",
+    mode = ("CUDA graph of the compiled step" if compiled else "CUDA graph") if graphs else "eager"
+    return fs.row(f"engine decode step at ctx {fs.context_label(ctx)} ({mode})",
                   dt, b, f, cuda, tokens=1, tokens_per_s=1 / dt, steps=steps, **extra, **fs.memory_note())
 
 
@@ -130,7 +132,7 @@ def prefill_chunk_at(model, ctx: int, chunk: int, cuda: bool) -> dict:
 
 
 def run(json_path=None, device=None, tiny=False, contexts=None, chunk=None, prefill_tokens=None, steps=None,
-        warmup=2, experts=None, quick=False, engine_only=False):
+        warmup=2, experts=None, quick=False, engine_only=False, compiled=False):
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
     if tiny:
@@ -158,6 +160,8 @@ def run(json_path=None, device=None, tiny=False, contexts=None, chunk=None, pref
     kinds = ("decode", "engine", "graph", "chunk") if cuda else ("decode", "engine", "chunk")
     if engine_only:
         kinds = ("engine", "graph") if cuda else ("engine",)
+        if cuda and compiled:
+            kinds += ("compiled",)
     cases = ([] if engine_only else [("prefill", prefill_tokens)]) + [(kind, n) for n in contexts for kind in kinds]
     for kind, n in cases:
         try:
@@ -166,8 +170,8 @@ def run(json_path=None, device=None, tiny=False, contexts=None, chunk=None, pref
                 r = prefill_from_empty(model, n, cuda)
             elif kind == "decode":
                 r = decode_at(model, n, steps, warmup, cuda)
-            elif kind in ("engine", "graph"):
-                r = engine_decode_at(model, n, steps, warmup, cuda, graphs=kind == "graph")
+            elif kind in ("engine", "graph", "compiled"):
+                r = engine_decode_at(model, n, steps, warmup, cuda, graphs=kind != "engine", compiled=kind == "compiled")
             else:
                 r = prefill_chunk_at(model, n, chunk, cuda)
             r["case_wall_s"] = round(time.perf_counter() - t, 1)
@@ -213,6 +217,8 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="fewer decode steps, short ceiling windows")
     ap.add_argument("--engine-only", action="store_true",
                     help="only the engine's decode step (eager, and from a CUDA graph on CUDA)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="with --engine-only on CUDA: also the CUDA graph of the torch.compile'd step")
     a = ap.parse_args()
     run(a.json, a.device, a.tiny, a.contexts, a.chunk, a.prefill_tokens, a.steps, a.warmup, a.experts, a.quick,
-        a.engine_only)
+        a.engine_only, a.compiled)

@@ -4,7 +4,9 @@ bytes (floor) per step = M * (X read 2nd + y read 2d + X' written 2nd + collapse
 (n + n + n n) * 4 * 2) + W_fn once (24 * n d * 4); FLOPs = 2 * 24 * n d * M (the projection).
 Compared with the torch path (model/mhc.py functions, as Block.mix runs them). Each row records the residual
 kernel's tiling (mhc.launch_config: tokens x channels per step, channel blocks per program, grid).
-Usage: python benchmarks/bench_mhc.py [--json F] [--quick]
+Schedules of the residual kernel (mhc.TUNE: tile, warps, stream tiles loaded once) are replayed from CUDA
+graphs at 4096 and 16384 tokens against the default in the same run ("sweep" rows, graph_us).
+Usage: python benchmarks/bench_mhc.py [--json F] [--quick] [--no-sweep]
 """
 
 from __future__ import annotations
@@ -13,13 +15,19 @@ import argparse
 
 import torch
 
-from kernels_common import bench, print_table, record, set_quick, write_json
+from kernels_common import bench, graph_bench, print_table, record, set_quick, write_json
 
 N_S, DIM = 4, 5120
 
 
-def run(json_path=None):
-    from dsv41.model.kernels import reference
+SWEEP = [dict(tile=(64, 16, 2)), dict(x_once=True), dict(tile=(64, 16, 2), x_once=True),
+         dict(tile=(64, 32, 2), x_once=True),
+         dict(tile=(64, 32, 3), x_once=True), dict(tile=(128, 32, 2), num_warps=8, x_once=True),
+         dict(tile=(64, 64, 2), num_warps=8, x_once=True), dict(tile=(32, 64, 2), x_once=True)]
+
+
+def run(json_path=None, do_sweep=True):
+    from dsv41.model.kernels import mhc, reference
     from dsv41.model.kernels.mhc import launch_config, mhc_step
 
     rows = []
@@ -34,10 +42,25 @@ def run(json_path=None):
         comb = torch.rand(M, 1, N_S, N_S, device="cuda")
         args = (x, pre, fn, scale, base, 20, 1e-6, 1e-6, y, post, comb)
         t = bench(lambda: mhc_step(*args))
+        g = graph_bench(lambda: mhc_step(*args))
         t_ref = bench(lambda: reference.mhc_step(*args), rep_ms=50)
         bytes_ = M * (2 * N_S * DIM * 2 + 2 * DIM * 2 + (2 * N_S + N_S * N_S) * 4 * 2) + n_mix * N_S * DIM * 4
-        rows.append(record("mhc_step", f"M={M} tokens", t, bytes_, 2 * n_mix * N_S * DIM * M,
+        flops = 2 * n_mix * N_S * DIM * M
+        rows.append(record("mhc_step", f"M={M} tokens", t, bytes_, flops, graph_us=g * 1e6,
                            torch_ref_us=t_ref * 1e6, launch=launch_config(M, DIM, x.device)))
+        if do_sweep and M >= 4096:
+            saved = dict(mhc.TUNE)
+            for change in [{}] + SWEEP:
+                mhc.TUNE.update(saved, **change)
+                try:
+                    g = graph_bench(lambda: mhc_step(*args))
+                    rows.append(record("mhc_sweep", f"sweep M={M} {change or 'default'}", g, bytes_, flops,
+                                       graph_us=g * 1e6, launch=launch_config(M, DIM, x.device)))
+                except Exception as e:  # a schedule that does not compile or fit: keep the others
+                    print(f"!! sweep {change}: {type(e).__name__}: {e}")
+            mhc.TUNE.update(saved)
+    for r in rows:
+        r["graph_x_floor"] = r["graph_us"] / r["floor_us"]
     print_table(rows, "single-pass mHC (n=4, d=5120, bf16 residual)")
     write_json(json_path, "mhc", rows)
     return rows
@@ -47,6 +70,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="short timing windows (one short GPU run)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the residual kernel's schedule sweep")
     a = ap.parse_args()
     set_quick(a.quick)
-    run(a.json)
+    run(a.json, not a.no_sweep)

@@ -42,7 +42,32 @@ def make(B, T, N, device="cuda"):
     return q, wc, ws, mc, ms, sink, widx, midx
 
 
-def run(json_path=None, variant="both"):
+# the split kernel's launch knobs (sparse_attention.SPLIT_*) timed from graphs at B=64, N=4K against the
+# defaults in the same run: 4 warps (253 registers x 128 threads: two programs fit an SM), more or fewer
+# programs per SM (fewer partials), pipeline depth, 32-row tiles
+SWEEP = [dict(SPLIT_BK=16, SPLIT_STAGES=2),  # the launch before 2026-12-02
+         dict(SPLIT_BK=16, SPLIT_STAGES=1), dict(SPLIT_PER_SM=1), dict(SPLIT_PER_SM=4), dict(SPLIT_STAGES=2),
+         dict(SPLIT_WARPS=4)]
+
+
+def sweep(rows, args, label, io_bytes, flops):
+    from dsv41.model.kernels import sparse_attention as sa
+
+    base = {k: getattr(sa, k) for k in ("SPLIT_WARPS", "SPLIT_PER_SM", "SPLIT_STAGES", "SPLIT_BK")}
+    for change in [{}] + SWEEP:
+        for k, v in {**base, **change}.items():
+            setattr(sa, k, v)
+        try:
+            g = graph_bench(lambda: sa.sparse_attention_packed(*args, variant="split"))
+            rows.append(record("sparse_attention_sweep", f"sweep {label} {change or 'default'}", g, io_bytes, flops,
+                               graph_us=g * 1e6))
+        except Exception as e:  # a configuration that does not compile or fit: keep the others
+            print(f"!! sweep {change}: {type(e).__name__}: {e}")
+    for k, v in base.items():
+        setattr(sa, k, v)
+
+
+def run(json_path=None, variant="both", do_sweep=True):
     from dsv41.model.kernels import reference
     from dsv41.model.kernels import sparse_attention as sa
 
@@ -72,6 +97,8 @@ def run(json_path=None, variant="both"):
                 extra["torch_ref_us"] = ref_us
             name = "sparse_attention_packed" if v in ("auto", "split") or T > 1 else "sparse_attention_packed[tiles]"
             rows.append(record(name, label, bench(fn), io + kv_bytes, flops, **extra))
+        if do_sweep and B == 64 and N == 4096:
+            sweep(rows, args, label, io + kv_bytes, flops)
         args = None  # free the case's tensors before the next one
         del q, wc, ws, mc, ms
         torch.cuda.empty_cache()
@@ -86,6 +113,7 @@ if __name__ == "__main__":
     ap.add_argument("--variant", choices=("auto", "split", "tiles", "both"), default="both",
                     help="kernel(s) to time; both = split and tiles for decode, the default kernel for prefill")
     ap.add_argument("--quick", action="store_true", help="short timing windows (one short GPU run)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the split kernel's launch sweep")
     a = ap.parse_args()
     set_quick(a.quick)
-    run(a.json, a.variant)
+    run(a.json, a.variant, not a.no_sweep)

@@ -145,34 +145,58 @@ def indexer_mhc_cases(quick: bool):
     pick for V4.1-Flash (32 heads x 128; n = 4, d = 5120, bf16 residual)."""
     from dsv41.model.kernels import _triton_indexer as I
     from dsv41.model.kernels import _triton_mhc as Mh
+    from dsv41.model.kernels import indexer as ix
+    from dsv41.model.kernels import mhc
 
     i_types = dict(q_ptr="*fp32", w_ptr="*fp32", codes_ptr="*u8", scales_ptr="*u8", cand_ptr="*i32", vis_ptr="*i32",
-                   out_ptr="*fp32", T="i32", H="i32", N="i32", C="i32", stride_qb="i32", stride_qt="i32",
+                   out_ptr="*fp32", hist_ptr="*i32", T="i32", H="i32", N="i32", C="i32", stride_qb="i32", stride_qt="i32",
                    stride_qh="i32", stride_wb="i32", stride_wt="i32", stride_cb="i32", stride_cr="i32",
                    stride_sb="i32", stride_sr="i32", stride_ib="i32", stride_it="i32", stride_ob="i32", stride_ot="i32")
     i_div = ("q_ptr", "w_ptr", "codes_ptr", "scales_ptr", "cand_ptr", "vis_ptr", "out_ptr", "stride_qb", "stride_qt",
              "stride_qh", "stride_cb", "stride_cr", "stride_ob", "stride_ot")
-    # the model's own call (model/indexer.py): bf16 q, REF's bf16 score rounding; then the fp32 variants
+    # the model's own call (model/indexer.py): bf16 q, REF's bf16 score rounding; then the fp32 variants; a
+    # decode query's program also bins its scores for the fused Top-K's first radix pass (HIST)
     cases = ((False, 1, True),) if quick else ((False, 1, True), (False, 1, False), (False, 2, False), (True, 1, False))
+    t = ix.TUNE
     for gather, BT, bf16 in cases:
         yield (("indexer gather" if gather else "indexer dense") + (" bf16 scores" if bf16 else ""), I.kernel,
                dict(i_types, q_ptr="*bf16" if bf16 else "*fp32"),
-               dict(DK2=64, HP=32, BT=BT, BN=128, GATHER=gather, MASK_VISIBLE=True, BF16_SCORES=bf16, INTERPRET=False),
-               i_div, 8, 3)
+               dict(DK2=64, HP=32, BT=BT, BN=t["BN"], GATHER=gather, MASK_VISIBLE=True, BF16_SCORES=bf16,
+                    DECODE_BF16=t["decode_bf16"], HIST=BT == 1 and not gather, INTERPRET=False),
+               i_div, t["num_warps"], t["num_stages"])
     m_types = dict(x_ptr="*bf16", y_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", pre_ptr="*fp32",
                    fn_hi_ptr="*bf16", fn_lo_ptr="*bf16", x_new_ptr="*bf16", collapsed_ptr="*bf16", acc_ptr="*fp32",
                    M="i32", d="i32", blocks_per_range="i32")
     m_div = ("x_ptr", "y_ptr", "post_ptr", "comb_ptr", "pre_ptr", "fn_hi_ptr", "fn_lo_ptr", "x_new_ptr",
              "collapsed_ptr", "acc_ptr", "d")
-    for BM, BD, stages in ((64, 16, 2),) if quick else ((16, 32, 3), (64, 16, 2)):
+    # the fused Top-K's radix select (model/kernels/indexer.py topk_select), k = 512 (KP 512)
+    radix = dict(scores_ptr="*fp32", hist_ptr="*i32", L="i32", k="i32")
+    for PASS in (0, 3):
+        yield (f"topk radix pass {PASS}", I.radix_pass_kernel, radix,
+               dict(PASS=PASS, BL=ix.RADIX_BL, INTERPRET=False), ("scores_ptr", "hist_ptr"), 4, 3)
+    yield ("topk radix collect", I.radix_collect_kernel, dict(radix, sel_ptr="*i32"),
+           dict(KP=512, BL=ix.RADIX_BL), ("scores_ptr", "hist_ptr", "sel_ptr"), 4, 3)
+    for gather in (False, True):
+        yield ("topk finish" + (" gather" if gather else ""), I.topk_finish_kernel,
+               dict(sel_ptr="*i32", scores_ptr="*fp32", cand_ptr="*i32", out_ptr="*i64", L="i32", k="i32"),
+               dict(KP=512, GATHER=gather), ("sel_ptr", "scores_ptr", "cand_ptr", "out_ptr"), 4, 3)
+    big = mhc.TUNE["tile"]  # from 256 tokens; below, 16 x 32 (mhc.launch_config)
+    for BM, BD, stages in (big,) if quick else ((16, 32, 3), big):
         for has_y in (True,) if quick else (True, False):
-            yield ("mhc residual", Mh.residual_kernel, m_types,
-                   dict(N=4, NMP=32, BM=BM, BD=BD, HAS_Y=has_y, INTERPRET=False), m_div, 4, stages)
+            for x_once in (mhc.TUNE["x_once"],) if quick else (False, True):
+                yield ("mhc residual" + (" x_once" if x_once else ""), Mh.residual_kernel, m_types,
+                       dict(N=4, NMP=32, BM=BM, BD=BD, HAS_Y=has_y, X_ONCE=x_once, INTERPRET=False), m_div,
+                       mhc.TUNE["num_warps"] if BM == big[0] else 4, stages)
 
 
 # Kernels whose spills are known and documented (docs/performance.md), printed "SPILL*" without failing the run:
 # the sparse-attention tile kernel (the prefill path; decode moved to the split kernel).
-KNOWN_SPILLS = {"sparse tiles"}
+# The mHC x_once variant at the 64 x 32 tile spills 8 bytes at 255 registers (2026-12-02; it is not the default,
+# mhc.TUNE["x_once"] is False; its measured 1.96-2.62x of the floor came with that spill).
+# The decode split kernel at its 32-row tiles (sparse_attention.SPLIT_BK since 2026-12-02) spills 88 (FP8 window)
+# and 40 (FP4 main) bytes at 255 registers, and still runs faster than the spill-free 16-row tiles: 123.3
+# against 164.2 µs at B=64 (graph replays, h200-2026-12-02-c).
+KNOWN_SPILLS = {"sparse tiles", "mhc residual x_once", "sparse split"}
 
 
 def main() -> int:

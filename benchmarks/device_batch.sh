@@ -90,7 +90,7 @@ step_gpu_tests() {
   if [ "$DRY" != 1 ] && ! "$PY" -c "import pytest" 2>/dev/null; then
     echo "pytest is not installed: GPU tests skipped" | tee "$D/gpu_tests.log"; return
   fi
-  run gpu_tests 220 "$PY" -m pytest -q -m gpu tests/test_kernels.py tests/test_kernels_gemm.py -p no:cacheprovider \
+  run gpu_tests 320 "$PY" -m pytest -q -m gpu tests/test_kernels.py tests/test_kernels_gemm.py -p no:cacheprovider \
     --durations=5
   [ "$DRY" = 1 ] || tail -n 12 "$D/gpu_tests.log"
 }
@@ -98,7 +98,7 @@ step_gpu_tests() {
 step_kernels() {
   local only=()
   [ -n "${ONLY:-}" ] && only=(--only $ONLY)
-  run bench 240 "$PY" -m benchmarks kernels --quick --out "$D" --json "$D/kernels.json" "${only[@]}"
+  run bench 420 "$PY" -m benchmarks kernels --quick --out "$D" --json "$D/kernels.json" "${only[@]}"
   [ "$DRY" = 1 ] || tail -n 45 "$D/bench.log"
 }
 

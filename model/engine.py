@@ -695,8 +695,11 @@ class GraphedDecode:
     and allocates what the step keeps), then the same step is captured (capturing runs nothing) and
     replayed from the next step on. Same kernels, same numbers as the eager static step."""
 
-    def __init__(self, model, cache):
+    def __init__(self, model, cache, compiled: bool = False):
         self.model, self.cache = model, cache
+        # compiled: the step's torch operators fused by torch.compile (inductor) before capture, so a replay
+        # runs fewer, larger kernels (`compiled_decode_rows`); the graph removes the launches either way
+        self.rows_fn = compiled_decode_rows(model) if compiled else model.decode_rows
         cache.static = True
         self.graphs: dict[tuple, tuple] = {}
         self.capacity = None
@@ -718,12 +721,12 @@ class GraphedDecode:
         if entry is None:
             buf = torch.zeros(R, dtype=torch.long, device=ids.device)
             buf[:B] = ids
-            logits = self.model.decode_rows(buf, cache)
+            logits = self.rows_fn(buf, cache)
             cache.advance()
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=self.pool):
-                    out = self.model.decode_rows(buf, cache)
+                    out = self.rows_fn(buf, cache)
             except RuntimeError as e:  # an operator that cannot be captured: run eagerly from now on
                 self.failed = f"{type(e).__name__}: {e}"
                 import warnings
@@ -742,6 +745,20 @@ class GraphedDecode:
         self.replays += 1
         cache.advance()
         return out[:B]
+
+
+def compiled_decode_rows(model):
+    """`model.decode_rows` through torch.compile (inductor, static shapes): elementwise chains and small
+    reductions fused into generated kernels. Its compiled code is cached on disk (TORCHINDUCTOR_CACHE_DIR,
+    default ~/.cache/dsv41/inductor), so a later process skips inductor's code generation. Every static
+    step shape (rows, entry capacity, RoPE table) is one compilation: the recompile limit is raised to cover
+    them."""
+    import torch._dynamo
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "dsv41",
+                                                                  "inductor"))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(model.decode_rows, dynamic=False)
 
 
 def cuda_graphs_default(device) -> bool:

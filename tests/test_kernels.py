@@ -100,6 +100,33 @@ def check_indexer(case, force):
     chosen = torch.where(top >= 0, scores.gather(-1, top.clamp_min(0)), torch.inf)
     assert bool((chosen >= kth - 1e-4 * kth.abs().clamp_min(1)).all())  # each pick is a true top-k score
     assert torch.equal((top >= 0).sum(-1), torch.minimum(visible, torch.tensor(k)).expand_as(top[..., 0]))
+    # over the candidate list (the Reindex layers' pool): the fused Top-K against torch's on the same scores
+    top = indexer.indexer_topk(q, w, kc, ks, visible, k, candidates=cand, force_triton=force)
+    scores = indexer.indexer_scores(q, w, kc, ks, visible, cand, force_triton=force)
+    check_topk(top, torch_topk(scores, k, cand), scores, cand)
+
+
+def torch_topk(scores, k, cand=None):
+    """indexer_topk's torch tail (method="torch"): the k largest, ids ascending, -1 (last) for -inf picks."""
+    top = scores.topk(min(k, scores.size(-1)), dim=-1, sorted=False)
+    ids = top.indices if cand is None else cand.long().expand_as(scores).gather(-1, top.indices)
+    big = torch.iinfo(torch.long).max
+    ids = torch.where(torch.isfinite(top.values), ids, big).sort(dim=-1).values
+    return torch.where(ids == big, -1, ids)
+
+
+def check_topk(top, ref, scores, cand=None, exact=False):
+    """The same number of picks and the same multiset of picked scores (picks between equal scores may
+    differ); with exact (distinct scores), the same ids in the same order."""
+    assert top.shape == ref.shape and top.dtype == torch.long
+    assert torch.equal((top >= 0).sum(-1), (ref >= 0).sum(-1))
+    assert bool((top[..., :-1] <= top[..., 1:]).logical_or(top[..., 1:] < 0).all())  # ascending, -1s last
+    if exact:
+        assert torch.equal(top, ref)
+    pos = lambda ids: ids if cand is None else (  # noqa: E731  entry id -> its column in the scores
+        cand.long().expand_as(scores)[..., :, None] == ids[..., None, :]).long().argmax(-2)
+    picked = lambda ids: torch.where(ids >= 0, scores.gather(-1, pos(ids.clamp_min(0))), -torch.inf)  # noqa: E731
+    assert torch.equal(picked(top).sort(-1).values, picked(ref).sort(-1).values)
 
 
 def check_mhc(case, force, tol_x, tol_c):
@@ -151,7 +178,7 @@ def test_sparse_attention_split_decode_interpreted(shape):
         widx[2] = -1
     sink = sink * 3
     B, _, H, D = q.shape
-    from dsv41.model.kernels.sparse_attention import split_config
+    from dsv41.model.kernels.sparse_attention import SPLIT_BK, split_config
 
     _, _, seg_splits = split_config(B, [widx.size(-1), midx.size(-1)], D, 132)
     assert sum(seg_splits) > 1  # the merge is exercised
@@ -197,19 +224,20 @@ def test_sparse_attention_split_empty_segments_interpreted():
 def test_sparse_attention_split_config():
     """Splits: about 2 x SMs programs, at least one tile each, none empty, every tile covered; B=1 gets one
     split per tile of its lists."""
-    from dsv41.model.kernels.sparse_attention import split_config
+    from dsv41.model.kernels.sparse_attention import SPLIT_BK, split_config
 
     for rows, counts, D in [(1, [128, 512], 512), (8, [128, 512], 512), (64, [128, 512], 512),
                             (4096, [128, 512], 512), (3, [70, 150], 64), (1, [5], 64), (2, [0, 33], 512)]:
         BK, tiles, seg_splits = split_config(rows, counts, D, 132)
-        assert BK == (16 if D >= 256 else 64) and tiles >= 1
+        assert BK == (SPLIT_BK if D >= 256 else 64) and tiles >= 1
         for k, n in zip(counts, seg_splits):
             n_tiles = -(-k // BK)
             assert n * tiles >= n_tiles and (n - 1) * tiles < n_tiles  # covered, no empty split
         total = sum(-(-k // BK) for k in counts)
         assert rows * sum(seg_splits) >= min(132, rows * total)  # the SMs are filled at least once
-    assert split_config(1, [128, 512], 512, 132)[1:] == (1, [8, 32])
-    assert split_config(4096, [128, 512], 512, 132)[1:] == (40, [1, 1])
+    assert SPLIT_BK == 32  # (the launch of h200-2026-12-02-c; 16 before)
+    assert split_config(1, [128, 512], 512, 132)[1:] == (1, [4, 16])
+    assert split_config(4096, [128, 512], 512, 132)[1:] == (20, [1, 1])
 
 
 @interp
@@ -250,6 +278,39 @@ def test_indexer_tiles_split_over_programs_interpreted(monkeypatch, programs):
 
 
 @interp
+def test_indexer_bf16_key_decode_interpreted(monkeypatch):
+    """The key decode straight to bf16 from bits (indexer.TUNE["decode_bf16"]) gives the same scores."""
+    monkeypatch.setitem(indexer.TUNE, "decode_bf16", True)
+    check_indexer(indexer_case(1, 2, 8, 64, 300, 200, seed=4), force=True)
+
+
+@interp
+@pytest.mark.parametrize("case", ["distinct", "ties", "few visible", "k > L", "gather"])
+def test_topk_select_interpreted(case):
+    """The radix-select Top-K against torch.topk + sort: rows of 1300 scores walked in chunks of 64 by 2
+    programs each, negative and positive scores (the 4 digits of the order key all decide somewhere), -0.0
+    beside +0.0; ties at the threshold (equal scores), rows with fewer finite scores than k (-1 picks) and
+    all -inf, k larger than the row, and candidate ids mapped through the list."""
+    g = torch.Generator().manual_seed(7)
+    B, T, L, k = 2, 2, 1300, 64
+    scores = torch.randn(B, T, L, generator=g) * torch.exp(3 * torch.randn(B, T, 1, generator=g))
+    scores[..., 5] = -0.0
+    cand = None
+    if case == "ties":
+        scores = torch.randint(-20, 20, (B, T, L), generator=g).float() / 4  # ~370 copies of each value
+    elif case == "few visible":
+        scores[0, 0, 40:] = -torch.inf
+        scores[1, 1] = -torch.inf
+    elif case == "k > L":
+        scores, k = scores[..., :50], 64
+    elif case == "gather":
+        cand = torch.randint(-1, 100000, (B, T, L), generator=g)
+        scores = scores.masked_fill(cand < 0, -torch.inf)
+    top = indexer.topk_select(scores, k, cand)
+    check_topk(top, torch_topk(scores, k, cand), scores, cand, exact=case in ("distinct", "k > L"))
+
+
+@interp
 @pytest.mark.parametrize("shape", [(1, 3, 4, 64), (2, 1, 4, 32)])
 def test_mhc_interpreted(shape):
     # the GPU bounds: the kernel rounds X' and the collapse to bf16 nearest-even under the interpreter too
@@ -278,6 +339,16 @@ def test_mhc_forced_tile_interpreted(monkeypatch):
     original = mhc.launch_config
     monkeypatch.setattr(mhc, "launch_config", lambda M, d, device: original(M, d, device, tile=(32, 16, 2)))
     check_mhc(mhc_case(1, 260, 4, 80, seed=5), force=True, tol_x=2e-3, tol_c=1e-4)
+
+
+@interp
+@pytest.mark.parametrize("tune", [dict(x_once=True), dict(tile=(32, 32, 2), x_once=True)])
+def test_mhc_stream_tiles_loaded_once_interpreted(monkeypatch, tune):
+    """mhc.TUNE's x_once (a block's n stream tiles loaded once, [BM, n, BD]) and a 32-channel tile, from 256
+    tokens on (260 tokens: ragged last token block; d = 96: 3 blocks of 32 over 2 channel ranges)."""
+    for key, value in tune.items():
+        monkeypatch.setitem(mhc.TUNE, key, value)
+    check_mhc(mhc_case(1, 260, 4, 96, seed=11), force=True, tol_x=2e-3, tol_c=1e-4)
 
 
 @interp
@@ -335,9 +406,41 @@ def test_indexer_gpu(shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("decode_bf16", [False, True])
+def test_indexer_topk_gpu(monkeypatch, decode_bf16):
+    """The fused Top-K at the benchmark's shapes (B=4 decode queries, 32 heads x 128, Top-512): dense over
+    200000 entries with visible counts below and above k, and over a 16384-candidate pool; against
+    method="torch" on the same scores, with both key decodes."""
+    monkeypatch.setitem(indexer.TUNE, "decode_bf16", decode_bf16)
+    q, w, kc, ks, _, _ = indexer_case(4, 1, 32, 128, 200000, 1, seed=3)
+    for vis in (torch.tensor([200000]), torch.tensor([300]), torch.tensor([131071])):
+        vis = vis.to(q.device)
+        top = indexer.indexer_topk(q, w, kc, ks, vis, 512)
+        ref = indexer.indexer_topk(q, w, kc, ks, vis, 512, method="torch")
+        check_topk(top, ref, indexer.indexer_scores(q, w, kc, ks, vis))
+    cand = torch.randint(-1, 200000, (4, 1, 16384), device=q.device, dtype=torch.int32)
+    vis = torch.tensor([150000], device=q.device)
+    top = indexer.indexer_topk(q, w, kc, ks, vis, 512, candidates=cand)
+    ref = indexer.indexer_topk(q, w, kc, ks, vis, 512, candidates=cand, method="torch")
+    check_topk(top, ref, indexer.indexer_scores(q, w, kc, ks, vis, cand), cand)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 1, 4, 5120), (2, 333, 4, 5120), (1, 17, 4, 64), (1, 4096, 4, 5120)])
 def test_mhc_gpu(shape):
     check_mhc(mhc_case(*shape, seed=2), force=False, tol_x=2e-3, tol_c=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tune", [dict(tile=(64, 32, 2)), dict(tile=(64, 32, 2), x_once=True),
+                                  dict(tile=(64, 16, 2), x_once=True),
+                                  dict(tile=(128, 32, 2), num_warps=8, x_once=True)])
+def test_mhc_schedules_gpu(monkeypatch, tune):
+    """The residual kernel's schedules of bench_mhc's sweep (mhc.TUNE) at V4.1 width, 333 and 4096 tokens."""
+    for key, value in tune.items():
+        monkeypatch.setitem(mhc.TUNE, key, value)
+    for shape in ((2, 333, 4, 5120), (1, 4096, 4, 5120)):
+        check_mhc(mhc_case(*shape, seed=3), force=False, tol_x=2e-3, tol_c=1e-4)
 
 
 @pytest.mark.gpu

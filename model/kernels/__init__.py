@@ -48,6 +48,15 @@ def triton_available() -> bool:
     return True
 
 
+def opaque(launch):
+    """A function that launches Triton kernels, kept one opaque call under torch.compile
+    (model/engine.py `compiled_decode_rows`): the compiler fuses the torch operators around the kernels and
+    calls the kernels as they are. Traced into, a user-defined kernel is recompiled by inductor with its
+    scalar arguments retyped (a Python float scale becomes fp64, which the split attention kernel's fp32
+    accumulator refuses: H200 run 2026-12-02). Outside torch.compile the function runs as written."""
+    return torch.compiler.disable(launch, recursive=True)
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -12,23 +12,33 @@ from dsv41.model.kernels._triton_formats import as_mma, round_cast
 def residual_block(part, sq, x_rows, y_rows, x_new_rows, collapsed_rows, fn_hi_ptr, fn_lo_ptr, fn_t,
                    post_ptr, comb_ptr, pre_ptr, r64, rmask, ch0, d,
                    N: tl.constexpr, NMP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                   HAS_Y: tl.constexpr, INTERPRET: tl.constexpr):
+                   HAS_Y: tl.constexpr, X_ONCE: tl.constexpr, INTERPRET: tl.constexpr):
     """Channels ch0 .. ch0+BD-1 of the program's tokens: write X' and the collapse, and return the
     projection and sum-of-squares partials with this block's share added.
 
     One stream at a time, in [BM, BD] tiles: the per-token coefficients are [BM] vectors (L1-resident after
     the first block) and the W_fn tile of stream k is [BD, NMP], so little is live across the loop. The
-    residual update adds post_k y then comb_jk X_j in j order, as the [BM, N, BD] form did."""
+    residual update adds post_k y then comb_jk X_j in j order, as the [BM, N, BD] form did; X_ONCE loads
+    the n stream tiles once per block and sums comb_jk X_j as one reduction over j (the sum's order is then
+    the compiler's; X' is rounded to bf16 either way)."""
     m2 = rmask[:, None]
     collapsed = tl.zeros((BM, BD), dtype=tl.float32)
     if HAS_Y:
         y = tl.load(y_rows + ch0, mask=m2, other=0.0).to(tl.float32)
+        if X_ONCE:  # the block's n stream tiles loaded once, [BM, N, BD], instead of once per output stream
+            streams = tl.arange(0, N)
+            x3 = tl.load(x_rows[:, None, :] + streams[None, :, None] * d + ch0, mask=m2[:, :, None],
+                         other=0.0).to(tl.float32)
     for k in tl.static_range(N):
         if HAS_Y:
             acc = tl.load(post_ptr + r64 * N + k, mask=rmask, other=0.0)[:, None] * y
-            for j in tl.static_range(N):
-                xj = tl.load(x_rows + j * d + ch0, mask=m2, other=0.0).to(tl.float32)
-                acc += tl.load(comb_ptr + r64 * (N * N) + j * N + k, mask=rmask, other=0.0)[:, None] * xj
+            if X_ONCE:
+                comb_k = tl.load(comb_ptr + r64[:, None] * (N * N) + streams[None, :] * N + k, mask=m2, other=0.0)
+                acc += tl.sum(comb_k[:, :, None] * x3, axis=1)
+            else:
+                for j in tl.static_range(N):
+                    xj = tl.load(x_rows + j * d + ch0, mask=m2, other=0.0).to(tl.float32)
+                    acc += tl.load(comb_ptr + r64 * (N * N) + j * N + k, mask=rmask, other=0.0)[:, None] * xj
             x_new = round_cast(acc, x_new_rows.dtype.element_ty, INTERPRET)  # nearest-even, as the GPU casts
             tl.store(x_new_rows + k * d + ch0, x_new, mask=m2)
             xk = x_new.to(tl.float32)
@@ -47,7 +57,7 @@ def residual_block(part, sq, x_rows, y_rows, x_new_rows, collapsed_rows, fn_hi_p
 def residual_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_hi_ptr, fn_lo_ptr,
                     x_new_ptr, collapsed_ptr, acc_ptr, M, d, blocks_per_range,
                     N: tl.constexpr, NMP: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                    HAS_Y: tl.constexpr, INTERPRET: tl.constexpr):
+                    HAS_Y: tl.constexpr, X_ONCE: tl.constexpr, INTERPRET: tl.constexpr):
     """Program (block of BM tokens, range of channel blocks), every stream; it walks its range BD channels
     at a time:
 
@@ -78,13 +88,13 @@ def residual_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, fn_hi_ptr, fn_lo_
         while blk < last:
             part, sq = residual_block(part, sq, x_rows, y_rows, x_new_rows, collapsed_rows, fn_hi_ptr, fn_lo_ptr,
                                       fn_t, post_ptr, comb_ptr, pre_ptr, r64, rmask, blk * BD, d,
-                                      N, NMP, BM, BD, HAS_Y, INTERPRET)
+                                      N, NMP, BM, BD, HAS_Y, X_ONCE, INTERPRET)
             blk += 1
     else:
         for blk in range(first, last):
             part, sq = residual_block(part, sq, x_rows, y_rows, x_new_rows, collapsed_rows, fn_hi_ptr, fn_lo_ptr,
                                       fn_t, post_ptr, comb_ptr, pre_ptr, r64, rmask, blk * BD, d,
-                                      N, NMP, BM, BD, HAS_Y, INTERPRET)
+                                      N, NMP, BM, BD, HAS_Y, X_ONCE, INTERPRET)
     tl.atomic_add(acc_ptr + r64[:, None] * (NMP + 1) + tl.arange(0, NMP)[None, :], part, mask=rmask[:, None])
     tl.atomic_add(acc_ptr + r64 * (NMP + 1) + NMP, sq, mask=rmask)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.model import formats
-from dsv41.model.kernels import interpreting, reference, use_triton
+from dsv41.model.kernels import interpreting, opaque, reference, use_triton
 
 _NAMES = ("w1", "s1", "w3", "s3", "w2", "s2")
 
@@ -227,6 +227,7 @@ def _first(ts):
     return next(t for t in ts if t is not None)
 
 
+@opaque
 def up(x, prep, experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor:
     """Step 3: h [T k, inter] in x's dtype (w2's quantized input; rows of unheld experts unwritten)."""
     import triton
@@ -250,6 +251,7 @@ def up(x, prep, experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor:
     return h
 
 
+@opaque
 def down(h, prep, experts: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:
     """Step 4: out [T k, dim] in the activation dtype."""
     import triton
@@ -271,6 +273,7 @@ def down(h, prep, experts: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+@opaque
 def combine(out, prep) -> torch.Tensor:
     """Step 5: y [T, dim] fp32."""
     import triton

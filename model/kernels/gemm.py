@@ -30,7 +30,7 @@ import functools
 import torch
 
 from dsv41.model import formats
-from dsv41.model.kernels import interpreting, reference, use_triton
+from dsv41.model.kernels import interpreting, opaque, reference, use_triton
 
 # How FP8/FP4 GEMMs are evaluated. "fast": exact dequantization of both operands, one fp32 matmul.
 # "exact": REF's kernel order, K blocks of 32 accumulated one after another (bit parity with REF's
@@ -118,6 +118,7 @@ def launch_config(M: int, N: int, K: int, qa: int, qw: int, device: torch.device
                 num_stages=3)
 
 
+@opaque
 def _act_quant(x2: torch.Tensor, qa: int, out_dtype: torch.dtype) -> torch.Tensor:
     import triton
 
@@ -134,6 +135,7 @@ def _act_quant(x2: torch.Tensor, qa: int, out_dtype: torch.dtype) -> torch.Tenso
     return y
 
 
+@opaque
 def _gemm(x, w, s, N, K, fp4, qa, qw, config):
     import triton
 

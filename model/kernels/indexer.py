@@ -23,15 +23,28 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.model.kernels import interpreting, reference, use_triton
+from dsv41.model.kernels import interpreting, opaque, reference, use_triton
+
+
+# The score kernel's schedule (benchmarks/bench_indexer.py times the alternatives against it in one run):
+# programs per SM, warps, pipeline stages, entries per tile, and the key decode (bf16 from bits, or through
+# fp32 as before). TUNE.update(...) changes it for a benchmark; tests/test_kernels.py runs both decodes.
+# Chosen by h200-2026-12-02-c (graph replays, dense B=4): the bf16 decode takes 1M from 576.9 to 412.6 µs and
+# 64K from 45.3 to 35.8; 64-entry tiles at 4 programs of 4 warps per SM then 405.5 / 34.3 (the best of 8).
+# The previous schedule: per_sm=2, num_warps=8, num_stages=3, BN=128, decode_bf16=False.
+TUNE = dict(per_sm=4, num_warps=4, num_stages=3, BN=64, decode_bf16=True)
+# indexer_topk's method "auto": the fused radix Top-K up to this many scores per row, torch.topk above it
+# (h200-2026-12-02-c, graph replays, B=4: fused 83 / 226 / 786 µs against torch 143 / 274 / 731 at 64K /
+# 256K / 1M entries; four full passes over a 1M row cost more than torch's radix select there)
+FUSED_TOPK_MAX = 1 << 18
 
 
 def _target_programs(device: torch.device) -> int:
-    """Programs to launch for one scoring call: 2 per SM on a GPU (what fits at ~110 registers x 8 warps, so
-    one wave); 2 under the CPU interpreter, so its tests walk several tiles per program."""
+    """Programs to launch for one scoring call: TUNE["per_sm"] per SM on a GPU (2: what fits at ~110
+    registers x 8 warps, so one wave); 2 under the CPU interpreter, so its tests walk several tiles per program."""
     if device.type != "cuda":
         return 2
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return TUNE["per_sm"] * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch_config(B: int, T: int, H: int, N: int, C: int, gather: bool, device: torch.device) -> dict:
@@ -47,23 +60,32 @@ def launch_config(B: int, T: int, H: int, N: int, C: int, gather: bool, device: 
     else:
         BT = 1 if T == 1 else max(1, 64 // HP)
         BT = max(BT, triton.cdiv(16, HP))  # or take more tokens per program
-    BN = 128
+    BN = TUNE["BN"]
     token_blocks = triton.cdiv(T, BT)
     n_tiles = triton.cdiv(C if gather else N, BN)
     # each program walks several entry tiles (queries loaded once); enough programs to fill the machine
     per_seq = max(1, triton.cdiv(_target_programs(device), B * token_blocks))
     return dict(BT=BT, HP=HP, BN=BN, grid=(B, token_blocks, max(1, min(n_tiles, per_seq))), tiles=n_tiles,
-                num_warps=8, num_stages=3)
+                num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"], decode_bf16=TUNE["decode_bf16"])
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scales: torch.Tensor,
                    visible: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
-                   bf16_scores: bool = False, by_entry: bool = False, force_triton: bool = False) -> torch.Tensor:
+                   bf16_scores: bool = False, by_entry: bool = False, force_triton: bool = False,
+                   _hist: torch.Tensor | None = None) -> torch.Tensor:
     """See reference.indexer_scores (same signature and result up to fp32 summation order; with bf16_scores,
-    up to the bf16 roundings that order moves). The kernel sums in its own order whatever `by_entry` says."""
+    up to the bf16 roundings that order moves). The kernel sums in its own order whatever `by_entry` says.
+    _hist (indexer_topk's workspace, one token per program only): the kernel also bins the scores for the
+    Top-K's first radix pass."""
     if not use_triton(q, key_codes, force=force_triton):
         return reference.indexer_scores(q, weights, key_codes, key_scales, visible, candidates, bf16_scores,
                                         by_entry)
+    return _launch_scores(q, weights, key_codes, key_scales, visible, candidates, bf16_scores, _hist)
+
+
+@opaque
+def _launch_scores(q, weights, key_codes, key_scales, visible, candidates, bf16_scores, _hist):
+    """indexer_scores on the Triton path."""
     from dsv41.model.kernels._triton_indexer import kernel
 
     B, T, H, DK = q.shape
@@ -85,21 +107,93 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
     vis = (visible.to(torch.int32).contiguous() if visible is not None
            else torch.zeros(1, dtype=torch.int32, device=q.device))
     cand = candidates if gather else vis
-    kernel[cfg["grid"]](q, weights, key_codes, key_scales, cand, vis, out, T, H, N, C,
+    hist = _hist is not None and cfg["BT"] == 1
+    kernel[cfg["grid"]](q, weights, key_codes, key_scales, cand, vis, out, _hist if hist else vis, T, H, N, C,
                         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
                         key_codes.stride(0), key_codes.stride(1), key_scales.stride(0), key_scales.stride(1),
                         cand.stride(0) if gather else 0, cand.stride(1) if gather else 0, out.stride(0),
                         out.stride(1), DK2=DK // 2, HP=cfg["HP"], BT=cfg["BT"], BN=cfg["BN"], GATHER=gather,
-                        MASK_VISIBLE=visible is not None, BF16_SCORES=bf16_scores, INTERPRET=interpreting(),
+                        MASK_VISIBLE=visible is not None, BF16_SCORES=bf16_scores,
+                        DECODE_BF16=cfg["decode_bf16"], HIST=hist, INTERPRET=interpreting(),
                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if _hist is not None and not hist:  # several tokens per program: the first pass runs on its own
+        _radix_passes(out.view(B * T, -1), _hist, 1, range(1))  # pass 0 reads no k
+    return out
+
+
+RADIX_BL = 1024  # scores per chunk of a radix pass (4 warps: 8 per thread)
+
+
+def _radix_programs(R: int, L: int, bl: int, device: torch.device) -> int:
+    """Programs per row of a radix pass: about 4 per SM over all rows (2 under the interpreter, so its
+    tests walk several chunks per program), at most one per chunk."""
+    import triton
+
+    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    return max(1, min(triton.cdiv(L, bl), triton.cdiv(target, R)))
+
+
+@opaque
+def _radix_passes(scores: torch.Tensor, hist: torch.Tensor, k: int, passes) -> None:
+    from dsv41.model.kernels._triton_indexer import radix_pass_kernel
+
+    R, L = scores.shape
+    bl = RADIX_BL if scores.is_cuda else 64
+    grid = (R, _radix_programs(R, L, bl, scores.device))
+    for j in passes:
+        radix_pass_kernel[grid](scores, hist, L, k, PASS=j, BL=bl, INTERPRET=interpreting(), num_warps=4)
+
+
+@opaque
+def topk_select(scores: torch.Tensor, k: int, candidates: torch.Tensor | None = None,
+                hist: torch.Tensor | None = None, first_pass_done: bool = False) -> torch.Tensor:
+    """On the GPU (Triton), what indexer_topk's torch tail computes from the scores [B,T,L] (L = N entries,
+    or C candidates with candidates [B,T,C]): the ids of the k = min(k, L) largest scores per row, ascending,
+    -1 for picks that are not finite (fewer than k visible), [B,T,k] int64. Radix select on the scores'
+    order keys (4 passes of 8 bits), one collecting pass and one sort of k ids per row: 6 launches after
+    the workspace's zeroing, no host sync. Between scores equal to the k-th largest the pick is whichever
+    claimed a slot first (torch.topk promises no order there either)."""
+    import triton
+
+    from dsv41.model.kernels._triton_indexer import radix_collect_kernel, topk_finish_kernel
+
+    B, T, L = scores.shape
+    R = B * T
+    k = min(k, L)
+    flat = scores.contiguous().view(R, L)
+    if hist is None:
+        hist = torch.zeros(R, 4 * 256 + 2, dtype=torch.int32, device=scores.device)
+    _radix_passes(flat, hist, k, range(1 if first_pass_done else 0, 4))
+    KP = max(16, triton.next_power_of_2(k))
+    sel = torch.empty(R, KP, dtype=torch.int32, device=scores.device)
+    bl = RADIX_BL if scores.is_cuda else 64
+    grid = (R, _radix_programs(R, L, bl, scores.device))
+    radix_collect_kernel[grid](flat, hist, sel, L, k, KP=KP, BL=bl, num_warps=4)
+    out = torch.empty(B, T, k, dtype=torch.long, device=scores.device)
+    cand = candidates.to(torch.int32).expand(B, T, L).contiguous() if candidates is not None else sel
+    topk_finish_kernel[(R,)](sel, flat, cand, out, L, k, KP=KP, GATHER=candidates is not None, num_warps=4)
     return out
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scales: torch.Tensor,
                  visible: torch.Tensor, k: int, candidates: torch.Tensor | None = None,
-                 force_triton: bool = False) -> torch.Tensor:
+                 force_triton: bool = False, method: str = "auto") -> torch.Tensor:
     """Top-k entries per query, ascending, -1 where fewer than k are visible (Indexer.forward's selection):
-    over all entries, or over a candidate list [B,T,C] (then the chosen candidates' entry ids)."""
+    over all entries, or over a candidate list [B,T,C] (then the chosen candidates' entry ids).
+    method "fused" (on the Triton path): the score kernel also runs the Top-K's first radix pass and
+    topk_select finishes it on the GPU; "torch": torch.topk + sort after the kernel's scores (the previous
+    path, kept for the benchmark's comparison); "auto": fused up to FUSED_TOPK_MAX scores per row. Off the
+    Triton path the reference and torch always."""
+    if method not in ("auto", "fused", "torch"):
+        raise ValueError(f"indexer_topk method must be auto, fused or torch, got {method!r}")
+    width = candidates.size(-1) if candidates is not None else key_codes.size(1)
+    fused = method == "fused" or (method == "auto" and width <= FUSED_TOPK_MAX)
+    if fused and use_triton(q, key_codes, force=force_triton):
+        B, T = q.shape[:2]
+        hist = torch.zeros(B * T, 4 * 256 + 2, dtype=torch.int32, device=q.device)
+        scores = indexer_scores(q, weights, key_codes, key_scales, visible, candidates, force_triton=force_triton,
+                                _hist=hist)
+        return topk_select(scores, k, candidates, hist, first_pass_done=True)
     scores = indexer_scores(q, weights, key_codes, key_scales, visible, candidates, force_triton=force_triton)
     k = min(k, scores.size(-1))
     top = scores.topk(k, dim=-1, sorted=False)

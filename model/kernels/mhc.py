@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from dsv41.model.kernels import interpreting, reference, use_triton
+from dsv41.model.kernels import interpreting, opaque, reference, use_triton
 
 _FN_SPLIT: dict = {}
 
@@ -44,6 +44,14 @@ def _split_fn(fn: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
+# The residual kernel's schedule from 256 tokens on (benchmarks/bench_mhc.py times alternatives against it in
+# one run): the tile (BM tokens, BD channels, pipeline stages), warps, and whether a block's n stream tiles
+# are loaded once (x_once) or once per output stream (before). TUNE.update(...) changes it for a benchmark.
+# 64 x 32 (2 stages): 17-21% faster than the previous 64 x 16 in the 2026-11-29 sweep (`-c` gaps.json), GPU-tested
+# in h200-2026-12-02-c; bench_mhc times it against 64 x 16 again in every run
+TUNE = dict(tile=(64, 32, 2), num_warps=4, x_once=False)
+
+
 def _target_programs(device: torch.device) -> int:
     """Residual-kernel programs to aim for: 4 per SM on a GPU (what fits at 128 registers x 4 warps); 2 under
     the CPU interpreter, so its tests walk several channel blocks per program."""
@@ -61,7 +69,8 @@ def launch_config(M: int, d: int, device: torch.device, tile: tuple[int, int, in
     = (BM, BD, stages) replaces that rule (benchmarks/diagnose_gaps.py times other tiles)."""
     import triton
 
-    BM, BD, stages = tile or ((16, 32 if d % 32 == 0 else 16, 3) if M < 256 else (64, 16, 2))
+    big = TUNE["tile"] if d % TUNE["tile"][1] == 0 else (64, 16, 2)
+    BM, BD, stages = tile or ((16, 32 if d % 32 == 0 else 16, 3) if M < 256 else big)
     # the ranges are as long as filling the machine allows (fewer atomics and W_fn re-reads); a decode
     # step of one token gets one block per program
     token_blocks = triton.cdiv(M, BM)
@@ -69,7 +78,8 @@ def launch_config(M: int, d: int, device: torch.device, tile: tuple[int, int, in
     ranges = max(1, min(n_blocks, triton.cdiv(_target_programs(device), token_blocks)))
     blocks_per_range = triton.cdiv(n_blocks, ranges)
     return dict(BM=BM, BD=BD, blocks_per_range=blocks_per_range,
-                grid=(token_blocks, triton.cdiv(n_blocks, blocks_per_range)), num_warps=4, num_stages=stages)
+                grid=(token_blocks, triton.cdiv(n_blocks, blocks_per_range)),
+                num_warps=TUNE["num_warps"] if M >= 256 else 4, num_stages=stages, x_once=TUNE["x_once"])
 
 
 def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -87,10 +97,17 @@ def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: t
     if not fits or not use_triton(x, y, force=force_triton) or torch.is_grad_enabled() and (
             x.requires_grad or (y is not None and y.requires_grad) or fn.requires_grad):
         return reference.mhc_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb)
+    return _launch(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb)
+
+
+@opaque
+def _launch(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb):
+    """mhc_step on the Triton path."""
     import triton
 
     from dsv41.model.kernels._triton_mhc import coefficient_kernel, residual_kernel
 
+    *lead, n, d = x.shape
     M = x[..., 0, 0].numel()
     n_mix = (n + 2) * n
     NMP = max(16, triton.next_power_of_2(n_mix))
@@ -107,7 +124,8 @@ def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: t
     cfg = launch_config(M, d, x.device)
     residual_kernel[cfg["grid"]](xc, yc, postc, combc, f32(pre_prev), fn_hi, fn_lo, x_new, collapsed, acc, M, d,
                                  cfg["blocks_per_range"], N=n, NMP=NMP, BM=cfg["BM"], BD=cfg["BD"], HAS_Y=has_y,
-                                 INTERPRET=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                                 X_ONCE=cfg["x_once"], INTERPRET=interpreting(), num_warps=cfg["num_warps"],
+                                 num_stages=cfg["num_stages"])
     pre_n = torch.empty(*lead, n, dtype=torch.float32, device=x.device)
     post_n = torch.empty_like(pre_n)
     comb_n = torch.empty(*lead, n, n, dtype=torch.float32, device=x.device)

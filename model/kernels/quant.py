@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 from dsv41.model import formats
-from dsv41.model.kernels import reference, use_triton
+from dsv41.model.kernels import opaque, reference, use_triton
 
 
+@opaque
 def _launch(kernel, x, parts, block, floor):
     import triton
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.model.kernels import interpreting, reference, use_triton
+from dsv41.model.kernels import interpreting, opaque, reference, use_triton
 
 DENSE, FP8, FP4, NONE = 0, 1, 2, 3
 
@@ -72,8 +72,12 @@ def supported(q: torch.Tensor, head_dim: int) -> bool:
 VARIANTS = ("auto", "tiles", "split")
 SPLIT_MAX_HEADS = 64  # the split kernel keeps every head of a token in one program: [H, D] fp32 accumulator
 SPLIT_WARPS = 8  # 64 x 512 fp32 accumulator over 256 threads: 128 registers each
-SPLIT_STAGES = 2  # the tile loop software-pipelined once; 254 registers, no spills at BK=16 (compile_kernels.py)
-SPLIT_BK = 16  # rows per tile at D >= 256 (32 spills more on sm_90)
+# 32-row tiles without software pipelining: 123.5 µs replayed from a graph at B=64, N=4K against 164.6 µs
+# for the previous 16-row tiles pipelined once (SPLIT_STAGES=2, SPLIT_BK=16) in the same run
+# (h200-2026-12-02-c, bench_sparse_attention's sweep); 32-row tiles spill 40-88 bytes on sm_90 and still win
+SPLIT_STAGES = 1
+SPLIT_BK = 32  # rows per tile at D >= 256
+SPLIT_PER_SM = 2  # programs aimed at per SM (rows x splits): fewer means fewer fp32 partials to write and merge
 
 
 def _launch(q, sink, scale, segments, variant="auto"):
@@ -108,12 +112,12 @@ def _segment_args(q, segments):
 
 def split_config(rows: int, counts: list[int], D: int, sms: int) -> tuple[int, int, list[int]]:
     """(BK, tiles per split, splits of each segment) for `rows` query tokens whose index lists hold `counts`
-    indices per segment: enough programs to fill the GPU about twice (rows x splits ~ 2 x SMs), at least one
-    tile per split, never an empty split. B=1 gets as many splits as its lists have tiles."""
+    indices per segment: enough programs to fill the GPU about twice (rows x splits ~ SPLIT_PER_SM x SMs), at
+    least one tile per split, never an empty split. B=1 gets as many splits as its lists have tiles."""
     BK = SPLIT_BK if D >= 256 else 64
     seg_tiles = [-(-k // BK) for k in counts]
     n_tiles = max(sum(seg_tiles), 1)
-    want = max(1, -(-2 * sms // max(rows, 1)))
+    want = max(1, -(-SPLIT_PER_SM * sms // max(rows, 1)))
     tiles = -(-n_tiles // min(want, n_tiles))
     return BK, tiles, [-(-n // tiles) for n in seg_tiles]
 
@@ -124,6 +128,7 @@ def _sm_count(device) -> int:
     return 132  # the interpreter: an H100/H200's count, so the CPU tests take the same split choices
 
 
+@opaque
 def _launch_split(q, sink, scale, segments):
     """Flash-decoding: split_kernel over (token, split) for each segment, all heads per program, then
     combine_kernel merges the splits with the sink."""
@@ -166,6 +171,7 @@ def _launch_split(q, sink, scale, segments):
     return o
 
 
+@opaque
 def _launch_tiles(q, sink, scale, segments):
     """The first kernel: one program per (token, block of BH heads) walking the whole list (prefill)."""
     import triton
