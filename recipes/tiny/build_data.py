@@ -17,6 +17,9 @@ documents chosen by hash:
     reasoning_<style>   the same conversations (same lists, same efforts) in another trace style
                 (carry, twice, labelled, undo: evals/tasks/tiny_reasoning says why); built only with
                 --reasoning-only STYLE, which touches nothing else but the manifest's entry for it
+    reasoning_v2        the v2 task (evals/tasks/tiny_reasoning/v2.py: lists of 2-10 numbers, checks that
+                catch and repair injected slips); built only with --reasoning-v2, which also writes
+                OUT/reasoning_v2.mask.u8.xz (1 per token trained on, 0 for a slip's tokens)
 
 Writes (everything under --out stays out of git; the held-out files are small and committed):
     OUT/{family}.u32.xz           training token stream per family: uint32 ids, every document as
@@ -186,6 +189,65 @@ def build_reasoning(out: Path, tok, held_items: list[dict], n_train: int, style:
             "trace_style": style}
 
 
+REASONING_V2_ERROR_RATE = 0.3  # the share of tier 3-4 traces with an injected slip that the check repairs
+
+
+def build_reasoning_v2(out: Path, tok, n_train: int, error_rate: float = REASONING_V2_ERROR_RATE,
+                       seed: int = 20262) -> dict:
+    """The v2 training conversations -> OUT/reasoning_v2.u32.xz and the per-token loss mask
+    OUT/reasoning_v2.mask.u8.xz (0 on the tokens of an injected slip: read as context, never a target).
+    No held-out list of v1 or v2 is a training list; efforts uniform in 1..100, lengths uniform in 2..10."""
+    from dsv41.evals.tasks import tiny_reasoning as task
+    from dsv41.evals.tasks.tiny_reasoning import v2
+
+    rng = random.Random(seed)
+    excluded = {tuple(it["numbers"]) for version in task.HELDOUT_FILES for it in task.load_items(version=version)}
+    ids_parts, mask_parts, n_bytes, slips = [], [], 0, 0
+    backend = tok.backend
+    done = 0
+    while done < n_train:
+        batch = []
+        while len(batch) < 512 and done + len(batch) < n_train:
+            numbers = v2.random_numbers(rng)
+            if tuple(numbers) in excluded:
+                continue
+            batch.append(v2.conversation_segments(numbers, rng.randint(1, 100), rng, error_rate))
+        texts = ["".join(s.text for s in segs) for segs in batch]
+        for segs, text, enc in zip(batch, texts, backend.encode_batch(texts, add_special_tokens=False)):
+            ids, mask = conversation_mask(segs, enc)
+            slips += int(not mask.all())
+            ids_parts.append(ids)
+            mask_parts.append(mask)
+            n_bytes += len(text.encode())
+        done += len(batch)
+    ids = np.concatenate(ids_parts)
+    mask = np.concatenate(mask_parts)
+    save_tokens(out / "reasoning_v2.u32.xz", ids)
+    tmp = out / "reasoning_v2.mask.u8.xz.partial"
+    with lzma.open(tmp, "wb", preset=6) as f:
+        f.write(mask.astype(np.uint8).tobytes())
+    tmp.replace(out / "reasoning_v2.mask.u8.xz")
+    return {"train_documents": n_train, "train_tokens": int(ids.size), "train_bytes": n_bytes,
+            "untrained_tokens": int((mask == 0).sum()), "conversations_with_a_repaired_slip": slips,
+            "error_rate": error_rate, "heldout_documents": len(task.load_items(version=2)), "trace_style": "v2"}
+
+
+def conversation_mask(segments, encoding) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of one tokenized conversation: mask 0 for every token that overlaps an untrained segment's
+    characters (a slip), 1 elsewhere."""
+    ids = np.array(encoding.ids, dtype=np.uint32)
+    mask = np.ones(len(ids), dtype=np.uint8)
+    spans, at = [], 0
+    for seg in segments:
+        if not seg.train:
+            spans.append((at, at + len(seg.text)))
+        at += len(seg.text)
+    for i, (a, b) in enumerate(encoding.offsets):
+        if any(a < hi and b > lo for lo, hi in spans):
+            mask[i] = 0
+    return ids, mask
+
+
 def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, str(REPO))
     from dsv41.evals.tasks import tiny_reasoning as task
@@ -199,9 +261,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reasoning-only", choices=task.TRACE_STYLES, default=None,
                     help="build only the reasoning family in this trace style (from the committed held-out "
                          "items) and add it to an existing OUT/manifest.json")
+    ap.add_argument("--reasoning-v2", action="store_true",
+                    help="build only the v2 reasoning family (OUT/reasoning_v2.u32.xz and its loss mask) and add "
+                         "it to an existing OUT/manifest.json")
+    ap.add_argument("--v2-error-rate", type=float, default=REASONING_V2_ERROR_RATE)
     args = ap.parse_args(argv)
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.reasoning_v2:
+        manifest_path = args.out / "manifest.json"
+        manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"families": {}}
+        entry = build_reasoning_v2(args.out, load_tokenizer(), args.reasoning_train, args.v2_error_rate)
+        manifest["families"]["reasoning_v2"] = entry
+        print(f"reasoning_v2: {entry}", flush=True)
+        tmp = manifest_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2))
+        tmp.replace(manifest_path)
+        return manifest
     if args.reasoning_only:
         manifest_path = args.out / "manifest.json"
         if not manifest_path.exists():

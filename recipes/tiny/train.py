@@ -63,6 +63,19 @@ def load_streams(data_dir: Path, names=FAMILY_WEIGHTS) -> dict[str, torch.Tensor
     return {name: torch.from_numpy(load_tokens(data_dir / f"{name}.u32.xz").astype(np.int64)) for name in names}
 
 
+def load_masks(data_dir: Path, names) -> dict[str, torch.Tensor]:
+    """The per-token loss masks of the families that have one (`{name}.mask.u8.xz`, as long as the stream: 1 =
+    a target trained on, 0 = context only; the v2 reasoning family marks its injected slips so)."""
+    from dsv41.recipes.tiny.build_data import load_tokens
+
+    out = {}
+    for name in names:
+        path = data_dir / f"{name}.mask.u8.xz"
+        if path.exists():
+            out[name] = torch.from_numpy(load_tokens(path, np.uint8).astype(np.float32))
+    return out
+
+
 def load_token_map(data_dir: Path) -> torch.Tensor:
     from dsv41.recipes.tiny.build_data import load_tokens
 
@@ -72,19 +85,28 @@ def load_token_map(data_dir: Path) -> torch.Tensor:
 class WindowSampler:
     """Rows of `length` consecutive tokens from the family streams, families drawn by weight."""
 
-    def __init__(self, streams: dict[str, torch.Tensor], weights: dict[str, float], seed: int = 0):
+    def __init__(self, streams: dict[str, torch.Tensor], weights: dict[str, float], seed: int = 0,
+                 masks: dict[str, torch.Tensor] | None = None):
         self.names = list(weights)
         self.streams = [streams[n] for n in self.names]
+        self.masks = [(masks or {}).get(n) for n in self.names]
+        for name, s, m in zip(self.names, self.streams, self.masks):
+            if m is not None and m.numel() != s.numel():
+                raise ValueError(f"{name}: the loss mask has {m.numel()} entries for {s.numel()} tokens")
         self.probs = torch.tensor([weights[n] for n in self.names], dtype=torch.float64)
         self.g = torch.Generator().manual_seed(seed)
+        self.last_mask: torch.Tensor | None = None  # [B, length] of the last sample when any family has a mask
 
     def sample(self, batch: int, length: int) -> torch.Tensor:
         fam = torch.multinomial(self.probs, batch, replacement=True, generator=self.g)
-        rows = []
+        rows, masks = [], []
         for f in fam.tolist():
             s = self.streams[f]
             start = int(torch.randint(0, s.numel() - length, (1,), generator=self.g))
             rows.append(s[start:start + length])
+            m = self.masks[f]
+            masks.append(m[start:start + length] if m is not None else torch.ones(length))
+        self.last_mask = torch.stack(masks) if any(m is not None for m in self.masks) else None
         return torch.stack(rows)
 
 
@@ -93,8 +115,8 @@ class ImageBatches(torch.utils.data.IterableDataset):
     formats, as (ids [B, T], image inputs, reply mask [B, T]); each DataLoader worker draws with its own
     seed, so drawing and preprocessing (CPU) overlap the GPU step."""
 
-    def __init__(self, tokenizer_dir: Path, args, batch: int, seed: int = 0):
-        self.tokenizer_dir, self.args, self.batch, self.seed = tokenizer_dir, args, batch, seed
+    def __init__(self, tokenizer_dir: Path, args, batch: int, seed: int = 0, variety: bool = False):
+        self.tokenizer_dir, self.args, self.batch, self.seed, self.variety = tokenizer_dir, args, batch, seed, variety
 
     def __iter__(self):
         from dsv41.model.tokenizer import load_tokenizer
@@ -104,7 +126,7 @@ class ImageBatches(torch.utils.data.IterableDataset):
         rng = random.Random(1000 * self.seed + 1 + (info.id if info else 0))
         tokenizer = load_tokenizer(self.tokenizer_dir)
         while True:
-            yield make_batch(rng, self.batch, tokenizer, self.args, tokenizer.eos_id)
+            yield make_batch(rng, self.batch, tokenizer, self.args, tokenizer.eos_id, variety=self.variety)
 
 
 class VisionJob:
@@ -113,9 +135,9 @@ class VisionJob:
     image positions only (recipes/tiny/vision/train.py, ImageLoad)."""
 
     def __init__(self, tokenizer_dir: Path, args, batch: int, every: int, weight: float, seed: int = 0,
-                 workers: int = 4):
+                 workers: int = 4, variety: bool = False):
         self.every, self.weight = every, weight
-        loader = torch.utils.data.DataLoader(ImageBatches(tokenizer_dir, args, batch, seed), batch_size=None,
+        loader = torch.utils.data.DataLoader(ImageBatches(tokenizer_dir, args, batch, seed, variety), batch_size=None,
                                              num_workers=workers, prefetch_factor=4 if workers else None,
                                              persistent_workers=bool(workers))
         self.batches = iter(loader)
@@ -365,6 +387,10 @@ def train_backbone(model, sampler, device, seconds: float, batch: int, context: 
             aux: dict = {}
             hidden = model(ids[:, :-1], all_logits=True, aux=aux)
             weights = token_weights(ids) if token_weights is not None else None
+            mask = getattr(sampler, "last_mask", None)  # a family's loss mask: 0 on targets never trained
+            if mask is not None:
+                mask = mask[:, 1:].to(device, non_blocking=True)
+                weights = mask if weights is None else weights * mask
             lm = chunked_ce(hidden, model.head.weight, ids[:, 1:], token_weights=weights)
             kl = torch.stack(aux["indexer_kl"]).mean() if aux.get("indexer_kl") else hidden.new_zeros(())
             loss = lm + kl_weight * kl
@@ -663,13 +689,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init-from", type=Path, default=None, help="continue from this exported checkpoint")
     ap.add_argument("--mix", default=None, help="family weights, e.g. prose=0.15,code=0.35,literature=0.08,reasoning=0.42 "
-                    "(reasoning_undo: the reasoning task in the undo trace style; likewise _carry, _twice, _labelled)")
+                    "(reasoning_undo: the reasoning task in the undo trace style; likewise _carry, _twice, _labelled; "
+                    "reasoning_v2: the v2 task, whose loss mask OUT/reasoning_v2.mask.u8.xz is applied)")
     ap.add_argument("--no-vision", dest="vision", action="store_false",
                     help="text only (default: the vision tower trains jointly with the backbone)")
     ap.add_argument("--vision-every", type=int, default=2, help="an image batch joins every k-th backbone step")
     ap.add_argument("--vision-batch", type=int, default=128)
     ap.add_argument("--vision-weight", type=float, default=0.5)
     ap.add_argument("--vision-workers", type=int, default=4, help="CPU processes drawing the pictures")
+    ap.add_argument("--vision-variety", action="store_true",
+                    help="v2 pictures and questions (recipes/tiny/vision/data.py variety_example: shades, backgrounds, "
+                         "32-1024 px canvases, many phrasings, one answer form); stages 1-16 ran without it")
     ap.add_argument("--tower-seconds", type=float, default=30.0,
                     help="a new tower first learns to see through linear probes (recipes/tiny/vision/train.py)")
     ap.add_argument("--think-start-weight", type=float, default=1.0,
@@ -702,7 +732,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.mix:
         weights = {k: float(v) for k, v in (kv.split("=") for kv in a.mix.split(","))}
     streams = load_streams(a.data, weights)
-    sampler = WindowSampler(streams, weights, seed=a.seed)
+    sampler = WindowSampler(streams, weights, seed=a.seed, masks=load_masks(a.data, weights))
     model = build_trainable(args, load_token_map(a.data), a.device, a.seed)
     fresh_tower = args.vision_enabled
     if a.init_from:
@@ -711,11 +741,12 @@ def main(argv: list[str] | None = None) -> dict:
     vision = None
     if args.vision_enabled:
         vision = VisionJob(tokenizer_files, args, a.vision_batch, a.vision_every, a.vision_weight, a.seed,
-                           a.vision_workers)
+                           a.vision_workers, a.vision_variety)
         if fresh_tower and a.tower_seconds > 0:
             from dsv41.recipes.tiny.vision.train import pretrain_tower
 
-            pretrain_tower(model, args, a.tower_seconds if a.max_steps is None else 1.0, 64, 3e-3, a.seed, log=log)
+            pretrain_tower(model, args, a.tower_seconds if a.max_steps is None else 1.0, 64, 3e-3, a.seed, log=log,
+                           variety=a.vision_variety)
     n_params = sum(p.numel() for p in model.parameters())
     log(json.dumps({"event": "start", "device": a.device, "params": n_params, "mix": weights,
                     "init_from": str(a.init_from) if a.init_from else None,

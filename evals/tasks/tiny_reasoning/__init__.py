@@ -47,6 +47,15 @@ the gold answer; the effort is chosen at evaluation time. Training data never co
 list (`recipes/tiny/build_data.py` excludes them).
 
 Scoring: the last integer in the content after `</think>` must equal the gold sum.
+
+Versions. v1 is everything above (`heldout.jsonl`, 300 items of 4-8 numbers), the task the bundled model
+is trained and measured on. v2 (`v2.py`, `heldout_v2.jsonl`: 360 items, 40 of each length 2..10; not yet
+trained, recipes/tiny/README.md "v2 plan") keeps the item schema, the prompt and the scorer, and adds a
+"difficulty" field; its traces are v2.py's. `load_items()` reads the version named by the environment
+variable DSV41_TINY_REASONING_VERSION, else DEFAULT_VERSION (1 until a v2-trained checkpoint ships), so
+`dsv41 eval tiny-reasoning` and `dsv41 effort-sweep tiny-reasoning` run either set unchanged:
+
+    DSV41_TINY_REASONING_VERSION=2 dsv41 effort-sweep tiny-reasoning --limit 360
 """
 
 from __future__ import annotations
@@ -58,6 +67,9 @@ from pathlib import Path
 
 TASK_NAME = "tiny-reasoning"
 HELDOUT_FILE = Path(__file__).resolve().parent / "heldout.jsonl"
+HELDOUT_FILES = {1: HELDOUT_FILE, 2: Path(__file__).resolve().parent / "heldout_v2.jsonl"}
+DEFAULT_VERSION = 1  # the bundled checkpoint's; 2 once a v2-trained checkpoint ships
+VERSION_ENV = "DSV41_TINY_REASONING_VERSION"
 MIN_NUMBERS, MAX_NUMBERS = 4, 8
 EFFORT_TIERS = (20, 45, 70, 90)  # lower bounds of tiers 1..4; tier 0 is effort 1-19
 SWEEP_EFFORTS = (1, 25, 50, 75, 100)
@@ -186,9 +198,20 @@ def generate_items(n: int, seed: int, exclude: set[tuple[int, ...]] | None = Non
     return items
 
 
-def load_items(path: str | Path | None = None, limit: int | None = None) -> list[dict]:
-    """The held-out items (or those of another JSONL file with the same schema)."""
-    lines = Path(path or HELDOUT_FILE).read_text().splitlines()
+def task_version(version: int | None = None) -> int:
+    """The held-out set's version: `version`, else $DSV41_TINY_REASONING_VERSION, else DEFAULT_VERSION."""
+    import os
+
+    chosen = int(version if version is not None else os.environ.get(VERSION_ENV) or DEFAULT_VERSION)
+    if chosen not in HELDOUT_FILES:
+        raise ValueError(f"tiny-reasoning has versions {sorted(HELDOUT_FILES)}, not {chosen}")
+    return chosen
+
+
+def load_items(path: str | Path | None = None, limit: int | None = None, version: int | None = None) -> list[dict]:
+    """The held-out items of the task's version (`task_version`), or those of another JSONL file with the
+    same schema."""
+    lines = Path(path or HELDOUT_FILES[task_version(version)]).read_text().splitlines()
     items = [json.loads(line) for line in lines if line.strip()]
     return items[:limit] if limit else items
 

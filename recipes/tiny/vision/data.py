@@ -153,8 +153,11 @@ def a(word: str) -> str:
 
 
 def make_example(rng: random.Random, kind: str | None = None, question_type: str | None = None,
-                 size: tuple[int, int] | None = None) -> Example:
-    """One example; `kind` and `question_type` are drawn when not given, `size` is (width, height)."""
+                 size: tuple[int, int] | None = None, variety: bool = False) -> Example:
+    """One example; `kind` and `question_type` are drawn when not given, `size` is (width, height).
+    variety=True: the v2 pictures and questions (`variety_example`, below; stages 1-16 never drew them)."""
+    if variety:
+        return variety_example(rng, kind, question_type, size)
     w, h = size or (rng.choice(SIDES), rng.choice(SIDES))
     kind = kind or rng.choices(("shape", "count", "text"), weights=(0.6, 0.2, 0.2))[0]
     colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
@@ -188,3 +191,152 @@ def make_example(rng: random.Random, kind: str | None = None, question_type: str
     else:
         raise ValueError(f"unknown kind {kind!r}")
     return Example(image, kind, q, qt, reasoning, answer, facts)
+
+
+# ------------------------------------------------------------------------------------ v2: variety
+# `make_example(..., variety=True)`: the pictures and questions of the v2 vision stages (recipes/tiny/README.md,
+# "v2 plan"). Nothing above changes, so stages 1-16 draw exactly what they drew. Drawn with PIL.ImageDraw as
+# above; the evaluation set of recipes/tiny/vision/independent.py is other code with other ranges, and none of it is used here.
+#
+#   shades       each colour name is a box in HLS space (hue in degrees, lightness, saturation), sampled uniformly
+#   backgrounds  white or light (as v1), light grey, mid grey, dark, a two-colour gradient, speckle noise
+#   canvases     sides log-uniform in 32..1024 px (random aspect), the shape anywhere, its radius 12-45% of the
+#                smaller side; below 300 px drawn at 2x and shrunk (anti-aliased edges), above it drawn directly
+#   questions    many phrasings per question type (VARIETY_*), none of them one of the evaluation set's but its reference
+#   answers      one form: the reasoning always says what is seen ("I see a red circle."), the answer gives the
+#                part asked for: "Red." / "A circle." / "A red circle." / "Three." / 'It says "CAT".'
+HLS_BOXES = {  # name -> (hue range in degrees, lightness range, saturation range); red wraps through 0
+    "red": ((-9.0, 7.0), (0.30, 0.58), (0.62, 1.00)),
+    "orange": ((20.0, 35.0), (0.45, 0.62), (0.85, 1.00)),
+    "yellow": ((46.0, 60.0), (0.45, 0.62), (0.80, 1.00)),
+    "green": ((90.0, 150.0), (0.22, 0.55), (0.45, 1.00)),
+    "blue": ((203.0, 240.0), (0.25, 0.62), (0.55, 1.00)),
+    "purple": ((265.0, 295.0), (0.22, 0.52), (0.40, 0.90)),
+}
+VARIETY_SIDE_RANGE = (32, 1024)
+VARIETY_BACKGROUNDS = ("white", "light", "light grey", "mid grey", "dark", "gradient", "speckle")
+VARIETY_COLOUR_QUESTIONS = (
+    "What color is the shape?", "What colour is the shape?", "What colour is it?", "What color is this?",
+    "Which color is the shape in the image?", "Which colour does the shape have?", "What is the color of the shape?",
+    "What colour is the object?", "Say the color of the shape.", "Color of the shape?", "What color do you see?",
+    "Which colour is shown?", "What color is the thing in the image?", "Identify the colour of the shape.")
+VARIETY_SHAPE_QUESTIONS = (
+    "What shape is this?", "What shape is in the image?", "Which shape do you see?", "What shape is shown?",
+    "What is the shape?", "Which shape is it?", "Identify the shape.", "What shape do you see here?",
+    "Shape?", "What is the shape of the object?", "Which figure is in the image?", "What shape is the object?",
+    "Tell me which shape this is.", "What shape has been drawn?")
+VARIETY_DESCRIBE = DESCRIBE + ("What is shown?", "Describe the picture.", "What do you see?", "What is this?")
+VARIETY_COUNT_QUESTIONS = COUNT_QUESTIONS + ("How many are there?", "How many shapes can you count?")
+VARIETY_TEXT_QUESTIONS = TEXT_QUESTIONS + ("What word is shown?", "Which word is written here?")
+
+
+def variety_rgb(name: str, rng: random.Random) -> tuple[int, int, int]:
+    import colorsys
+
+    (h0, h1), (l0, l1), (s0, s1) = HLS_BOXES[name]
+    r, g, b = colorsys.hls_to_rgb((rng.uniform(h0, h1) % 360.0) / 360.0, rng.uniform(l0, l1), rng.uniform(s0, s1))
+    return round(r * 255), round(g * 255), round(b * 255)
+
+
+def variety_background(kind: str, w: int, h: int, rng: random.Random):
+    """(PIL image, whether it is dark)."""
+    from PIL import Image
+
+    if kind in ("white", "light"):
+        return Image.new("RGB", (w, h), _background(rng)), False
+    if kind == "light grey":
+        g = rng.randint(195, 235)
+        return Image.new("RGB", (w, h), (g, g, g)), False
+    if kind == "mid grey":
+        g = rng.randint(110, 165)
+        return Image.new("RGB", (w, h), (g, g, g)), False
+    if kind == "dark":
+        return Image.new("RGB", (w, h), tuple(rng.randint(0, 50) for _ in range(3))), True
+    import numpy as np
+
+    if kind == "gradient":
+        a, b = (np.array([rng.randint(180, 255) for _ in range(3)], np.float32) for _ in range(2))
+        ramp = np.linspace(0.0, 1.0, h if rng.random() < 0.5 else w, dtype=np.float32)
+        ramp = ramp[:, None] if len(ramp) == h else ramp[None, :]
+        pixels = a + (b - a) * np.broadcast_to(ramp, (h, w))[..., None]
+        return Image.fromarray(pixels.astype(np.uint8), "RGB"), False
+    if kind == "speckle":
+        base = rng.randint(205, 245)
+        noise = np.random.default_rng(rng.getrandbits(32)).integers(-14, 15, (h, w, 1))
+        return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8).repeat(3, axis=2), "RGB"), False
+    raise ValueError(kind)
+
+
+def variety_size(rng: random.Random) -> tuple[int, int]:
+    lo, hi = VARIETY_SIDE_RANGE
+    side = round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+    other = min(hi, max(lo, round(side * rng.uniform(0.6, 1.6))))
+    return (side, other) if rng.random() < 0.5 else (other, side)
+
+
+def _variety_canvas(w: int, h: int, rng: random.Random):
+    """(background image at the drawing scale, drawing scale, dark?)"""
+    scale = 2 if max(w, h) <= 300 else 1
+    image, dark = variety_background(rng.choice(VARIETY_BACKGROUNDS), w * scale, h * scale, rng)
+    return image, scale, dark
+
+
+def _finish(image, w: int, h: int):
+    from PIL import Image
+
+    return image if image.size == (w, h) else image.resize((w, h), Image.LANCZOS)
+
+
+def variety_example(rng: random.Random, kind: str | None = None, question_type: str | None = None,
+                    size: tuple[int, int] | None = None) -> Example:
+    from PIL import ImageDraw, ImageFont
+
+    w, h = size or variety_size(rng)
+    kind = kind or rng.choices(("shape", "count", "text"), weights=(0.7, 0.15, 0.15))[0]
+    colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
+    image, k, dark = _variety_canvas(w, h, rng)
+    draw = ImageDraw.Draw(image)
+    W, H = image.size
+    if kind in ("shape", "count"):
+        n = 1 if kind == "shape" else rng.randint(2, 4)
+        fill = variety_rgb(colour, rng)
+        r = (rng.uniform(0.12, 0.45) if n == 1 else {2: 0.2, 3: 0.17, 4: 0.15}[n] * rng.uniform(0.8, 1.1)) * min(W, H)
+        placed: list[tuple[float, float]] = []
+        while len(placed) < n:
+            for _ in range(200):
+                cx, cy = rng.uniform(r, W - r), rng.uniform(r, H - r)
+                if all((cx - x) ** 2 + (cy - y) ** 2 > (2.2 * r) ** 2 for x, y in placed):
+                    placed.append((cx, cy))
+                    break
+            else:
+                r *= 0.85
+                placed = []
+        for cx, cy in placed:
+            draw_shape(draw, shape, cx, cy, r, fill, rng)
+        image = _finish(image, w, h)
+        seen = f"{a(colour)} {shape}" if n == 1 else f"{NUMBER_WORDS[n]} {colour} {plural(shape)}"
+        facts = {"colour": colour, "shape": shape, "count": n}
+        if kind == "shape":
+            qt = question_type or rng.choice(("describe", "colour", "shape", "colour", "shape"))
+            q = rng.choice({"describe": VARIETY_DESCRIBE, "colour": VARIETY_COLOUR_QUESTIONS,
+                            "shape": VARIETY_SHAPE_QUESTIONS}[qt])
+            answer = {"describe": f"{seen.capitalize()}.", "colour": f"{colour.capitalize()}.",
+                      "shape": f"{a(shape).capitalize()}."}[qt]
+        else:
+            qt = question_type or rng.choice(("describe", "count"))
+            q = rng.choice(VARIETY_DESCRIBE if qt == "describe" else VARIETY_COUNT_QUESTIONS)
+            answer = f"{seen.capitalize()}." if qt == "describe" else f"{NUMBER_WORDS[n].capitalize()}."
+        return Example(image, kind, q, qt, f"I see {seen}.", answer, facts)
+    if kind == "text":
+        word = rng.choice(WORDS)
+        size_px = int(min(H * 0.45, W * 1.5 / len(word)))
+        font = ImageFont.load_default(size=max(size_px, 10))
+        left, top, right, bottom = draw.textbbox((0, 0), word, font=font)
+        x = rng.uniform(0, max(0.0, W - (right - left))) - left
+        y = rng.uniform(0, max(0.0, H - (bottom - top))) - top
+        ink = tuple(rng.randint(205, 255) for _ in range(3)) if dark else tuple(rng.randint(0, 60) for _ in range(3))
+        draw.text((x, y), word, fill=ink, font=font)
+        qt = question_type or "read"
+        return Example(_finish(image, w, h), kind, rng.choice(VARIETY_TEXT_QUESTIONS), qt,
+                       f'I see the word "{word}".', f'It says "{word}".', {"word": word})
+    raise ValueError(f"unknown kind {kind!r}")

@@ -116,11 +116,17 @@ def encode_example(example: D.Example, mode: str, effort: int, tokenizer, args):
     return ids + tokenizer.encode(reply, allow_special=True), types, inputs, len(ids)
 
 
-def make_batch(rng: random.Random, batch: int, tokenizer, args, pad_id: int, sides=D.SIDES):
-    size = (rng.choice(sides), rng.choice(sides))
+def batch_size_px(rng: random.Random, sides, variety: bool) -> tuple[int, int]:
+    """The canvas (width, height) one batch shares: from `sides`, or with variety log-uniform in 32-1024 px."""
+    return D.variety_size(rng) if variety else (rng.choice(sides), rng.choice(sides))
+
+
+def make_batch(rng: random.Random, batch: int, tokenizer, args, pad_id: int, sides=D.SIDES, variety: bool = False):
+    """variety=True draws the v2 pictures and questions (data.variety_example) at canvas sides of 32-1024 px."""
+    size = batch_size_px(rng, sides, variety)
     rows, images, starts = [], [], []
     for _ in range(batch):
-        example = D.make_example(rng, size=size)
+        example = D.make_example(rng, size=size, variety=variety)
         mode = "thinking" if rng.random() < 0.5 else "chat"
         ids, _, inputs, reply_at = encode_example(example, mode, rng.randint(1, 100), tokenizer, args)
         rows.append(ids)
@@ -158,13 +164,13 @@ class Probe(nn.Module):
         return {k: head(pooled) for k, head in self.heads.items()}
 
 
-def probe_loss(model, probe: Probe, args, rng: random.Random, batch: int, sides=D.SIDES):
+def probe_loss(model, probe: Probe, args, rng: random.Random, batch: int, sides=D.SIDES, variety: bool = False):
     """(loss, logits, labels) of the linear probes on one batch of pictures of one canvas size."""
     from dsv41.model.image_processor import preprocess
 
     device = model.vision.patch_embed.proj.weight.device
-    size = (rng.choice(sides), rng.choice(sides))
-    examples = [D.make_example(rng, size=size) for _ in range(batch)]
+    size = batch_size_px(rng, sides, variety)
+    examples = [D.make_example(rng, size=size, variety=variety) for _ in range(batch)]
     prepared = [preprocess(e.image, args) for e in examples]
     grid = prepared[0][1]
     features = model.vision(torch.stack([p for p, _ in prepared]).to(device), grid.vit_h, grid.vit_w)
@@ -174,7 +180,8 @@ def probe_loss(model, probe: Probe, args, rng: random.Random, batch: int, sides=
     return sum(F.cross_entropy(logits[k], labels[k]) for k in Probe.LABELS), logits, labels
 
 
-def pretrain_tower(model, args, seconds: float, batch: int, lr: float, seed: int, log=print) -> list[dict]:
+def pretrain_tower(model, args, seconds: float, batch: int, lr: float, seed: int, log=print,
+                   variety: bool = False) -> list[dict]:
     """Stage 1: the ViT learns to see (colour, shape, count, word) through linear probes, cheaply,
     before stage 2 teaches the aligner to say it through the frozen language model."""
     rng = random.Random(seed + 1)
@@ -186,7 +193,7 @@ def pretrain_tower(model, args, seconds: float, batch: int, lr: float, seed: int
     while (frac := (time.time() - start) / seconds) < 1:
         for group in opt.param_groups:
             group["lr"] = lr_at(frac, lr)
-        loss, logits, labels = probe_loss(model, probe, args, rng, batch)
+        loss, logits, labels = probe_loss(model, probe, args, rng, batch, variety=variety)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -237,7 +244,7 @@ def lr_at(frac: float, peak: float, warmup: float = 0.05, floor: float = 0.05) -
 
 def train(model, args, tokenizer, seconds: float, batch: int, lr: float, gamma: float, seed: int,
           max_steps: int | None = None, tower_lr_scale: float = 0.3, sides=D.SIDES, probe_weight: float = 0.0,
-          probe_batch: int = 64, log=print) -> list[dict]:
+          probe_batch: int = 64, log=print, variety: bool = False) -> list[dict]:
     """Stage 2: the aligner (and, more slowly, the tower) learn to say what the tower sees, through the
     frozen language model. With probe_weight > 0 every step also adds the linear probes' loss on a batch of
     pictures (stage 1's objective), which keeps pushing the tower to tell the shapes apart while the
@@ -265,13 +272,13 @@ def train(model, args, tokenizer, seconds: float, batch: int, lr: float, gamma: 
                 break
             for group in opt.param_groups:
                 group["lr"] = lr_at(frac, lr) * group["scale"]
-            ids, images, target = make_batch(rng, batch, tokenizer, args, tokenizer.eos_id, sides)
+            ids, images, target = make_batch(rng, batch, tokenizer, args, tokenizer.eos_id, sides, variety)
             picked.where = target
             logits = model(ids, all_logits=True, images=images)
             loss = F.cross_entropy(logits.float(), ids[:, 1:][target[:, :-1]])
             total = loss
             if probe is not None:
-                total = loss + probe_weight * probe_loss(model, probe, args, probe_rng, probe_batch, sides)[0]
+                total = loss + probe_weight * probe_loss(model, probe, args, probe_rng, probe_batch, sides, variety)[0]
             opt.zero_grad(set_to_none=True)
             total.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -345,6 +352,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="draw canvases from data.PADDED_SIDES too (not multiples of 14: the preprocessor pads them)")
     ap.add_argument("--large-sides", action="store_true",
                     help="draw canvases from data.LARGE_SIDES too (padded, up to 6 image tokens per side)")
+    ap.add_argument("--variety", action="store_true",
+                    help="v2 pictures and questions: shades, backgrounds, 32-1024 px canvases, many phrasings, one "
+                         "answer form (data.variety_example); overrides the side options")
     ap.add_argument("--install", action="store_true", help="replace --base with the result")
     ap.add_argument("--continue-tower", action="store_true",
                     help="train the tower --base already has further (stage 1 only if --tower-seconds is given)")
@@ -357,10 +367,11 @@ def main(argv: list[str] | None = None) -> dict:
     n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(json.dumps({"trained_parameters": n_trained, "vision": VISION}), flush=True)
     tower_seconds = a.tower_seconds if a.tower_seconds is not None else (0.0 if a.continue_tower else 300.0)
-    history = pretrain_tower(model, args, tower_seconds, a.tower_batch, a.tower_lr, a.seed) if tower_seconds else []
+    history = (pretrain_tower(model, args, tower_seconds, a.tower_batch, a.tower_lr, a.seed, variety=a.variety)
+               if tower_seconds else [])
     sides = D.SIDES + (D.PADDED_SIDES if a.padded_sides else ()) + (D.LARGE_SIDES if a.large_sides else ())
     history += train(model, args, tokenizer, a.seconds, a.batch, a.lr, a.gamma, a.seed, a.max_steps,
-                     tower_lr_scale=a.tower_lr_scale, sides=sides, probe_weight=a.probe_weight)
+                     tower_lr_scale=a.tower_lr_scale, sides=sides, probe_weight=a.probe_weight, variety=a.variety)
     files = export(model, args, a.base, a.out)
     from dsv41.recipes.tiny.vision.accuracy import evaluate
 

@@ -1,0 +1,241 @@
+"""`tiny-reasoning` v2: lists of varying difficulty, and top tiers whose check can change the answer.
+
+Not yet trained (recipes/tiny/README.md, "v2 plan"). The items keep v1's schema and prompt ("Add: 7 3 9 2 5",
+the answer the sum, scored by the last integer after `</think>`), so every consumer of the task runs them
+unchanged; only the list lengths and the traces differ. The held-out items are `heldout_v2.jsonl`
+(`HELDOUT_V2`, 360 items: 40 of every length 2..10; `load_items(version=2)`).
+
+Difficulty is the list length: short (2-3 numbers), medium (4-6), long (7-10). Tiers by effort:
+
+    1-19    (none)                                           answer at once: right for short lists, a guess for long ones
+    20-44   Pairs 10 11 5, total 26                          shortcut: pair sums, then the total in one guess
+    45-69   Sum: 7+3=10, +9=19, +2=21, +5=26                 computes: the terse running sums
+    70-89   Forward: 7+3=10, +9=19, +2=21, +5=26             computes twice, in opposite directions, and
+            Backward: 5+2=7, +9=16, +3=19, +7=26             compares; when the two differ a third pass
+            Both give 26.                                    decides ("25 and 26 differ. Again: ... / 26
+                                                             twice, so 26.")
+    90-100  First: <forward>  Second: <backward>             always three passes, the third by pairs, and
+            Third: 7+3=10, 9+2=11, 5; 10+11=21, +5=26        the answer is the value at least two give
+            Got 26, 26, 26: so 26.
+
+Why (README, "v2 plan"): the bundled model's errors are mostly in reading the next number of the list; a second
+pass in the other direction reads the list in another order, so its slips fall elsewhere, and a disagreement is
+a signal the model can see in the line above. Each tier is named by the first reasoning token (the lesson of the
+"labelled" style) and each pass by its own label, so every choice reads text inside the 64-token window.
+
+Training traces contain checks that catch and repair an error (`training_segments(..., error_rate=)`): in a
+fraction of the top-tier traces one pass carries an injected slip of the kinds the model makes (a number
+skipped, the previous number added again, a step's sum off by one or ten, carried on). The check line then sees
+two different results, the third pass computes the sum again, and the closing line takes the value two passes
+give. The slip's tokens are marked not to be trained on (`Segment.train` False): the model reads them as context
+but is never taught to write them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+HELDOUT_V2 = Path(__file__).resolve().parent / "heldout_v2.jsonl"
+MIN_NUMBERS, MAX_NUMBERS = 2, 10
+DIFFICULTY = {2: "short", 3: "short", 4: "medium", 5: "medium", 6: "medium",
+              7: "long", 8: "long", 9: "long", 10: "long"}
+EFFORT_TIERS = (20, 45, 70, 90)
+TIER_LABELS = {1: "Pairs", 2: "Sum", 3: "Forward", 4: "First"}  # the first reasoning token names the tier
+ERROR_KINDS = ("skip", "repeat", "slip")
+HELDOUT_PER_LENGTH = 40
+HELDOUT_SEED = 4242
+
+
+def effort_tier(effort: int) -> int:
+    if not 1 <= int(effort) <= 100:
+        raise ValueError(f"effort must be in 1..100, got {effort}")
+    return sum(int(effort) >= bound for bound in EFFORT_TIERS)
+
+
+# ------------------------------------------------------------------------------------------ passes
+@dataclass(frozen=True)
+class Segment:
+    text: str
+    train: bool = True  # False: context only (an injected slip), no loss on its tokens
+
+
+def running_pass(numbers: list[int], error: tuple[str, int, int] | None = None) -> tuple[list[Segment], int]:
+    """'7+3=10, +9=19, +2=21, +5=26' over `numbers` in the given order -> (segments, the result written).
+    error = (kind, step, delta): at step k >= 1 (the k-th number added after the first) a slip of `kind`:
+    'skip' leaves numbers[k] out (k < the last step), 'repeat' adds numbers[k-1] again in its place, 'slip' writes the sum off
+    by `delta`; later steps carry on from what was written. Everything from the slip on is untrained."""
+    if error and error[0] == "skip" and error[1] >= len(numbers) - 1:
+        # a skipped last number would leave no slipped token to mask: the pass would just end early, and the
+        # token after it would teach stopping early
+        raise ValueError("a skip needs a number after the skipped one")
+    if error and error[0] == "skip" and error[1] == 1:  # the line then starts with numbers[0] + numbers[2]
+        segments, total = running_pass(numbers[:1] + numbers[2:])
+        return [Segment("".join(s.text for s in segments), train=False)], total
+    right: list[str] = []
+    wrong: list[str] = []
+    total = numbers[0]
+    for k, n in enumerate(numbers[1:], 1):
+        if error and k == error[1]:
+            kind, _, delta = error
+            if kind == "skip":
+                wrong.append("")  # from here on the line is the slip's
+                continue
+            if kind == "repeat":
+                n = numbers[k - 1]
+            new = total + n + (delta if kind == "slip" else 0)
+            if new < 0:
+                raise ValueError("a slip below zero is not one the model makes")
+        else:
+            new = total + n
+        (wrong if wrong or (error and k == error[1]) else right).append(
+            f"{numbers[0]}+{n}={new}" if k == 1 else f"+{n}={new}")
+        total = new
+    wrong = [w for w in wrong if w]
+    segments = [Segment(", ".join(right))] if right else []
+    if wrong:
+        segments.append(Segment((", " if right else "") + ", ".join(wrong), train=False))
+    return segments, total
+
+
+def pairs_pass(numbers: list[int]) -> tuple[str, int]:
+    """'7+3=10, 9+2=11, 5; 10+11=21, +5=26' (always right: the third pass of tier 4)."""
+    pairs = [numbers[i:i + 2] for i in range(0, len(numbers), 2)]
+    first = ", ".join(f"{p[0]}+{p[1]}={p[0] + p[1]}" if len(p) == 2 else str(p[0]) for p in pairs)
+    values = [sum(p) for p in pairs]
+    if len(values) == 1:
+        return first, values[0]
+    segs, total = running_pass(values)
+    return first + "; " + segs[0].text, total
+
+
+def pairs_shortcut(numbers: list[int]) -> str:
+    """Tier 1: the pair sums, then the total named at once ('Pairs 10 11 5, total 26')."""
+    values = [sum(numbers[i:i + 2]) for i in range(0, len(numbers), 2)]
+    return f"{TIER_LABELS[1]} " + " ".join(str(v) for v in values) + f", total {sum(numbers)}"
+
+
+# ------------------------------------------------------------------------------------------ traces
+def random_error(numbers: list[int], rng: random.Random) -> tuple[str, int, int]:
+    """A slip that changes the pass's result (re-drawn until it does)."""
+    for _ in range(100):
+        kind = rng.choice(ERROR_KINDS)
+        step = rng.randint(1, len(numbers) - 1)
+        delta = rng.choice((-10, -1, 1, 10))
+        if kind == "skip" and step >= len(numbers) - 1:
+            continue
+        try:
+            _, got = running_pass(numbers, (kind, step, delta))
+        except ValueError:
+            continue
+        if got != sum(numbers):
+            return kind, step, delta
+    return "slip", len(numbers) - 1, 1
+
+
+def training_segments(numbers: list[int], effort: int, rng: random.Random | None = None,
+                      error_rate: float = 0.0, error: dict | None = None) -> list[Segment]:
+    """The reasoning of one training example as segments. For tiers 3-4, with probability error_rate (or when
+    `error` = {"pass": i, "kind": k, "step": s, "delta": d} is given) pass i (0-based) carries a slip."""
+    tier = effort_tier(effort)
+    total = sum(numbers)
+    if tier == 0:
+        return []
+    if tier == 1:
+        return [Segment(pairs_shortcut(numbers))]
+    if tier == 2:
+        return [Segment(f"{TIER_LABELS[2]}: ")] + running_pass(numbers)[0]
+    n_passes = 2 if tier == 3 else 3
+    if error is None and rng is not None and rng.random() < error_rate:
+        which = rng.randrange(2)
+        kind, step, delta = random_error(numbers if which == 0 else numbers[::-1], rng)
+        error = {"pass": which, "kind": kind, "step": step, "delta": delta}
+    if error is not None and error["pass"] not in (0, 1):
+        raise ValueError("only the forward or the backward pass carries a slip")
+
+    def one_pass(order: list[int], index: int) -> tuple[list[Segment], int]:
+        """pass `index` (0 forward, 1 backward); a slip's step counts along the pass's own order"""
+        if error is not None and error["pass"] == index:
+            return running_pass(order, (error["kind"], error["step"], error["delta"]))
+        return running_pass(order)
+
+    fwd, fwd_total = one_pass(numbers, 0)
+    bwd, bwd_total = one_pass(numbers[::-1], 1)
+    if tier == 3:
+        out = [Segment("Forward: ")] + fwd + [Segment("\nBackward: ")] + bwd
+        if fwd_total == bwd_total:
+            return out + [Segment(f"\nBoth give {fwd_total}.")]
+        again, again_total = running_pass(numbers)
+        assert again_total == total
+        return out + [Segment(f"\n{fwd_total} and {bwd_total} differ. Again: ")] + again + \
+            [Segment(f"\n{total} twice, so {total}.")]
+    third, third_total = pairs_pass(numbers)
+    votes = (fwd_total, bwd_total, third_total)
+    winner = max(set(votes), key=votes.count)
+    return ([Segment("First: ")] + fwd + [Segment("\nSecond: ")] + bwd + [Segment(f"\nThird: {third}")] +
+            [Segment(f"\nGot {votes[0]}, {votes[1]}, {votes[2]}: so {winner}.")])
+
+
+def reasoning_trace(numbers: list[int], effort: int) -> str:
+    """The gold reasoning (no slips) at `effort`."""
+    return "".join(s.text for s in training_segments(numbers, effort))
+
+
+def answer_text(numbers: list[int]) -> str:
+    return f"Answer: {sum(numbers)}"
+
+
+def conversation_segments(numbers: list[int], effort: int, rng: random.Random | None = None,
+                          error_rate: float = 0.0) -> list[Segment]:
+    """One complete training example (BOS ... EOS, the official V4.1 thinking-mode encoding) as segments whose
+    concatenation is `encode_messages` of the conversation with the reasoning written out."""
+    from dsv41.model.encoding import encode_messages
+
+    from . import messages
+
+    reasoning = training_segments(numbers, effort, rng, error_rate)
+    marker = "\x00REASONING\x00"
+    text = encode_messages(messages(numbers) + [{"role": "assistant", "reasoning_content": marker,
+                                                  "content": answer_text(numbers)}], mode="thinking", effort=effort)
+    before, after = text.split(marker)
+    return [Segment(before)] + reasoning + [Segment(after)]
+
+
+def random_numbers(rng: random.Random) -> list[int]:
+    return [rng.randint(0, 9) for _ in range(rng.randint(MIN_NUMBERS, MAX_NUMBERS))]
+
+
+def generate_items(per_length: int = HELDOUT_PER_LENGTH, seed: int = HELDOUT_SEED,
+                   exclude: set[tuple[int, ...]] | None = None) -> list[dict]:
+    """`per_length` distinct lists of every length 2..10 (a length-2 list has only 100 choices), interleaved so
+    that any prefix of the file mixes the lengths."""
+    from . import TASK_NAME, messages
+
+    rng = random.Random(seed)
+    seen = set(exclude or ())
+    by_length: dict[int, list[list[int]]] = {}
+    for length in range(MIN_NUMBERS, MAX_NUMBERS + 1):
+        rows = by_length.setdefault(length, [])
+        while len(rows) < per_length:
+            numbers = [rng.randint(0, 9) for _ in range(length)]
+            if tuple(numbers) not in seen:
+                seen.add(tuple(numbers))
+                rows.append(numbers)
+    items = []
+    for i in range(per_length):
+        for length in range(MIN_NUMBERS, MAX_NUMBERS + 1):
+            numbers = by_length[length][i]
+            items.append({"id": f"{TASK_NAME}-v2-{len(items):04d}", "messages": messages(numbers), "numbers": numbers,
+                          "answer": sum(numbers), "difficulty": DIFFICULTY[length], "version": 2})
+    return items
+
+
+def write_heldout(path: Path = HELDOUT_V2) -> list[dict]:
+    """heldout_v2.jsonl: no list of it is a v1 held-out list either."""
+    from . import HELDOUT_FILE, load_items
+
+    items = generate_items(exclude={tuple(it["numbers"]) for it in load_items(HELDOUT_FILE)})
+    path.write_text("".join(json.dumps(it) + "\n" for it in items))
+    return items
