@@ -105,6 +105,10 @@ SUBS: dict[str, Sub] = {
                   "32 mixed requests, tokens/s against concurrency, effort-sweep / eval smoke / bpb wall time",
                   "any", tiny=(), quick_note="8 requests, outputs a quarter as long, no commands",
                   tiny_note="accepted, changes nothing: the bundled model is already tiny"),
+    "serve": Sub("bench_serve.py", "load test of `dsv41 serve`: concurrent streaming clients for a fixed time "
+                  "(--clients 64 --seconds 120): every request ends once, RSS, p50/p99 time to first token, "
+                  "tokens/s", "any", tiny=(), quick_note="8 clients for 20 s",
+                  tiny_note="accepted, changes nothing: the bundled model is already tiny"),
     "greedy-divergence": Sub("greedy_divergence.py", "where two greedy runs of the same prompts part "
                              "(A.jsonl B.jsonl --prompts P; JSON lines on stdout)", "cpu", device="cpu",
                              json=None, quick=None, tiny=None, json_note="it writes JSON lines to stdout",

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "effort-sweep": ("effort_sweep", "Accuracy and output tokens across reasoning efforts (report Figure 9)."),
     "scaffold-bench": ("scaffold_bench", "The same model and tasks under several agent scaffolds, commands in a jail."),
     "quantize-kv": ("quantize_kv", "Bytes per token and quality cost of each main-KV storage format (fp4/fp8/bf16)."),
+    "serve": ("serve", "An OpenAI-compatible HTTP endpoint on the continuous-batching engine."),
 }
 
 

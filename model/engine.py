@@ -469,10 +469,19 @@ class Scheduler:
     freed at once and the last row moves into its place (rows in use stay 0..B-1). `cancel` drops a
     request wherever it is. A request that can never fit (context or token budget) is refused at
     `submit` with RequestTooLarge, before any work. On CUDA the decode step replays from CUDA graphs
-    (`GraphedDecode`; cuda_graphs=False or DSV41_CUDA_GRAPHS=0 runs it eagerly)."""
+    (`GraphedDecode`; cuda_graphs=False or DSV41_CUDA_GRAPHS=0 runs it eagerly).
+
+    static_shapes (the CUDA graphs' mode, BatchCache.static; default: with CUDA graphs): every step reads the
+    rows in power-of-two buckets and the whole entry capacity, which grows at least twofold at a time (room
+    for each admitted request's whole reply is reserved), so a long run sees a few step shapes instead of a
+    new one at nearly every step. The same numbers (the rest is masked;
+    tests/test_batch_engine.py). For a long-lived process on the CPU (`dsv41 serve`): the eager step's native
+    state per distinct shape (oneDNN's primitive cache and the allocator's blocks) then stays bounded
+    (benchmarks/results/cpu-serve/NOTES.md, "Memory")."""
 
     def __init__(self, generator: "Generator", max_batch_size: int = 32, max_batch_tokens: int | None = None,
-                 prefill_chunk: int | None = None, cuda_graphs: bool | None = None):
+                 prefill_chunk: int | None = None, cuda_graphs: bool | None = None,
+                 static_shapes: bool | None = None):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         self.gen, self.model, self.args = generator, generator.model, generator.args
@@ -485,6 +494,8 @@ class Scheduler:
             cuda_graphs = cuda_graphs_default(generator.device)
         self.decode = GraphedDecode(self.model, self.cache) if cuda_graphs else \
             (lambda ids: self.model.decode(ids, self.cache))
+        if static_shapes is not None and not cuda_graphs:  # (a captured step needs them: GraphedDecode sets it)
+            self.cache.static = static_shapes
         self.waiting: list[_Sequence] = []
         self.prefilling: _Sequence | None = None
         self.running: list[_Sequence] = []  # running[i] is in row i

@@ -292,3 +292,23 @@ def test_a_dspark_request_streams_and_cancels(tiny_model):
     assert scheduler.cancel(first) and not scheduler.speculating
     results = dict(scheduler.run())
     assert set(results) == {second} and len(results[second].output_ids) == 5
+
+
+def test_static_shapes_on_the_cpu_give_the_same_tokens(tiny_model):
+    """Scheduler(static_shapes=True) off CUDA (what `dsv41 serve` runs on the CPU, for bounded memory): rows in
+    power-of-two buckets, the whole entry capacity read; every request gets the tokens of the default mode."""
+    gen = Generator(tiny_model)
+    ids = prompts((5, 17, 40), seed=9)
+    lengths = (12, 30, 7)
+
+    def run(static):
+        scheduler = Scheduler(gen, max_batch_size=3, prefill_chunk=16, static_shapes=static)
+        keys = [scheduler.submit(Request(p, greedy(n))) for p, n in zip(ids, lengths)]
+        with torch.inference_mode():
+            results = dict(scheduler.run())
+        return scheduler.cache, [results[k].output_ids for k in keys]
+
+    static_cache, static_tokens = run(True)
+    dynamic_cache, dynamic_tokens = run(False)
+    assert static_cache.static and not dynamic_cache.static
+    assert static_tokens == dynamic_tokens

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGES = ("dsv41.model", "dsv41.evals", "dsv41.recipes")
+PACKAGES = ("dsv41.model", "dsv41.evals", "dsv41.recipes", "dsv41.serve")
 KERNELS = "dsv41.model.kernels"
 KERNEL_MAY_IMPORT = ("dsv41.model.formats", "dsv41.model.config")
 
@@ -169,7 +169,7 @@ def test_graph_covers_the_package(graph):
     assert "dsv41.model.kernels.gemm" in graph["dsv41.model.layers"]  # function-level imports are read too
 
 
-@pytest.mark.parametrize("prefix", ["dsv41.model", "dsv41.evals"])
+@pytest.mark.parametrize("prefix", ["dsv41.model", "dsv41.evals", "dsv41.serve"])
 def test_no_import_cycle(graph, prefix):
     found = cycles(graph, prefix)
     assert not found, f"import cycles inside {prefix}:\n{_show(found)}"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("dsv41", "dsv41_cli", "model", "evals", "recipes")  # the folders setup.py installs
+SOURCES = ("dsv41", "dsv41_cli", "model", "evals", "recipes", "serve")  # the folders setup.py installs
 # data folders whose every file a command or the bench reads
 DATA_TREES = ("recipes/bench-tasks", "recipes/scaffolds", "recipes/suites", "recipes/tiny/heldout", "evals/tasks",
               "model/assets/dsv41-tiny")
@@ -56,7 +56,7 @@ def wheel_names(wheel) -> set[str]:
 def _in_wheel(path: str) -> str:
     """A repository path as the wheel names it: model/x -> dsv41/model/x (dsv41_cli/ stays)."""
     top = path.split("/", 1)[0]
-    return f"dsv41/{path}" if top in ("model", "evals", "recipes") else path
+    return f"dsv41/{path}" if top in ("model", "evals", "recipes", "serve") else path
 
 
 @pytest.mark.slow
@@ -77,7 +77,8 @@ def test_the_wheel_ships_the_checkpoint_and_the_data_the_commands_read(wheel_nam
         assert files and files <= wheel_names, (folder, sorted(files - wheel_names))
     assert {"dsv41/__init__.py", "dsv41/recipes/tiny/README.md", "dsv41/recipes/tiny/reproduce.sh",
             "dsv41/recipes/tiny/train.py", "dsv41/evals/tasks/tiny_reasoning/heldout.jsonl",
-            "dsv41/model/kernels/__init__.py", "dsv41_cli/app.py"} <= wheel_names
+            "dsv41/model/kernels/__init__.py", "dsv41_cli/app.py", "dsv41/serve/app.py",
+            "dsv41_cli/commands/serve.py"} <= wheel_names
     # one import root: no generic top-level name
     assert {n.split("/", 1)[0] for n in wheel_names if not n.split("/", 1)[0].endswith(".dist-info")} == \
         {"dsv41", "dsv41_cli"}
