@@ -766,6 +766,9 @@ def compiled_decode_rows(model):
     them."""
     import torch._dynamo
 
+    from dsv41.model.kernels import keep_launches_opaque
+
+    keep_launches_opaque()  # the Triton launches stay whole calls (model/kernels/__init__.py, `opaque`)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "dsv41",
                                                                   "inductor"))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

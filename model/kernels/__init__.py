@@ -48,13 +48,33 @@ def triton_available() -> bool:
     return True
 
 
+_OPAQUE: list[tuple[str, str]] = []  # (module, function) of every Triton launch function
+_OPAQUE_APPLIED = [False]
+
+
 def opaque(launch):
-    """A function that launches Triton kernels, kept one opaque call under torch.compile
-    (model/engine.py `compiled_decode_rows`): the compiler fuses the torch operators around the kernels and
-    calls the kernels as they are. Traced into, a user-defined kernel is recompiled by inductor with its
-    scalar arguments retyped (a Python float scale becomes fp64, which the split attention kernel's fp32
-    accumulator refuses: H200 run 2026-12-02). Outside torch.compile the function runs as written."""
-    return torch.compiler.disable(launch, recursive=True)
+    """Marks a function that launches Triton kernels, to be kept one opaque call under torch.compile
+    (model/engine.py `compiled_decode_rows` calls `keep_launches_opaque` first): the compiler then fuses the
+    torch operators around the kernels and calls the kernels as they are. Traced into, a user-defined kernel
+    is recompiled by inductor with its scalar arguments retyped (a Python float scale becomes fp64, which the
+    split attention kernel's fp32 accumulator refuses: H200 run 2026-12-02). The function itself is returned
+    unchanged: wrapping it here would import torch._dynamo with the model (start-up time, and Triton's
+    interpreter flag read before a test sets it)."""
+    _OPAQUE.append((launch.__module__, launch.__name__))
+    return launch
+
+
+def keep_launches_opaque() -> None:
+    """Replace every `opaque` launch function by its torch.compiler.disable'd form, in its module (callers look
+    it up there at each call). Once per process; only torch.compile's users call it."""
+    if _OPAQUE_APPLIED[0]:
+        return
+    import importlib
+
+    for module_name, name in _OPAQUE:
+        module = importlib.import_module(module_name)
+        setattr(module, name, torch.compiler.disable(getattr(module, name), recursive=True))
+    _OPAQUE_APPLIED[0] = True
 
 
 def interpreting() -> bool:
