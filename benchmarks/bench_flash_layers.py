@@ -110,15 +110,20 @@ def engine_decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool, graph
     fs.sync(model.embed.weight.device)
     t0 = time.perf_counter()
     for i in range(warmup, warmup + steps):
-        step(ids[i:i + 1])
+        logits = step(ids[i:i + 1])
     fs.sync(model.embed.weight.device)
     dt = (time.perf_counter() - t0) / steps
+    # the last step's logits (the same cache and inputs in every mode): top tokens and a few values, so that
+    # the modes of one run can be compared
+    top = logits[0].float().topk(5)
+    extra_out = {"last_top5_ids": top.indices.tolist(), "last_top5_logits": [round(v, 4) for v in top.values.tolist()],
+                 "last_logits_abs_mean": round(float(logits[0].float().abs().mean()), 6)}
     b, f = fs.work(model, ctx - 1, 1)
     extra = {"graph_replays": step.replays, "graphs_captured": step.captured, "graph_failed": step.failed} \
         if graphs else {}
     mode = ("CUDA graph of the compiled step" if compiled else "CUDA graph") if graphs else "eager"
     return fs.row(f"engine decode step at ctx {fs.context_label(ctx)} ({mode})",
-                  dt, b, f, cuda, tokens=1, tokens_per_s=1 / dt, steps=steps, **extra, **fs.memory_note())
+                  dt, b, f, cuda, tokens=1, tokens_per_s=1 / dt, steps=steps, **extra, **extra_out, **fs.memory_note())
 
 
 @torch.inference_mode()
