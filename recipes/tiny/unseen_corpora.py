@@ -17,24 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
+
+from dsv41.recipes.tiny.build_data import fetch_sdist
 
 SDIST = "click==8.1.7"
 
 
 def fetch(sources: Path) -> Path:
     sources.mkdir(parents=True, exist_ok=True)
-    found = sorted(sources.glob("click-8.1.7.tar.gz"))
-    if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", SDIST,
-                        "-d", str(sources)], check=True)
-        found = sorted(sources.glob("click-8.1.7.tar.gz"))
+    archive = fetch_sdist(sources, SDIST, "click-8.1.7.tar.gz")
     root = sources / "click-8.1.7"
     if not root.exists():
-        with tarfile.open(found[-1]) as tar:
+        with tarfile.open(archive) as tar:
             tar.extractall(sources, filter="data")
     return root
 

@@ -106,15 +106,12 @@ def shape_image(w: int, h: int, shape: str, colour: str, rng: random.Random):
     return image
 
 
-def count_image(w: int, h: int, shape: str, colour: str, n: int, rng: random.Random):
-    from PIL import Image, ImageDraw
-
-    image = Image.new("RGB", (w, h), _background(rng))
-    draw = ImageDraw.Draw(image)
-    side = min(w, h)
-    r = side * {1: 0.3, 2: 0.2, 3: 0.17, 4: 0.15}[n]
+def _place(n: int, r: float, w: float, h: float, rng) -> tuple[list[tuple[float, float]], float]:
+    """n centres of shapes of radius r inside a w x h canvas, pairwise more than 2.2 r apart: rejection
+    sampling, the radius shrunk by 0.85 (and the placement restarted) when 200 tries find no room.
+    Returns (centres, the radius used)."""
     placed: list[tuple[float, float]] = []
-    while len(placed) < n:  # rejection sampling of non-overlapping centres; shrink if it takes long
+    while len(placed) < n:
         for _ in range(200):
             cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
             if all((cx - x) ** 2 + (cy - y) ** 2 > (2.2 * r) ** 2 for x, y in placed):
@@ -123,6 +120,17 @@ def count_image(w: int, h: int, shape: str, colour: str, n: int, rng: random.Ran
         else:
             r *= 0.85
             placed = []
+    return placed, r
+
+
+def count_image(w: int, h: int, shape: str, colour: str, n: int, rng: random.Random):
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (w, h), _background(rng))
+    draw = ImageDraw.Draw(image)
+    side = min(w, h)
+    r = side * {1: 0.3, 2: 0.2, 3: 0.17, 4: 0.15}[n]
+    placed, r = _place(n, r, w, h, rng)
     fill = _jitter(COLOURS[colour], rng)
     for cx, cy in placed:
         draw_shape(draw, shape, cx, cy, r, fill, rng)
@@ -301,16 +309,7 @@ def variety_example(rng: random.Random, kind: str | None = None, question_type: 
         n = 1 if kind == "shape" else rng.randint(2, 4)
         fill = variety_rgb(colour, rng)
         r = (rng.uniform(0.12, 0.45) if n == 1 else {2: 0.2, 3: 0.17, 4: 0.15}[n] * rng.uniform(0.8, 1.1)) * min(W, H)
-        placed: list[tuple[float, float]] = []
-        while len(placed) < n:
-            for _ in range(200):
-                cx, cy = rng.uniform(r, W - r), rng.uniform(r, H - r)
-                if all((cx - x) ** 2 + (cy - y) ** 2 > (2.2 * r) ** 2 for x, y in placed):
-                    placed.append((cx, cy))
-                    break
-            else:
-                r *= 0.85
-                placed = []
+        placed, r = _place(n, r, W, H, rng)
         for cx, cy in placed:
             draw_shape(draw, shape, cx, cy, r, fill, rng)
         image = _finish(image, w, h)
