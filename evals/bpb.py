@@ -95,6 +95,41 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], n_scored: Sequenc
     return results  # type: ignore[return-value]
 
 
+HEAD_ROWS = 32  # positions per head block in `score_positions`
+
+
+def score_positions(model, hidden, targets, check_greedy: bool = True, top: int = 0):
+    """(ln p(target) fp32 [N], target is the argmax [N], the `top` most likely (ln p [N, top], ids [N, top])
+    or None) from final-normed hidden states [N, dim] (`model(..., head=False)`).
+
+    The head runs on blocks of exactly HEAD_ROWS positions (the last padded): the [N, vocab] logits are never
+    materialized, and each block's logits (16.5 MB at V4.1's vocabulary) is reused memory rather than a fresh
+    mapping the kernel must fault in, which cost more than the arithmetic (the CPU spent over half of a
+    `dsv41 bpb` run in the kernel). One block size for every position also keeps a position's logits
+    independent of how many others are scored with it (a GEMM of a few rows takes another code path)."""
+    import torch
+
+    n = hidden.size(0)
+    logprob = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    hit = torch.ones(n, dtype=torch.bool, device=hidden.device)
+    best = (torch.empty(n, top, dtype=torch.float32, device=hidden.device),
+            torch.empty(n, top, dtype=torch.long, device=hidden.device)) if top > 0 else None
+    for b in range(0, n, HEAD_ROWS):
+        h, t = hidden[b:b + HEAD_ROWS], targets[b:b + HEAD_ROWS]
+        k = h.size(0)
+        if k < HEAD_ROWS:
+            h = torch.cat([h, h.new_zeros(HEAD_ROWS - k, h.size(1))])
+        logits = model.head(h)[:k].float()
+        lse = torch.logsumexp(logits, -1)
+        logprob[b:b + k] = logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse
+        if check_greedy:
+            hit[b:b + k] = logits.argmax(-1) == t
+        if best is not None:
+            values, indices = logits.topk(top, dim=-1)
+            best[0][b:b + k], best[1][b:b + k] = values - lse.unsqueeze(-1), indices
+    return logprob, hit, best
+
+
 def _score_batch(model, sequences, n_scored, rows: list[int], pad_id: int, max_logits_bytes: int,
                  check_greedy: bool, on_done) -> list[Scored]:
     """One right-padded batch of `score_sequences`: the Scored of each row, in the order of `rows`."""
@@ -122,13 +157,14 @@ def _score_batch(model, sequences, n_scored, rows: list[int], pad_id: int, max_l
             if not bool(wanted.any()):  # nothing scored here: only fill the cache
                 model(ids[:, s:s + chunk], start_pos=s, cache=cache)
                 continue
-            logits = model(ids[:, s:s + chunk], start_pos=s, cache=cache, all_logits=True).float()
-            # ln p(target) = logit(target) - logsumexp(logits): no full log-softmax copy
-            picked = logits.gather(-1, tgt.clamp_min(0).unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-            logprob += torch.where(wanted, picked, torch.zeros_like(picked)).double().sum(-1)
+            hidden = model(ids[:, s:s + chunk], start_pos=s, cache=cache, all_logits=True, head=False)
+            # ln p(target) at the scored positions only, zeros elsewhere (as torch.where(wanted, ...) would)
+            picked = torch.zeros(tgt.shape, dtype=torch.float32, device=device)
+            hit = torch.ones(tgt.shape, dtype=torch.bool, device=device)
+            picked[wanted], hit[wanted], _ = score_positions(model, hidden[wanted], tgt[wanted], check_greedy)
+            logprob += picked.double().sum(-1)
             if check_greedy:
-                hit = logits.argmax(-1) == tgt
-                greedy &= torch.where(wanted, hit, torch.ones_like(hit)).all(-1)
+                greedy &= hit.all(-1)
         out = []
         for r, i in enumerate(rows):
             out.append(Scored(float(logprob[r]), bool(greedy[r]), n_scored[i]))

@@ -117,8 +117,7 @@ class Sampler:
         return torch.multinomial(probs.float().cpu(), 1, generator=self.gen).squeeze(-1).to(probs.device)
 
     def check(self, logits: torch.Tensor) -> None:
-        """One isfinite reduction over the logits about to be sampled (under 1 ms for 129K logits on one
-        busy CPU thread, where a decode step of the bundled model took about 260 ms)."""
+        """NaN/inf in the logits about to be sampled is an error naming the checkpoint (`check_finite`)."""
         check_finite(logits, self.source)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
@@ -779,7 +778,13 @@ def cuda_graphs_default(device) -> bool:
 
 
 def check_finite(logits: torch.Tensor, source: str | None = None) -> None:
-    """One isfinite reduction over the logits about to be sampled: NonFiniteLogits names the checkpoint."""
+    """NonFiniteLogits, naming the checkpoint, when a logit about to be sampled is NaN or infinite.
+
+    The test is the sum's finiteness: one read of the logits and no [rows, vocab] mask (isfinite + all took
+    2.7 ms per step on the CPU for 16 x 129K logits, the sum 0.17 ms). A NaN or inf makes the sum non-finite;
+    a sum that overflows from finite logits only sends it on to the exact elementwise check."""
+    if bool(torch.isfinite(logits.sum())):
+        return
     finite = torch.isfinite(logits)
     if not bool(finite.all()):
         where = source or "the checkpoint"

@@ -133,7 +133,7 @@ class Transformer(nn.Module):
     def forward(self, ids: torch.Tensor, start_pos: int = 0, cache: KVCache | None = None,
                 image_mask: torch.Tensor | None = None, all_logits: bool = False,
                 return_taps: bool = False, aux: dict | None = None, images=None, ced: str = "full",
-                bounded_replay: bool = False):
+                bounded_replay: bool = False, head: bool = True):
         """ids [B, T] at positions start_pos..start_pos+T-1 -> logits [B, V] (last position) or
         [B, T, V] with all_logits. Without a cache the call is a full-sequence forward from position 0.
         With return_taps, also the DSpark taps [B, T, len(targets) * dim] (residual entering each
@@ -152,6 +152,10 @@ class Transformer(nn.Module):
         bounded_replay: these tokens are already in the cache's global KV (a persistent prefix-cache
         hit without its SWA state): rebuild the window rings by running every layer on them with
         truncated SWA (windows start at start_pos), without writing compressed entries again.
+
+        head: False returns the final-normed hidden states [B, T, dim] (or [B, dim]) instead of logits, for
+        callers that need logits only at some positions and apply `self.head` to them in blocks (scoring:
+        evals/bpb.py), rather than materialize [B, T, vocab].
 
         Inference callers should run under torch.inference_mode(); gradients flow when they are enabled."""
         if cache is None:
@@ -215,7 +219,7 @@ class Transformer(nn.Module):
         u = mhc.collapse(x, pre)
         if not all_logits:
             u = u[:, -1]
-        logits = self.head(self.norm(u))
+        logits = self.head(self.norm(u)) if head else self.norm(u)
         if return_taps:
             return logits, (torch.cat(taps, dim=-1) if taps else None)
         return logits

@@ -1,9 +1,10 @@
 """Per-token log-probabilities of a token sequence: what /v1/completions returns for `echo` + `logprobs`.
 
 The same forward as the lm-eval adapter's scoring (evals/bpb.py `_score_batch`, one row): the whole
-sequence through a fresh KV cache in chunks that keep the fp32 logits within a budget, ln p(target) =
-logit(target) - logsumexp(logits). The most likely tokens come from the same logits, so a token that
-is the argmax has exactly the top log-probability (lm-eval's `is_greedy` compares the two for equality).
+sequence through a fresh KV cache in chunks, the head applied in fixed blocks of positions
+(`bpb.score_positions`), ln p(target) = logit(target) - logsumexp(logits). The most likely tokens come from
+the same logits, so a token that is the argmax has exactly the top log-probability (lm-eval's `is_greedy`
+compares the two for equality).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from dsv41.evals.bpb import score_positions
 
 LOGITS_BYTES = 2**28  # fp32 logits held at once while scoring
 
@@ -36,14 +39,12 @@ def score_tokens(model, ids: list[int], top: int = 1, max_logits_bytes: int = LO
     logprobs: list[float] = []
     best: list[list[tuple[int, float]]] = []
     for s in range(0, inputs.size(1), chunk):
-        logits = model(inputs[:, s:s + chunk], start_pos=s, cache=cache, all_logits=True).float()[0]
-        lse = torch.logsumexp(logits, -1)
+        hidden = model(inputs[:, s:s + chunk], start_pos=s, cache=cache, all_logits=True, head=False)[0]
         tgt = targets[s:s + chunk]
-        logprobs += (logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse).tolist()
-        if top > 0:
-            values, indices = logits.topk(top, dim=-1)
-            values = values - lse.unsqueeze(-1)
-            best += [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+        picked, _, top_k = score_positions(model, hidden, tgt, check_greedy=False, top=top)
+        logprobs += picked.tolist()
+        if top_k is not None:
+            best += [list(zip(i, v)) for i, v in zip(top_k[1].tolist(), top_k[0].tolist())]
         else:
             best += [[] for _ in range(tgt.numel())]
     return TokenScores(logprobs, best)

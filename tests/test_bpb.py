@@ -85,6 +85,29 @@ def test_greedy_flag(loaded):
     assert not bpb.score_sequences(model, [other], [4], pad_id=tok.pad_id)[0].greedy
 
 
+@pytest.mark.parametrize("n", [1, bpb.HEAD_ROWS, 2 * bpb.HEAD_ROWS + 13])
+def test_score_positions_equals_the_full_logits(loaded, n):
+    """The blocked head (fixed blocks, the last padded) against logits of all positions at once: log-probs,
+    the greedy flags and the top-k; and forward(head=False) followed by the head is forward's logits."""
+    model, _, tok = loaded
+    seq = ([tok.bos_id] + tok.encode(TEXT * 3, allow_special=False))[:n + 1]
+    ids = torch.tensor([seq[:-1]])
+    with torch.inference_mode():
+        logits = model(ids, all_logits=True)[0].float()
+        hidden = model(ids, all_logits=True, head=False)[0]
+        assert torch.equal(model.head(hidden).float(), logits)
+        targets = torch.tensor(seq[1:])
+        targets[::3] = logits[::3].argmax(-1)  # some positions greedy, most not
+        lp, hit, (top_v, top_i) = bpb.score_positions(model, hidden, targets, top=3)
+    lse = torch.logsumexp(logits, -1)
+    ref = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    assert lp.shape == (n,) and torch.allclose(lp, ref, atol=1e-5, rtol=0)
+    assert torch.equal(hit, logits.argmax(-1) == targets) and bool(hit[::3].all())
+    ref_v, ref_i = logits.topk(3, -1)
+    assert torch.equal(top_i, ref_i) and torch.allclose(top_v, ref_v - lse[:, None], atol=1e-5, rtol=0)
+    assert torch.equal(top_v[:, 0][hit], lp[hit])  # an argmax target's log-prob is exactly the top one
+
+
 def test_bad_scored_counts():
     with pytest.raises(ValueError):
         bpb.score_sequences(None, [[1, 2, 3]], [3])

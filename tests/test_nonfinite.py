@@ -164,6 +164,18 @@ def test_the_sampler_refuses_non_finite_logits(temperature):
     assert isinstance(NonFiniteLogits("x"), C.CheckpointError)  # the CLI's exit 2
 
 
+def test_finite_logits_whose_sum_overflows_pass():
+    """The cheap test is the sum's finiteness; finite logits that overflow it go to the exact check and pass."""
+    from dsv41.model.engine import check_finite
+
+    huge = torch.full((4, 1000), 3e38)
+    assert not torch.isfinite(huge.sum()) and bool(torch.isfinite(huge).all())
+    check_finite(huge)
+    huge[2, 5] = float("nan")
+    with pytest.raises(NonFiniteLogits, match="1 NaN/inf of 4,000 values"):
+        check_finite(huge)
+
+
 def test_speculative_verification_checks_the_target_logits(tiny_model):
     from dsv41.model.engine import Generator
 

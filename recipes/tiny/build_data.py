@@ -20,6 +20,9 @@ documents chosen by hash:
     reasoning_v2        the v2 task (evals/tasks/tiny_reasoning/v2.py: lists of 2-10 numbers, checks that
                 catch and repair injected slips); built only with --reasoning-v2, which also writes
                 OUT/reasoning_v2.mask.u8.xz (1 per token trained on, 0 for a slip's tokens)
+    tools       tool-call conversations (recipes/tiny/tool_calls.py: a tool list, a DSML call, the tool's
+                result, the answer), written by the V4.1 encoder as `dsv41 serve` renders them; built only
+                with --tools
 
 Writes (everything under --out stays out of git; the held-out files are small and committed):
     OUT/{family}.u32.xz           training token stream per family: uint32 ids, every document as
@@ -239,6 +242,33 @@ def build_reasoning_v2(out: Path, tok, n_train: int, error_rate: float = REASONI
             "error_rate": error_rate, "heldout_documents": len(task.load_items(version=2)), "trace_style": "v2"}
 
 
+TOOL_CONVERSATIONS = 20_000
+
+
+def build_tools(out: Path, tok, n_train: int = TOOL_CONVERSATIONS, seed: int = 20263) -> dict:
+    """The tool-call conversations -> OUT/tools.u32.xz."""
+    from dsv41.recipes.tiny import tool_calls
+
+    rng = random.Random(seed)
+    texts = [tool_calls.conversation_text(rng) for _ in range(n_train)]
+    enc = tok.backend.encode_batch(texts, add_special_tokens=False)  # BOS ... EOS are in the text
+    ids = np.concatenate([np.array(e.ids, dtype=np.uint32) for e in enc])
+    save_tokens(out / "tools.u32.xz", ids)
+    return {"train_documents": n_train, "train_tokens": int(ids.size), "train_bytes": sum(len(t.encode()) for t in texts)}
+
+
+def add_family(out: Path, name: str, build) -> dict:
+    """Build one family into an existing (or new) data directory and record it in OUT/manifest.json."""
+    manifest_path = out / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"families": {}}
+    manifest["families"][name] = build()
+    print(f"{name}: {manifest['families'][name]}", flush=True)
+    tmp = manifest_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(manifest_path)
+    return manifest
+
+
 def conversation_mask(segments, encoding) -> tuple[np.ndarray, np.ndarray]:
     """(ids, mask) of one tokenized conversation: mask 0 for every token that overlaps an untrained segment's
     characters (a slip), 1 elsewhere."""
@@ -272,33 +302,22 @@ def main(argv: list[str] | None = None) -> dict:
                     help="build only the v2 reasoning family (OUT/reasoning_v2.u32.xz and its loss mask) and add "
                          "it to an existing OUT/manifest.json")
     ap.add_argument("--v2-error-rate", type=float, default=REASONING_V2_ERROR_RATE)
+    ap.add_argument("--tools", action="store_true",
+                    help="build only the tool-call family (OUT/tools.u32.xz) and add it to OUT/manifest.json")
+    ap.add_argument("--tool-conversations", type=int, default=TOOL_CONVERSATIONS)
     args = ap.parse_args(argv)
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.reasoning_v2:
-        manifest_path = args.out / "manifest.json"
-        manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"families": {}}
-        entry = build_reasoning_v2(args.out, load_tokenizer(), args.reasoning_train, args.v2_error_rate)
-        manifest["families"]["reasoning_v2"] = entry
-        print(f"reasoning_v2: {entry}", flush=True)
-        tmp = manifest_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(manifest, indent=2))
-        tmp.replace(manifest_path)
-        return manifest
+        return add_family(args.out, "reasoning_v2", lambda: build_reasoning_v2(
+            args.out, load_tokenizer(), args.reasoning_train, args.v2_error_rate))
+    if args.tools:
+        return add_family(args.out, "tools", lambda: build_tools(args.out, load_tokenizer(), args.tool_conversations))
     if args.reasoning_only:
-        manifest_path = args.out / "manifest.json"
-        if not manifest_path.exists():
-            raise SystemExit(f"--reasoning-only adds to a built data directory; {manifest_path} does not exist")
-        manifest = json.loads(manifest_path.read_text())
-        tok = load_tokenizer()
-        family = reasoning_family(args.reasoning_only)
-        manifest["families"][family] = build_reasoning(args.out, tok, task.load_items(), args.reasoning_train,
-                                                       args.reasoning_only)
-        print(f"{family}: {manifest['families'][family]}", flush=True)
-        tmp = manifest_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(manifest, indent=2))
-        tmp.replace(manifest_path)
-        return manifest
+        if not (args.out / "manifest.json").exists():
+            raise SystemExit(f"--reasoning-only adds to a built data directory; {args.out / 'manifest.json'} does not exist")
+        return add_family(args.out, reasoning_family(args.reasoning_only), lambda: build_reasoning(
+            args.out, load_tokenizer(), task.load_items(), args.reasoning_train, args.reasoning_only))
     src = fetch_sources(args.sources)
     tok = load_tokenizer()
     manifest: dict = {"tokenizer_fingerprint": tok.fingerprint, "python": sys.version.split()[0],

@@ -17,16 +17,15 @@
 # and the previous stage's checkpoint (under $RUNS, default runs/tiny-v2; carry it between calls, ~47 MB).
 # Every stage writes RUNS/sSTAGE (official layout) and recipes/tiny/logs/stageSTAGE_{history.json,train.log}.
 set -euo pipefail
-STAGE=${1:?stage: 17, 18 or 19}
+STAGE=${1:?stage: 17 or 18}
 RUNS=${RUNS:-runs/tiny-v2}
 mkdir -p "$RUNS" recipes/tiny/logs
-V2=(--batch 96 --mix prose=0.12,code=0.12,literature=0.06,reasoning_v2=0.7 --vision-every 1 --vision-batch 256
+V2=(--batch 96 --mix prose=0.12,code=0.12,literature=0.06,reasoning_v2=0.66,tools=0.04 --vision-every 1 --vision-batch 256
     --vision-variety --vision-workers 6 --think-start-weight 4)
 case "$STAGE" in
-  17) FROM=model/assets/dsv41-tiny; OPTS=(--lr 5e-4 --backbone-seconds 480 --dspark-seconds 0) ;;
-  18) FROM="$RUNS/s17"; OPTS=(--lr 4e-4 --backbone-seconds 480 --dspark-seconds 0) ;;
-  19) FROM="$RUNS/s18"; OPTS=(--lr 3e-4 --backbone-seconds 330 --dspark-seconds 150 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
-  *) echo "unknown stage $STAGE (17, 18 or 19)" >&2; exit 2 ;;
+  17) FROM=${FROM:-model/assets/dsv41-tiny}; OPTS=(--lr 5e-4 --backbone-seconds 480 --dspark-seconds 0) ;;
+  18) FROM=${FROM:-$RUNS/s17}; OPTS=(--lr 3e-4 --backbone-seconds 380 --dspark-seconds 150 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
+  *) echo "unknown stage $STAGE (17 or 18)" >&2; exit 2 ;;
 esac
 [ -f "$FROM/config.json" ] || { echo "missing $FROM: run the stage before first" >&2; exit 2; }
 bash recipes/tiny/device_run.sh --init-from "$FROM" --out "$RUNS/s$STAGE" "${V2[@]}" "${OPTS[@]}" \
