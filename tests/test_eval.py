@@ -258,6 +258,28 @@ def test_mmlu_pro_from_data_dir(small_ckpt, mmlu_pro_dir, tmp_path):
     assert sample["filter"] == "custom-extract" and sample["target"] == "E"
 
 
+@pytest.mark.parametrize("batch_size, rows", [(8, 32), (None, 32), (48, 48)])
+def test_generation_keeps_at_least_32_rows_in_flight(loaded, monkeypatch, batch_size, rows):
+    """generate_until hands the engine max(batch_size, 32) rows (its tokens do not depend on the batch);
+    scoring keeps batch_size (a padded batch's length moves log-likelihoods)."""
+    import dsv41.evals.lm_eval_model as M
+    from dsv41.evals.effort import GenOutput
+
+    seen = []
+
+    def fake_generate(model, tok, requests, batch_size=8, on_done=None):
+        seen.append(batch_size)
+        outs = [GenOutput("x", "", [1], 1, "eos") for _ in requests]
+        for i, o in enumerate(outs):
+            on_done(i, o)
+        return outs
+
+    monkeypatch.setattr(M, "generate", fake_generate)
+    lm = make_lm(loaded, batch_size=batch_size)
+    lm.generate_until([instance("generate_until", ("Q: 1+1?", {"until": ["\n"], "max_gen_toks": 4}))])
+    assert seen == [rows] and lm.batch_size == (batch_size or 8)
+
+
 def test_mmlu_pro_thinking_takes_the_last_answer(loaded, mmlu_pro_dir, monkeypatch):
     """The thinking variant scores the last 'answer is (X)' of the answer; lm-eval's extraction
     and metric run on it (generation stubbed so the answer text is known)."""
