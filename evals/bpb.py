@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 LN2 = math.log(2.0)
-DEFAULT_LOGITS_BYTES = 2**30  # fp32 logits of one forward while scoring (a few such buffers live at once)
+DEFAULT_LOGITS_BYTES = 2**30  # sizes a scoring forward's chunk: as many positions as fit this many fp32 logits
 
 
 # ============================================================================ the scoring primitive
@@ -63,8 +63,10 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], n_scored: Sequenc
 
     The model reads s[:-1]; the logits at input positions len(s)-1-n .. len(s)-2 predict the scored
     tokens (lm-eval's indexing rule). Sequences are sorted longest first and scored in right-padded
-    batches (`plan_batches`); a batch runs through the KV cache in chunks of at most `max_logits_bytes`
-    of fp32 logits. on_done(i, score) is called as sequence i (original order) is scored. check_greedy
+    batches (`plan_batches`); a batch runs through the KV cache in chunks of as many positions as
+    `max_logits_bytes` of fp32 logits would hold for its rows (no chunk's logits are built: the head runs on
+    the scored positions, `score_positions`; the chunks keep the boundaries, and so the scores, they had
+    when they were). on_done(i, score) is called as sequence i (original order) is scored. check_greedy
     False skips the argmax pass (the greedy flag is then meaningless).
 
     ctx: a `dsv41.model.parallel.ParallelContext` when running under torchrun. Every rank must call this

@@ -15,7 +15,7 @@ import torch
 
 from dsv41.evals.bpb import score_positions
 
-LOGITS_BYTES = 2**28  # fp32 logits held at once while scoring
+LOGITS_BYTES = 2**28  # sizes the chunks: as many positions as fit this many fp32 logits (none is built)
 
 
 @dataclass

@@ -34,13 +34,12 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def evaluate(model_path: str, n: int, seed: int = EVAL_SEED, batch: int = 32) -> dict:
+def evaluate(model, tok, n: int, seed: int = EVAL_SEED, batch: int = 32) -> dict:
+    """Both turns of n conversations generated greedily by `model` (with its tokenizer `tok`), judged."""
     from dsv41.model import encoding
-    from dsv41.model.checkpoint.load import load_model
     from dsv41.model.engine import GenerationConfig, Generator, Request
     from dsv41.recipes.tiny import tool_calls
 
-    model, _, tok = load_model(model_path)
     gen = Generator(model, tok)
     rng = random.Random(seed)
     convos = [tool_calls.conversation(rng) for _ in range(n)]
@@ -67,19 +66,17 @@ def evaluate(model_path: str, n: int, seed: int = EVAL_SEED, batch: int = 32) ->
                   "second turn")
     rows = [judge(messages, mode, first, second) | {"effort": effort, "listed": len(tools)}
             for (messages, tools, mode, effort), first, second in zip(convos, firsts, seconds)]
-    return summarize(rows) | {"model": str(model_path), "n": n, "seed": seed, "rows": rows}
+    return summarize(rows) | {"n": n, "seed": seed, "rows": rows}
 
 
-def teacher_forced(model_path: str, k: int, seed: int = EVAL_SEED) -> dict:
+def teacher_forced(model, tok, k: int, seed: int = EVAL_SEED) -> dict:
     """Greedy next-token hits over the first turn's completion (what follows the first generation header, up
     to and including its end-of-sentence token) of k conversations, and which tokens were missed."""
     import torch
 
     from dsv41.model import encoding
-    from dsv41.model.checkpoint.load import load_model
     from dsv41.recipes.tiny import tool_calls
 
-    model, _, tok = load_model(model_path)
     rng = random.Random(seed + 1)
     hits = total = 0
     missed: dict[str, int] = defaultdict(int)
@@ -155,9 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
     if a.model is None:
         from dsv41.model.assets import bundled_model_dir
         a.model = str(bundled_model_dir())
-    report = evaluate(a.model, a.n, a.seed) if a.n else {"model": str(a.model), "n": 0, "seed": a.seed}
+    from dsv41.model.checkpoint.load import load_model
+
+    model, _, tok = load_model(a.model)
+    report = {"model": str(a.model)} | (evaluate(model, tok, a.n, a.seed) if a.n else {"n": 0, "seed": a.seed})
     if a.teacher_forced:
-        report["teacher_forced"] = teacher_forced(a.model, a.teacher_forced, a.seed)
+        report["teacher_forced"] = teacher_forced(model, tok, a.teacher_forced, a.seed)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = a.json.with_suffix(".tmp")
