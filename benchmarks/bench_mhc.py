@@ -5,8 +5,12 @@ bytes (floor) per step = M * (X read 2nd + y read 2d + X' written 2nd + collapse
 Compared with the torch path (model/mhc.py functions, as Block.mix runs them). Each row records the residual
 kernel's tiling (mhc.launch_config: tokens x channels per step, channel blocks per program, grid).
 Schedules of the residual kernel (mhc.TUNE: tile, warps, stream tiles loaded once) are replayed from CUDA
-graphs at 4096 and 16384 tokens against the default in the same run ("sweep" rows, graph_us).
-Usage: python benchmarks/bench_mhc.py [--json F] [--quick] [--no-sweep]
+graphs at 4096 and 16384 tokens against the default in the same run ("sweep" rows, graph_us, graph_x_floor),
+each checked against the torch reference (max_rel_err: the largest relative error over X', the collapse and the
+coefficients). --sweep-set old: only the previous default (mhc.OLD_DEFAULT) beside the default; all: every
+schedule of SWEEP too.
+Usage: python benchmarks/bench_mhc.py [--json F] [--quick] [--no-sweep] [--sweep-set all|old]
+       [--tokens M ...] [--no-ref]
 """
 
 from __future__ import annotations
@@ -20,44 +24,58 @@ from kernels_common import bench, graph_bench, print_table, record, set_quick, w
 N_S, DIM = 4, 5120
 
 
-SWEEP = [dict(tile=(64, 16, 2)), dict(x_once=True), dict(tile=(64, 16, 2), x_once=True),
-         dict(tile=(64, 32, 2), x_once=True),
-         dict(tile=(64, 32, 3), x_once=True), dict(tile=(128, 32, 2), num_warps=8, x_once=True),
-         dict(tile=(64, 64, 2), num_warps=8, x_once=True), dict(tile=(32, 64, 2), x_once=True)]
+# Each entry complete (tile, warps, x_once), so it names the same schedule whatever the default is.
+SWEEP = [dict(tile=(64, 16, 2), num_warps=4, x_once=False),          # the default before 64 x 32
+         dict(tile=(64, 16, 2), num_warps=4, x_once=True),           # the x_once fallback where d % 64 != 0
+         dict(tile=(64, 32, 2), num_warps=4, x_once=True),
+         dict(tile=(64, 32, 3), num_warps=4, x_once=True),
+         dict(tile=(128, 32, 2), num_warps=8, x_once=True),
+         dict(tile=(64, 64, 2), num_warps=8, x_once=True)]
 
 
-def run(json_path=None, do_sweep=True):
+def _rel_err(out, ref) -> float:
+    """The largest relative error (Frobenius) over the step's five outputs."""
+    return max(float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)) for a, b in zip(out, ref))
+
+
+def run(json_path=None, do_sweep=True, sweep_set="all", tokens=(1, 64, 4096, 16384), with_ref=True):
     from dsv41.model.kernels import mhc, reference
     from dsv41.model.kernels.mhc import launch_config, mhc_step
 
+    sweep = {"old": [mhc.OLD_DEFAULT], "all": [mhc.OLD_DEFAULT] + SWEEP}[sweep_set]
     rows = []
     n_mix = (N_S + 2) * N_S
     fn = torch.randn(n_mix, N_S * DIM, device="cuda") * (N_S * DIM) ** -0.5
     scale, base = torch.rand(3, device="cuda"), torch.randn(n_mix, device="cuda") * 0.1
-    for M in (1, 64, 4096, 16384):
+    for M in tokens:
         x = torch.randn(M, 1, N_S, DIM, device="cuda", dtype=torch.bfloat16)
         y = torch.randn(M, 1, DIM, device="cuda", dtype=torch.bfloat16)
         pre = torch.rand(M, 1, N_S, device="cuda")
         post = torch.rand(M, 1, N_S, device="cuda")
         comb = torch.rand(M, 1, N_S, N_S, device="cuda")
         args = (x, pre, fn, scale, base, 20, 1e-6, 1e-6, y, post, comb)
-        t = bench(lambda: mhc_step(*args))
-        g = graph_bench(lambda: mhc_step(*args))
-        t_ref = bench(lambda: reference.mhc_step(*args), rep_ms=50)
         bytes_ = M * (2 * N_S * DIM * 2 + 2 * DIM * 2 + (2 * N_S + N_S * N_S) * 4 * 2) + n_mix * N_S * DIM * 4
         flops = 2 * n_mix * N_S * DIM * M
-        rows.append(record("mhc_step", f"M={M} tokens", t, bytes_, flops, graph_us=g * 1e6,
-                           torch_ref_us=t_ref * 1e6, launch=launch_config(M, DIM, x.device)))
+        ref = reference.mhc_step(*args)
+        t = bench(lambda: mhc_step(*args))
+        g = graph_bench(lambda: mhc_step(*args))
+        extra = dict(torch_ref_us=bench(lambda: reference.mhc_step(*args), rep_ms=50) * 1e6) if with_ref else {}
+        rows.append(record("mhc_step", f"M={M} tokens", t, bytes_, flops, graph_us=g * 1e6, **extra,
+                           max_rel_err=_rel_err(mhc_step(*args), ref), tune=dict(mhc.TUNE),
+                           launch=launch_config(M, DIM, x.device)))
         if do_sweep and M >= 4096:
             saved = dict(mhc.TUNE)
-            for change in [{}] + SWEEP:
+            for change in [{}] + sweep:
                 mhc.TUNE.update(saved, **change)
                 try:
                     g = graph_bench(lambda: mhc_step(*args))
-                    rows.append(record("mhc_sweep", f"sweep M={M} {change or 'default'}", g, bytes_, flops,
-                                       graph_us=g * 1e6, launch=launch_config(M, DIM, x.device)))
+                    name = "default" if not change else "old default" if change == mhc.OLD_DEFAULT else change
+                    rows.append(record("mhc_sweep", f"sweep M={M} {name}", g, bytes_, flops, graph_us=g * 1e6,
+                                       max_rel_err=_rel_err(mhc_step(*args), ref), tune=dict(mhc.TUNE),
+                                       launch=launch_config(M, DIM, x.device)))
                 except Exception as e:  # a schedule that does not compile or fit: keep the others
                     print(f"!! sweep {change}: {type(e).__name__}: {e}")
+            mhc.TUNE.clear()
             mhc.TUNE.update(saved)
     for r in rows:
         r["graph_x_floor"] = r["graph_us"] / r["floor_us"]
@@ -71,6 +89,10 @@ if __name__ == "__main__":
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="short timing windows (one short GPU run)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the residual kernel's schedule sweep")
+    ap.add_argument("--sweep-set", choices=("all", "old"), default="all",
+                    help="old: only the previous default (mhc.OLD_DEFAULT) beside the default; all: SWEEP too")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096, 16384], help="token counts (M)")
+    ap.add_argument("--no-ref", action="store_true", help="do not time the torch path")
     a = ap.parse_args()
     set_quick(a.quick)
-    run(a.json, not a.no_sweep)
+    run(a.json, not a.no_sweep, a.sweep_set, a.tokens, not a.no_ref)

@@ -344,13 +344,42 @@ def test_mhc_forced_tile_interpreted(monkeypatch):
 
 
 @interp
-@pytest.mark.parametrize("tune", [dict(x_once=True), dict(tile=(32, 32, 2), x_once=True)])
+@pytest.mark.parametrize("tune", [dict(tile=(64, 32, 2), x_once=True), dict(tile=(32, 32, 2), x_once=True)])
 def test_mhc_stream_tiles_loaded_once_interpreted(monkeypatch, tune):
     """mhc.TUNE's x_once (a block's n stream tiles loaded once, [BM, n, BD]) and a 32-channel tile, from 256
     tokens on (260 tokens: ragged last token block; d = 96: 3 blocks of 32 over 2 channel ranges)."""
     for key, value in tune.items():
         monkeypatch.setitem(mhc.TUNE, key, value)
     check_mhc(mhc_case(1, 260, 4, 96, seed=11), force=True, tol_x=2e-3, tol_c=1e-4)
+
+
+# Every residual-kernel tile that mhc.TUNE (the default, its 64 x 16 fallback) or benchmarks/bench_mhc.py's
+# sweep can choose, with the stream tiles loaded once (x_once): (tile, warps). 300 tokens is a multiple of none
+# of the token blocks.
+MHC_TILES = [((64, 16, 2), 4), ((64, 32, 2), 4), ((64, 32, 3), 4), ((128, 32, 2), 8), ((64, 64, 2), 8),
+             ((32, 64, 2), 4)]
+
+
+@interp
+@pytest.mark.parametrize("tile,warps", MHC_TILES)
+def test_mhc_x_once_every_tile_interpreted(monkeypatch, tile, warps):
+    """x_once at each tile: 300 tokens (ragged last token block), d = 192 (3 to 12 channel blocks), 30 target
+    programs (several channel ranges per token block). With the default TUNE: 300 tokens at d = 96 and 80 (not
+    multiples of 64: the 64 x 16 fallback, with x_once), and 37 tokens (the 16 x 32 small-M tile, x_once off)."""
+    monkeypatch.setattr(mhc, "_target_programs", lambda device: 30)
+    if tile == mhc.TUNE["tile"]:
+        assert mhc.TUNE == dict(tile=tile, num_warps=warps, x_once=True)  # the default, checked as it stands
+        for T, d, want in ((300, 96, (64, 16, 2, True)), (300, 80, (64, 16, 2, True)),
+                           (37, 192, (16, 32, 3, False))):
+            cfg = mhc.launch_config(T, d, torch.device("cpu"))
+            assert (cfg["BM"], cfg["BD"], cfg["num_stages"], cfg["x_once"]) == want
+            check_mhc(mhc_case(1, T, 4, d, seed=d + T), force=True, tol_x=2e-3, tol_c=1e-4)
+    for key, value in dict(tile=tile, num_warps=warps, x_once=True).items():
+        monkeypatch.setitem(mhc.TUNE, key, value)
+    cfg = mhc.launch_config(300, 192, torch.device("cpu"))
+    assert (cfg["BM"], cfg["BD"], cfg["num_stages"], cfg["x_once"]) == (*tile, True)
+    assert cfg["grid"][1] > 1 and cfg["grid"][1] * cfg["blocks_per_range"] >= 192 // tile[1]
+    check_mhc(mhc_case(1, 300, 4, 192, seed=tile[0] + tile[1]), force=True, tol_x=2e-3, tol_c=1e-4)
 
 
 @interp
@@ -434,9 +463,10 @@ def test_mhc_gpu(shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tune", [dict(tile=(64, 32, 2)), dict(tile=(64, 32, 2), x_once=True),
+@pytest.mark.parametrize("tune", [dict(tile=(64, 32, 2), x_once=False), dict(tile=(64, 32, 2), x_once=True),
                                   dict(tile=(64, 16, 2), x_once=True),
-                                  dict(tile=(128, 32, 2), num_warps=8, x_once=True)])
+                                  dict(tile=(128, 32, 2), num_warps=8, x_once=True),
+                                  dict(tile=(32, 64, 2), x_once=True)])
 def test_mhc_schedules_gpu(monkeypatch, tune):
     """The residual kernel's schedules of bench_mhc's sweep (mhc.TUNE) at V4.1 width, 333 and 4096 tokens."""
     for key, value in tune.items():

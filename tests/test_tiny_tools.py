@@ -3,6 +3,8 @@
 Each training conversation must be, token for token, the server's prompt for the first turn followed by the
 completion the model is to write, then the server's prompt for the second turn (after the tool result) followed
 by the answer; the first completion must parse into the call it was built from, with the request's arguments.
+Every argument's tokens in the call are a run of the request's tokens, and the family's loss mask trains exactly
+the tokens the assistant writes.
 """
 
 import json
@@ -34,7 +36,7 @@ def test_conversation_is_the_servers_prompt_and_completion(seed):
                                             "args": json.loads(messages[1]["tool_calls"][0]["function"]["arguments"])}
     words, result = messages[0]["content"], messages[2]["content"]
     if name == "add":
-        assert " ".join(map(str, args["numbers"])) in words and result == str(sum(args["numbers"]))
+        assert json.dumps(args["numbers"]) in words and result == str(sum(args["numbers"]))
     elif name == "reverse_text":
         assert args["text"] in words and result == args["text"][::-1]
     else:
@@ -90,3 +92,160 @@ def test_tool_eval_rates_and_intervals():
     lo, hi = report["call"]["ci95"]
     assert lo < 0.75 < hi and 0 < lo and hi < 1
     assert tool_eval.wilson(0, 60)[0] == 0.0 and 0.05 < tool_eval.wilson(0, 60)[1] < 0.07
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from dsv41.model.tokenizer import load_tokenizer
+
+    return load_tokenizer()
+
+
+def _encode(tok, text):
+    return tok.backend.encode(text, add_special_tokens=False)
+
+
+def _span_ids(enc, lo, hi):
+    """The ids of the tokens inside characters [lo, hi), which must start at lo and end at hi exactly."""
+    inside = [(i, a, b) for i, (a, b) in enumerate(enc.offsets) if a >= lo and b <= hi and b > a]
+    assert inside and inside[0][1] == lo and inside[-1][2] == hi, "the span is not whole tokens"
+    assert [i for i, *_ in inside] == list(range(inside[0][0], inside[-1][0] + 1))
+    return [enc.ids[i] for i, *_ in inside]
+
+
+def _contains_run(seq, run):
+    return any(seq[i:i + len(run)] == run for i in range(len(seq) - len(run) + 1))
+
+
+def _check_arguments_in_request(tok, messages, tools, mode, effort):
+    text = tool_calls.render(messages, tools, mode, effort)
+    enc = _encode(tok, text)
+    words = messages[0]["content"]
+    user_at = text.index(encoding.USER + words) + len(encoding.USER)
+    request_ids = _span_ids(enc, user_at, user_at + len(words))
+    fn = messages[1]["tool_calls"][0]["function"]
+    for key, value in json.loads(fn["arguments"]).items():
+        shown = tool_calls.rendered_argument(value)
+        head = f'parameter name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
+        at = text.index(head, user_at) + len(head)
+        assert text[at:at + len(shown)] == shown
+        arg_ids = _span_ids(enc, at, at + len(shown))
+        assert _contains_run(request_ids, arg_ids), (words, shown)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_every_argument_is_a_token_run_of_the_request(tok, seed):
+    _check_arguments_in_request(tok, *tool_calls.conversation(random.Random(seed)))
+
+
+def test_every_city_word_and_phrasing_keeps_the_arguments_tokens(tok):
+    """All values and phrasings, not only those a seed draws (a string argument follows `">` in DSML)."""
+    for tool, values in [("get_weather", tool_calls.CITIES), ("reverse_text", tool_calls.WORDS +
+                         [f"{a} {b}" for a, b in zip(tool_calls.WORDS, tool_calls.WORDS[1:] + tool_calls.WORDS[:1])])]:
+        key = tool_calls.ARGUMENT[tool]
+        for value in values:
+            for ask in tool_calls.ASKS[tool]:
+                messages = [{"role": "user", "content": ask.format(arg=value)},
+                            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function",
+                             "function": {"name": tool, "arguments": json.dumps({key: value})}}]}]
+                _check_arguments_in_request(tok, messages, [tool_calls.TOOLS[tool]], "chat", 50)
+
+
+def test_the_thinking_line_names_the_tool_from_the_requests_keyword():
+    rng = random.Random(5)
+    for _ in range(100):
+        messages, _, mode, _ = tool_calls.conversation(rng)
+        name = messages[1]["tool_calls"][0]["function"]["name"]
+        assert tool_calls.KEYWORD[name].lower() in messages[0]["content"].lower()
+        if mode == "thinking":
+            assert messages[1]["reasoning_content"] == f"{tool_calls.KEYWORD[name]} asked: {name}."
+
+
+def test_the_add_request_is_never_the_reasoning_tasks_prompt():
+    from dsv41.evals.tasks import tiny_reasoning as task
+
+    rng = random.Random(1)
+    seen = 0
+    for _ in range(400):
+        messages, *_ = tool_calls.conversation(rng)
+        fn = messages[1]["tool_calls"][0]["function"]
+        if fn["name"] != "add":
+            continue
+        seen += 1
+        numbers = json.loads(fn["arguments"])["numbers"]
+        words = messages[0]["content"]
+        assert words != task.messages(numbers)[0]["content"] and not words.startswith("Add: ")
+        assert "tool" in words and json.dumps(numbers) in words
+    assert seen > 50
+    for ask in tool_calls.ASKS["add"]:
+        assert not ask.startswith("Add: ")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_segments_render_the_conversation_and_the_mask_trains_the_assistants_tokens(tok, seed):
+    from dsv41.recipes.tiny.build_data import conversation_mask
+
+    messages, tools, mode, effort = tool_calls.conversation(random.Random(seed))
+    segs = tool_calls.conversation_segments(random.Random(seed))
+    text = "".join(s.text for s in segs)
+    assert text == encoding.encode_messages(encoding.attach_tools(messages, tools), mode, effort)
+    assert [s.train for s in segs] == [False, True, False, True]
+    enc = _encode(tok, text)
+    ids, mask = conversation_mask(segs, enc)
+    assert list(ids) == enc.ids
+    bounds, at = [], 0
+    for s in segs:
+        bounds.append(at)
+        at += len(s.text)
+    for a, b in enc.offsets:  # no token straddles two segments
+        assert not any(a < x < b for x in bounds)
+    trained = [tok.decode([int(i)]) for i, m in zip(ids, mask) if m]
+    _, mode_, first, second = _gold_completions(seed)
+    assert "".join(trained) == first + second
+    assert trained[-1] == encoding.EOS and trained.count(encoding.EOS) == 2
+    context = "".join(tok.decode([int(i)]) for i, m in zip(ids, mask) if not m)
+    assert messages[0]["content"] in context and f"<tool_result>{messages[2]['content']}</tool_result>" in context
+    assert "## Tools" in context and "## Tools" not in "".join(trained)
+    if mode == "thinking":
+        assert "".join(trained).startswith(messages[1]["reasoning_content"] + "</think>")
+
+
+def test_the_family_builds_and_samples_through_the_window_sampler_with_its_mask(tmp_path, tok):
+    import numpy as np
+    import torch
+
+    from dsv41.recipes.tiny import build_data
+    from dsv41.recipes.tiny.train import WindowSampler, load_masks, load_streams
+
+    info = build_data.build_tools(tmp_path, tok, n_train=40, seed=3)
+    assert (tmp_path / "tools.u32.xz").exists() and (tmp_path / "tools.mask.u8.xz").exists()
+    assert not list(tmp_path.glob("*.partial"))
+    streams = load_streams(tmp_path, {"tools": 1.0})
+    masks = load_masks(tmp_path, {"tools": 1.0})
+    stream, mask = streams["tools"], masks["tools"]
+    assert stream.numel() == mask.numel() == info["train_tokens"]
+    assert 0.1 < info["trained_share"] < 0.5 and int(mask.sum()) == info["trained_tokens"]
+    assert int((stream == tok.bos_id).sum()) == 40 and bool((mask[stream == tok.bos_id] == 0).all())
+    assert int(mask[stream == tok.eos_id].sum()) == int((stream == tok.eos_id).sum()) == 80  # both turns' ends
+    sampler = WindowSampler(streams, {"tools": 1.0}, seed=0, masks=masks)
+    rows = sampler.sample(8, 64)
+    assert rows.shape == sampler.last_mask.shape == (8, 64)
+    s, m = stream.numpy(), mask.numpy()
+    for row, row_mask in zip(rows.numpy(), sampler.last_mask.numpy()):
+        starts = [i for i in range(len(s) - 64) if (s[i:i + 64] == row).all()]
+        assert starts and any(np.array_equal(m[i:i + 64], row_mask) for i in starts)
+    assert torch.equal(sampler.last_mask, sampler.last_mask.clamp(0, 1))
+    # --mask-weight scales the trained targets of a masked family, leaves its context at 0, refuses a family
+    # without a mask
+    weighted = load_masks(tmp_path, {"tools": 1.0}, {"tools": 4.0})["tools"]
+    assert torch.equal(weighted, mask * 4.0) and set(weighted.unique().tolist()) == {0.0, 4.0}
+    with pytest.raises(SystemExit):
+        load_masks(tmp_path, {"tools": 1.0}, {"prose": 2.0})
+
+
+def test_mix_and_mask_weight_parse_or_fail_in_one_line():
+    from dsv41.recipes.tiny.train import parse_mix
+
+    assert parse_mix("prose=0.1,tools=0.25") == {"prose": 0.1, "tools": 0.25}
+    with pytest.raises(SystemExit, match="name=number"):
+        parse_mix("prose:0.1")

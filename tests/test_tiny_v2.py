@@ -31,20 +31,20 @@ def pass_values(line: str) -> tuple[list[int], int]:
 
 
 def parse_trace(trace: str) -> dict:
-    """Lines of a v2 trace -> {label: (numbers added, result)}, the closing value and the comparison."""
+    """Lines of a v2 trace -> {label: (numbers added, result)}, the copied list, the comparison and the closing
+    value (the last integer of the last line)."""
     out = {}
     for line in trace.splitlines():
         head, _, body = line.partition(": ")
-        if head in ("Forward", "Backward", "First", "Second", "Sum"):
+        if head in ("Sum", "Again"):
             out[head] = pass_values(body)
-        elif head == "Third":
-            pairs, _, running = body.partition("; ")
-            out[head] = (None, pass_values(running)[1] if running else int(pairs.split("=")[-1]))
-        elif " differ. Again" in line:
+        elif head in ("List", "Copy"):
+            out[head] = [int(n) for n in body.split()]
+        elif " differ. Third: " in line:
             a, b = map(int, re.match(r"(\d+) and (\d+) differ", line).groups())
             out["differ"] = (a, b)
-            out["Again"] = pass_values(line.split("Again: ")[1])
-    closing = re.findall(r"(?:so|give) (\d+)\.", trace.splitlines()[-1])
+            out["Third"] = pass_values(line.split("Third: ")[1])
+    closing = re.findall(r"(\d+)\.$", trace.splitlines()[-1]) if trace else []
     out["closing"] = int(closing[-1]) if closing else None
     return out
 
@@ -62,23 +62,23 @@ def test_gold_traces_compute_the_sum_and_grow_with_effort():
             assert lengths[0] == 0 and all(a < b for a, b in zip(lengths, lengths[1:])), (numbers, lengths)
             total = sum(numbers)
             assert traces[1] == f"Pairs {' '.join(str(sum(numbers[i:i + 2])) for i in range(0, length, 2))}, total {total}"
-            sums = parse_trace(traces[2])["Sum"]
-            assert sums == (numbers, total)
+            assert parse_trace(traces[2])["Sum"] == (numbers, total)
             three = parse_trace(traces[3])
-            assert three["Forward"] == (numbers, total) and three["Backward"] == (numbers[::-1], total)
-            assert three["closing"] == total and "differ" not in three
+            assert three["List"] == numbers and three["Sum"] == (numbers, total)
             four = parse_trace(traces[4])
-            assert four["First"][1] == four["Second"][1] == four["Third"][1] == total == four["closing"]
+            assert four["Copy"] == numbers and four["Sum"] == four["Again"] == (numbers, total)
+            assert four["closing"] == total and "differ" not in four and traces[4].endswith(f"\nSame: {total}.")
+            # the higher tiers' passes are the effort-50 pass, written after the copy
+            assert traces[2] in traces[3] and traces[2] in traces[4]
     # each tier named by the first reasoning token
     firsts = {v2.effort_tier(e): tok.encode(v2.reasoning_trace([3, 4, 5], e))[:1] for e in (25, 50, 75, 100)}
     assert len({tuple(f) for f in firsts.values()}) == 4
 
 
-@pytest.mark.parametrize("tier_effort", [75, 100])
-def test_injected_slips_are_caught_and_repaired(tier_effort):
-    """Every slip kind at every step of either pass: the slipped pass reaches a wrong result, the check sees
-    two different results, the repair reaches the true sum, and the closing line (hence the answer) is right.
-    The slip's text is the only untrained text."""
+def test_injected_slips_are_caught_and_repaired():
+    """Every slip kind at every step of either pass: the slipped pass reaches a wrong result, the comparison
+    sees two different results, the third pass reaches the true sum, and the closing line (hence the answer)
+    is right. The slip's text is the only untrained text."""
     rng = random.Random(1)
     seen_kinds = collections.Counter()
     for length in (3, 5, 8, 10):
@@ -88,35 +88,32 @@ def test_injected_slips_are_caught_and_repaired(tier_effort):
             for kind in v2.ERROR_KINDS:
                 for step in range(1, length):
                     for delta in (-10, 1):
-                        order = numbers if which == 0 else numbers[::-1]
                         if kind == "skip" and step == length - 1:
                             with pytest.raises(ValueError):  # nothing after it to mask
-                                v2.running_pass(order, (kind, step, delta))
+                                v2.running_pass(numbers, (kind, step, delta))
                             continue
                         try:
-                            _, got = v2.running_pass(order, (kind, step, delta))
+                            _, got = v2.running_pass(numbers, (kind, step, delta))
                         except ValueError:  # a sum below zero
                             assert kind == "slip" and delta < 0
                             continue
                         if got == total:
                             continue  # (repeating an equal number changes nothing: random_error re-draws these)
-                        segs = v2.training_segments(numbers, tier_effort, error={
+                        segs = v2.training_segments(numbers, 100, error={
                             "pass": which, "kind": kind, "step": step, "delta": delta})
                         trace = "".join(s.text for s in segs)
                         parsed = parse_trace(trace)
-                        labels = ("Forward", "Backward") if tier_effort == 75 else ("First", "Second")
-                        slipped, clean = parsed[labels[which]], parsed[labels[1 - which]]
-                        assert slipped[1] == got != total and clean[1] == total
-                        if tier_effort == 75:
-                            assert set(parsed["differ"]) == {got, total} and parsed["Again"] == (numbers, total)
-                        else:
-                            assert parsed["Third"][1] == total
-                            assert f"Got {parsed['First'][1]}, {parsed['Second'][1]}, {total}: so {total}." in trace
-                        assert parsed["closing"] == total
+                        slipped, clean = parsed[("Sum", "Again")[which]], parsed[("Sum", "Again")[1 - which]]
+                        assert slipped[1] == got != total and clean == (numbers, total)
+                        assert parsed["differ"] == ((got, total) if which == 0 else (total, got))
+                        assert parsed["Third"] == (numbers, total)
+                        assert trace.endswith(f"\n{total} twice: {total}.") and parsed["closing"] == total
                         untrained = [s.text for s in segs if not s.train]
                         assert len(untrained) == 1 and str(got) in untrained[0]
                         seen_kinds[kind] += 1
     assert all(seen_kinds[k] > 10 for k in v2.ERROR_KINDS)
+    # the tier below has no check, so no slips either
+    assert all(s.train for s in v2.training_segments([4, 5, 6], 80, random.Random(0), error_rate=1.0))
 
 
 def test_random_slips_change_the_result_and_happen_at_the_asked_rate():
@@ -124,7 +121,7 @@ def test_random_slips_change_the_result_and_happen_at_the_asked_rate():
     slipped = 0
     for _ in range(600):
         numbers = v2.random_numbers(rng)
-        segs = v2.training_segments(numbers, 80, rng, error_rate=0.3)
+        segs = v2.training_segments(numbers, 95, rng, error_rate=0.3)
         trace = "".join(s.text for s in segs)
         if any(not s.train for s in segs):
             slipped += 1
@@ -173,8 +170,8 @@ def test_training_stream_mask_covers_exactly_the_slip_tokens():
 
     tok = load_tokenizer()
     numbers = [7, 3, 9, 2, 5]
-    segs = [v2.Segment("".join(s.text for s in v2.conversation_segments(numbers, 80)[:1]))] + \
-        v2.training_segments(numbers, 80, error={"pass": 0, "kind": "slip", "step": 2, "delta": 10}) + \
+    segs = [v2.Segment("".join(s.text for s in v2.conversation_segments(numbers, 95)[:1]))] + \
+        v2.training_segments(numbers, 95, error={"pass": 0, "kind": "slip", "step": 2, "delta": 10}) + \
         [v2.Segment("</think>Answer: 26<｜end▁of▁sentence｜>")]
     text = "".join(s.text for s in segs)
     enc = tok.backend.encode_batch([text], add_special_tokens=False)[0]

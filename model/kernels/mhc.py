@@ -47,9 +47,14 @@ def _split_fn(fn: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 # The residual kernel's schedule from 256 tokens on (benchmarks/bench_mhc.py times alternatives against it in
 # one run): the tile (BM tokens, BD channels, pipeline stages), warps, and whether a block's n stream tiles
 # are loaded once (x_once) or once per output stream (before). TUNE.update(...) changes it for a benchmark.
-# 64 x 32 (2 stages): 17-21% faster than the previous 64 x 16 in the 2026-11-29 sweep (`-c` gaps.json), GPU-tested
-# in h200-2026-12-02-c; bench_mhc times it against 64 x 16 again in every run
-TUNE = dict(tile=(64, 32, 2), num_warps=4, x_once=False)
+# x_once at 32 x 64 (2 stages), h200-2026-12-02-f (CUDA-graph GPU time, x the bytes floor, 4096 / 16384 tokens):
+# 2.72x / 2.04x against 4.17x / 3.23x for the previous default (OLD_DEFAULT: 64 x 32, x_once off) in the same
+# run, 1.53x / 1.58x faster; GPU-tested (test_mhc_schedules_gpu) in that run. A grid-stride variant that kept
+# W_fn in L1 across token tiles was measured there too and removed: 2.60x / 2.36x at best, the rest 3.8-5.6x
+# (its extra atomic adds cost more than the W_fn re-reads it saved). bench_mhc times OLD_DEFAULT beside TUNE
+# in every run. Where d is not a multiple of the tile's 64 channels, 64 x 16 (2 stages), also with x_once.
+TUNE = dict(tile=(32, 64, 2), num_warps=4, x_once=True)
+OLD_DEFAULT = dict(tile=(64, 32, 2), num_warps=4, x_once=False)
 
 
 def _target_programs(device: torch.device) -> int:
@@ -63,10 +68,11 @@ def _target_programs(device: torch.device) -> int:
 def launch_config(M: int, d: int, device: torch.device, tile: tuple[int, int, int] | None = None) -> dict:
     """The residual kernel's tiling for M tokens of width d (also recorded by benchmarks/bench_mhc.py):
     BM tokens x BD channels per step, and a grid (token blocks, channel ranges) in which each program walks
-    blocks_per_range channel blocks. Below 256 tokens: 16 tokens x 32 channels (more token blocks, so fewer
-    channel ranges and atomics are needed to fill the machine); from 256: 64 x 16, so one W_fn slice serves
-    4x more tokens at the same 128 registers (no spills; benchmarks/compile_kernels.py, sm_90). `tile`
-    = (BM, BD, stages) replaces that rule (benchmarks/diagnose_gaps.py times other tiles)."""
+    blocks_per_range channel blocks. Below 256 tokens: 16 tokens x 32 channels, 4 warps, stream tiles loaded
+    per output stream (more token blocks, so fewer channel ranges and atomics are needed to fill the machine;
+    the decode schedule, not changed with TUNE); from 256: TUNE's tile, warps and x_once (64 x 16 where d is
+    not a multiple of the tile's channels). `tile` = (BM, BD, stages) replaces that rule
+    (benchmarks/diagnose_gaps.py times other tiles)."""
     import triton
 
     big = TUNE["tile"] if d % TUNE["tile"][1] == 0 else (64, 16, 2)
@@ -79,7 +85,8 @@ def launch_config(M: int, d: int, device: torch.device, tile: tuple[int, int, in
     blocks_per_range = triton.cdiv(n_blocks, ranges)
     return dict(BM=BM, BD=BD, blocks_per_range=blocks_per_range,
                 grid=(token_blocks, triton.cdiv(n_blocks, blocks_per_range)),
-                num_warps=TUNE["num_warps"] if M >= 256 else 4, num_stages=stages, x_once=TUNE["x_once"])
+                num_warps=TUNE["num_warps"] if M >= 256 else 4, num_stages=stages,
+                x_once=TUNE["x_once"] and M >= 256)
 
 
 def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -22,7 +22,7 @@ documents chosen by hash:
                 OUT/reasoning_v2.mask.u8.xz (1 per token trained on, 0 for a slip's tokens)
     tools       tool-call conversations (recipes/tiny/tool_calls.py: a tool list, a DSML call, the tool's
                 result, the answer), written by the V4.1 encoder as `dsv41 serve` renders them; built only
-                with --tools
+                with --tools, which also writes OUT/tools.mask.u8.xz (1 on the tokens the assistant writes)
 
 Writes (everything under --out stays out of git; the held-out files are small and committed):
     OUT/{family}.u32.xz           training token stream per family: uint32 ids, every document as
@@ -199,62 +199,85 @@ def build_reasoning(out: Path, tok, held_items: list[dict], n_train: int, style:
             "trace_style": style}
 
 
-REASONING_V2_ERROR_RATE = 0.3  # the share of tier 3-4 traces with an injected slip that the check repairs
+REASONING_V2_ERROR_RATE = 0.3  # the share of top-tier traces with an injected slip that the check repairs
+# Half of the v2 conversations draw their effort from the two top tiers (70..100), the rest from 1..100: the
+# tiers below were learnt by the first v2 run, the copy and the check are what is new.
+REASONING_V2_TOP_SHARE = 0.5
+
+
+def v2_effort(rng: random.Random, top_share: float = REASONING_V2_TOP_SHARE) -> int:
+    return rng.randint(70, 100) if rng.random() < top_share else rng.randint(1, 100)
 
 
 def build_reasoning_v2(out: Path, tok, n_train: int, error_rate: float = REASONING_V2_ERROR_RATE,
-                       seed: int = 20262) -> dict:
+                       seed: int = 20262, top_share: float = REASONING_V2_TOP_SHARE) -> dict:
     """The v2 training conversations -> OUT/reasoning_v2.u32.xz and the per-token loss mask
     OUT/reasoning_v2.mask.u8.xz (0 on the tokens of an injected slip: read as context, never a target).
-    No held-out list of v1 or v2 is a training list; efforts uniform in 1..100, lengths uniform in 2..10."""
+    No held-out list of v1 or v2 is a training list; efforts by `v2_effort`, lengths uniform in 2..10."""
     from dsv41.evals.tasks import tiny_reasoning as task
     from dsv41.evals.tasks.tiny_reasoning import v2
 
     rng = random.Random(seed)
     excluded = {tuple(it["numbers"]) for version in task.HELDOUT_FILES for it in task.load_items(version=version)}
-    ids_parts, mask_parts, n_bytes, slips = [], [], 0, 0
-    backend = tok.backend
-    done = 0
-    while done < n_train:
-        batch = []
-        while len(batch) < 512 and done + len(batch) < n_train:
+
+    def conversation():
+        while True:
             numbers = v2.random_numbers(rng)
-            if tuple(numbers) in excluded:
-                continue
-            batch.append(v2.conversation_segments(numbers, rng.randint(1, 100), rng, error_rate))
-        texts = ["".join(s.text for s in segs) for segs in batch]
-        for segs, text, enc in zip(batch, texts, backend.encode_batch(texts, add_special_tokens=False)):
-            ids, mask = conversation_mask(segs, enc)
-            slips += int(not mask.all())
-            ids_parts.append(ids)
-            mask_parts.append(mask)
-            n_bytes += len(text.encode())
-        done += len(batch)
-    ids = np.concatenate(ids_parts)
-    mask = np.concatenate(mask_parts)
-    save_tokens(out / "reasoning_v2.u32.xz", ids)
-    tmp = out / "reasoning_v2.mask.u8.xz.partial"
-    with lzma.open(tmp, "wb", preset=6) as f:
-        f.write(mask.astype(np.uint8).tobytes())
-    tmp.replace(out / "reasoning_v2.mask.u8.xz")
+            if tuple(numbers) not in excluded:
+                return v2.conversation_segments(numbers, v2_effort(rng, top_share), rng, error_rate)
+
+    ids, mask, n_bytes, slips = write_masked_family(out, "reasoning_v2", tok, conversation, n_train)
     return {"train_documents": n_train, "train_tokens": int(ids.size), "train_bytes": n_bytes,
             "untrained_tokens": int((mask == 0).sum()), "conversations_with_a_repaired_slip": slips,
-            "error_rate": error_rate, "heldout_documents": len(task.load_items(version=2)), "trace_style": "v2"}
+            "error_rate": error_rate, "top_share": top_share,
+            "heldout_documents": len(task.load_items(version=2)), "trace_style": "v2-copy"}
 
 
 TOOL_CONVERSATIONS = 20_000
 
 
 def build_tools(out: Path, tok, n_train: int = TOOL_CONVERSATIONS, seed: int = 20263) -> dict:
-    """The tool-call conversations -> OUT/tools.u32.xz."""
+    """The tool-call conversations -> OUT/tools.u32.xz and the per-token loss mask OUT/tools.mask.u8.xz (1 on the
+    tokens the assistant writes: both turns, their end tokens included; 0 on the system part with the tool
+    section, the user's request and the tool's result, read as context only)."""
     from dsv41.recipes.tiny import tool_calls
 
     rng = random.Random(seed)
-    texts = [tool_calls.conversation_text(rng) for _ in range(n_train)]
-    enc = tok.backend.encode_batch(texts, add_special_tokens=False)  # BOS ... EOS are in the text
-    ids = np.concatenate([np.array(e.ids, dtype=np.uint32) for e in enc])
-    save_tokens(out / "tools.u32.xz", ids)
-    return {"train_documents": n_train, "train_tokens": int(ids.size), "train_bytes": sum(len(t.encode()) for t in texts)}
+    ids, mask, n_bytes, _ = write_masked_family(out, "tools", tok, lambda: tool_calls.conversation_segments(rng),
+                                                n_train)
+    return {"train_documents": n_train, "train_tokens": int(ids.size), "train_bytes": n_bytes,
+            "trained_tokens": int(mask.sum()), "trained_share": round(float(mask.mean()), 4),
+            "design": "token-identical arguments, keyword-named thinking, assistant-only loss mask"}
+
+
+def write_masked_family(out: Path, name: str, tok, conversation, n: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """n conversations from `conversation()` (segments with a `train` flag, BOS ... EOS in their text) ->
+    OUT/{name}.u32.xz and its loss mask OUT/{name}.mask.u8.xz; returns (ids, mask, bytes, conversations with
+    an untrained token)."""
+    ids_parts, mask_parts, n_bytes, partly = [], [], 0, 0
+    done = 0
+    while done < n:
+        batch = [conversation() for _ in range(min(512, n - done))]
+        texts = ["".join(s.text for s in segs) for segs in batch]
+        for segs, text, enc in zip(batch, texts, tok.backend.encode_batch(texts, add_special_tokens=False)):
+            ids, mask = conversation_mask(segs, enc)
+            partly += int(not mask.all())
+            ids_parts.append(ids)
+            mask_parts.append(mask)
+            n_bytes += len(text.encode())
+        done += len(batch)
+    ids, mask = np.concatenate(ids_parts), np.concatenate(mask_parts)
+    save_tokens(out / f"{name}.u32.xz", ids)
+    save_mask(out / f"{name}.mask.u8.xz", mask)
+    return ids, mask, n_bytes, partly
+
+
+def save_mask(path: Path, mask: np.ndarray) -> None:
+    """A family's per-token loss mask (uint8, 1 = trained), written atomically as save_tokens does."""
+    tmp = path.with_name(path.name + ".partial")
+    with lzma.open(tmp, "wb", preset=6) as f:
+        f.write(np.ascontiguousarray(mask, dtype=np.uint8).tobytes())
+    tmp.replace(path)
 
 
 def add_family(out: Path, name: str, build) -> dict:
@@ -302,15 +325,18 @@ def main(argv: list[str] | None = None) -> dict:
                     help="build only the v2 reasoning family (OUT/reasoning_v2.u32.xz and its loss mask) and add "
                          "it to an existing OUT/manifest.json")
     ap.add_argument("--v2-error-rate", type=float, default=REASONING_V2_ERROR_RATE)
+    ap.add_argument("--v2-top-share", type=float, default=REASONING_V2_TOP_SHARE,
+                    help="the share of v2 conversations whose effort is drawn from 70..100 (the rest from 1..100)")
     ap.add_argument("--tools", action="store_true",
-                    help="build only the tool-call family (OUT/tools.u32.xz) and add it to OUT/manifest.json")
+                    help="build only the tool-call family (OUT/tools.u32.xz and its loss mask) and add it to "
+                         "OUT/manifest.json")
     ap.add_argument("--tool-conversations", type=int, default=TOOL_CONVERSATIONS)
     args = ap.parse_args(argv)
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.reasoning_v2:
         return add_family(args.out, "reasoning_v2", lambda: build_reasoning_v2(
-            args.out, load_tokenizer(), args.reasoning_train, args.v2_error_rate))
+            args.out, load_tokenizer(), args.reasoning_train, args.v2_error_rate, top_share=args.v2_top_share))
     if args.tools:
         return add_family(args.out, "tools", lambda: build_tools(args.out, load_tokenizer(), args.tool_conversations))
     if args.reasoning_only:

@@ -5,13 +5,25 @@ Why a family of its own: the bundled model otherwise never writes DSML, so the s
 be shown with calls the client wrote. A 24M-parameter model can learn a narrow skill: three tools, each asked
 for in a few phrasings, with the arguments copied from the user's words and the answer copied from the tool's
 result. The tool list in the system part varies (the needed tool with up to two others, in any order), so the
-model has to pick the tool the request names, and the same request without a tool list stays the reasoning
-task's (the `add` request is the reasoning task's own prompt, "Add: 7 3 9 2 5").
+model has to pick the tool the request names.
+
+Designed to be easy to copy (the first two trials learnt the DSML frame, not what fills it):
+- every argument value is in the request *token for token* as the call writes it: a string argument follows
+  `">` in DSML, so it is tokenized without a leading space, and the request quotes it (`Reverse "river".`,
+  the word after the quote is space-less too); the `add` list is shown as the call renders it, on a line of
+  its own (`Add with the tool:` then `[7, 3, 9]`; JSON, as model/encoding.py writes non-string parameters),
+  which also keeps it apart from the reasoning task's plain prompt "Add: 7 3 9 2 5" (that prompt without
+  tools stays the reasoning task's);
+- every phrasing of a tool holds the tool's keyword (Add, Weather, Reverse), and the thinking line (thinking
+  mode) names the tool from it: `Weather asked: get_weather.`;
+- `conversation_segments` marks the tokens the assistant writes (both turns, their end tokens included), the
+  only ones trained on (build_data writes the mask OUT/tools.mask.u8.xz); the system part with the tool
+  section, the user's request and the tool's result are context.
 
 One conversation (thinking mode; in chat mode the think blocks are empty):
 
-    <system: effort line, the tool section>  User: Add: 7 3 9 2 5
-    Assistant: <think>The add tool does this.</think> <DSML call add numbers=[7, 3, 9, 2, 5]> EOS
+    <system: effort line, the tool section>  User: Add with the tool: <line break> [7, 3, 9, 2, 5]
+    Assistant: <think>Add asked: add.</think> <DSML call add numbers=[7, 3, 9, 2, 5]> EOS
     User: <tool_result>26</tool_result>
     Assistant: <think>The tool returned 26.</think>26 EOS
 
@@ -24,6 +36,7 @@ from __future__ import annotations
 import json
 import random
 
+from dsv41.evals.tasks.tiny_reasoning.v2 import Segment  # text + whether its tokens are trained on
 from dsv41.model import encoding
 
 TOOLS = {
@@ -45,11 +58,23 @@ SKIES = ["Sunny", "Cloudy", "Rain", "Snow", "Fog", "Windy", "Clear"]
 WORDS = ["hello", "world", "tiny", "model", "python", "river", "stone", "garden", "window", "orange", "silver",
          "planet", "music", "paper", "forest", "rocket", "candle", "bridge", "yellow", "summer"]
 
+# {arg}: the argument exactly as the DSML parameter holds it (a string as is, the list as JSON). A quote before a
+# string argument (` "` is a token of its own) and a line break before the list (`: [` would make ` [` one token,
+# the call has `[` after `">`), the list at the request's end, keep the argument's tokens the call's.
 ASKS = {
-    "add": ["Add: {args}", "Add these numbers: {args}", "What is the sum of {args}?"],
-    "get_weather": ["What is the weather in {arg}?", "Weather in {arg}?", "How is the weather in {arg} today?"],
-    "reverse_text": ["Reverse: {arg}", "Reverse the text \"{arg}\".", "Please reverse \"{arg}\"."],
+    "add": ["Add with the tool:\n{arg}", "Add these numbers with the tool:\n{arg}",
+            "Add the list with the tool:\n{arg}"],
+    "get_weather": ["Weather in \"{arg}\"?", "What is the weather in \"{arg}\"?",
+                    "How is the weather in \"{arg}\" today?"],
+    "reverse_text": ["Reverse \"{arg}\".", "Reverse the text \"{arg}\".", "Please reverse \"{arg}\" for me."],
 }
+KEYWORD = {"add": "Add", "get_weather": "Weather", "reverse_text": "Reverse"}  # in every phrasing of the tool
+ARGUMENT = {"add": "numbers", "get_weather": "city", "reverse_text": "text"}
+
+
+def rendered_argument(value) -> str:
+    """An argument as the DSML parameter holds it (model/encoding.py: strings as is, the rest as JSON)."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def request(tool: str, rng: random.Random) -> tuple[str, dict, str]:
@@ -57,17 +82,22 @@ def request(tool: str, rng: random.Random) -> tuple[str, dict, str]:
     ask = rng.choice(ASKS[tool])
     if tool == "add":
         numbers = [rng.randint(1, 9) for _ in range(rng.randint(2, 8))]
-        return ask.format(args=" ".join(map(str, numbers))), {"numbers": numbers}, str(sum(numbers))
-    if tool == "get_weather":
+        args, result = {"numbers": numbers}, str(sum(numbers))
+    elif tool == "get_weather":
         city = rng.choice(CITIES)
-        return ask.format(arg=city), {"city": city}, f"{rng.choice(SKIES)}, {rng.randint(-5, 35)} C"
-    text = " ".join(rng.sample(WORDS, rng.randint(1, 2)))
-    return ask.format(arg=text), {"text": text}, text[::-1]
+        args, result = {"city": city}, f"{rng.choice(SKIES)}, {rng.randint(-5, 35)} C"
+    else:
+        text = " ".join(rng.sample(WORDS, rng.randint(1, 2)))
+        args, result = {"text": text}, text[::-1]
+    return ask.format(arg=rendered_argument(args[ARGUMENT[tool]])), args, result
+
+
+def thinking(tool: str) -> str:
+    """The first turn's reasoning: the request's keyword names the tool."""
+    return f"{KEYWORD[tool]} asked: {tool}."
 
 
 def answer(tool: str, args: dict, result: str) -> str:
-    if tool == "add":
-        return result
     if tool == "get_weather":
         return f"In {args['city']}: {result}."
     return result
@@ -88,7 +118,7 @@ def conversation(rng: random.Random) -> tuple[list[dict], list[dict], str, int]:
     messages = [
         {"role": "user", "content": words},
         {"role": "assistant", "content": "", "tool_calls": [call],
-         **({"reasoning_content": f"The {tool} tool does this."} if think else {})},
+         **({"reasoning_content": thinking(tool)} if think else {})},
         {"role": "tool", "tool_call_id": "call_0", "content": result},
         {"role": "assistant", "content": answer(tool, args, result),
          **({"reasoning_content": f"The tool returned {result}."} if think else {})},
@@ -96,7 +126,32 @@ def conversation(rng: random.Random) -> tuple[list[dict], list[dict], str, int]:
     return messages, [TOOLS[t] for t in listed], mode, effort
 
 
+def render(messages: list[dict], tools: list[dict], mode: str, effort: int) -> str:
+    return encoding.encode_messages(encoding.attach_tools(messages, tools), mode, effort)
+
+
+def segments(messages: list[dict], tools: list[dict], mode: str, effort: int) -> list[Segment]:
+    """The rendered conversation split at the assistant's parts: each assistant turn is what follows the server's
+    prompt for it (the history rendered up to the generation header: `<｜Assistant｜>` and `<think>` or
+    `</think>`), up to and including its end-of-sentence token; these are trained, the rest is context.
+    The segments' texts concatenate to `render(messages, tools, mode, effort)` exactly."""
+    text = render(messages, tools, mode, effort)
+    first_prompt = render(messages[:1], tools, mode, effort)
+    second_prompt = render(messages[:3], tools, mode, effort)
+    if not (text.startswith(first_prompt) and text.startswith(second_prompt) and text.endswith(encoding.EOS)):
+        raise ValueError("the server's prompts are not prefixes of the conversation")
+    first_end = text.index(encoding.EOS, len(first_prompt)) + len(encoding.EOS)
+    if first_end > len(second_prompt):
+        raise ValueError("the first turn's end is past the second prompt")
+    return [Segment(first_prompt, False), Segment(text[len(first_prompt):first_end]),
+            Segment(text[first_end:len(second_prompt)], False), Segment(text[len(second_prompt):])]
+
+
+def conversation_segments(rng: random.Random) -> list[Segment]:
+    """One training conversation (BOS ... EOS) as segments, the assistant's parts marked trained."""
+    return segments(*conversation(rng))
+
+
 def conversation_text(rng: random.Random) -> str:
     """One training conversation as the encoder writes it (BOS ... EOS)."""
-    messages, tools, mode, effort = conversation(rng)
-    return encoding.encode_messages(encoding.attach_tools(messages, tools), mode, effort)
+    return render(*conversation(rng))

@@ -63,16 +63,31 @@ def load_streams(data_dir: Path, names=FAMILY_WEIGHTS) -> dict[str, torch.Tensor
     return {name: torch.from_numpy(load_tokens(data_dir / f"{name}.u32.xz").astype(np.int64)) for name in names}
 
 
-def load_masks(data_dir: Path, names) -> dict[str, torch.Tensor]:
+def parse_mix(text: str) -> dict[str, float]:
+    """'prose=0.15,code=0.35' -> {'prose': 0.15, 'code': 0.35} (--mix, --mask-weight)."""
+    try:
+        return {k: float(v) for k, v in (kv.split("=") for kv in text.split(","))}
+    except ValueError:
+        raise SystemExit(f"expected name=number pairs separated by commas, got {text!r}") from None
+
+
+def load_masks(data_dir: Path, names, scale: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
     """The per-token loss masks of the families that have one (`{name}.mask.u8.xz`, as long as the stream: 1 =
-    a target trained on, 0 = context only; the v2 reasoning family marks its injected slips so)."""
+    a target trained on, 0 = context only; the v2 reasoning family marks its injected slips so, the tool-call
+    family everything but the assistant's turns). `scale[name]` multiplies a family's trained targets
+    (`--mask-weight`): the loss divides by every token of a row, so a family whose rows are mostly context
+    otherwise gets a fraction of a plain row's gradient."""
     from dsv41.recipes.tiny.build_data import load_tokens
 
     out = {}
+    scale = scale or {}
     for name in names:
         path = data_dir / f"{name}.mask.u8.xz"
         if path.exists():
-            out[name] = torch.from_numpy(load_tokens(path, np.uint8).astype(np.float32))
+            out[name] = torch.from_numpy(load_tokens(path, np.uint8).astype(np.float32)) * scale.get(name, 1.0)
+    unmasked = sorted(set(scale) - set(out))
+    if unmasked:
+        raise SystemExit(f"--mask-weight {', '.join(unmasked)}: not a family of the mix with a loss mask in {data_dir}")
     return out
 
 
@@ -710,6 +725,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--closing-sum-weight", type=float, default=1.0,
                     help="loss weight of the sum in a trace's closing line (the target before '.' and "
                          "</think>), which the answer copies; 1 = off")
+    ap.add_argument("--mask-weight", default=None,
+                    help="loss weight of a masked family's trained targets, e.g. tools=4 (see load_masks)")
     ap.add_argument("--log", type=Path, default=None, help="also append log lines to this file")
     ap.add_argument("--history", type=Path, default=None, help="write the loss history (JSON) here")
     a = ap.parse_args(argv)
@@ -730,9 +747,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = tiny_config(trainable=True, vision=a.vision)
     weights = dict(FAMILY_WEIGHTS)
     if a.mix:
-        weights = {k: float(v) for k, v in (kv.split("=") for kv in a.mix.split(","))}
+        weights = parse_mix(a.mix)
     streams = load_streams(a.data, weights)
-    sampler = WindowSampler(streams, weights, seed=a.seed, masks=load_masks(a.data, weights))
+    mask_weight = parse_mix(a.mask_weight) if a.mask_weight else None
+    sampler = WindowSampler(streams, weights, seed=a.seed, masks=load_masks(a.data, weights, mask_weight))
     model = build_trainable(args, load_token_map(a.data), a.device, a.seed)
     fresh_tower = args.vision_enabled
     if a.init_from:

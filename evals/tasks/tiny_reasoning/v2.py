@@ -1,34 +1,36 @@
-"""`tiny-reasoning` v2: lists of varying difficulty, and top tiers whose check can change the answer.
+"""`tiny-reasoning` v2: lists of varying difficulty, and a top tier whose check can change the answer.
 
-Not yet trained (recipes/tiny/README.md, "v2 plan"). The items keep v1's schema and prompt ("Add: 7 3 9 2 5",
-the answer the sum, scored by the last integer after `</think>`), so every consumer of the task runs them
-unchanged; only the list lengths and the traces differ. The held-out items are `heldout_v2.jsonl`
-(`HELDOUT_V2`, 360 items: 40 of every length 2..10; `load_items(version=2)`).
+Not yet shipped (recipes/tiny/README.md, "v2"). The items keep v1's schema and prompt ("Add: 7 3 9 2 5", the
+answer the sum, scored by the last integer after `</think>`), so every consumer of the task runs them unchanged;
+only the list lengths and the traces differ. The held-out items are `heldout_v2.jsonl` (`HELDOUT_V2`, 360
+items: 40 of every length 2..10; `load_items(version=2)`).
 
 Difficulty is the list length: short (2-3 numbers), medium (4-6), long (7-10). Tiers by effort:
 
-    1-19    (none)                                           answer at once: right for short lists, a guess for long ones
-    20-44   Pairs 10 11 5, total 26                          shortcut: pair sums, then the total in one guess
-    45-69   Sum: 7+3=10, +9=19, +2=21, +5=26                 computes: the terse running sums
-    70-89   Forward: 7+3=10, +9=19, +2=21, +5=26             computes twice, in opposite directions, and
-            Backward: 5+2=7, +9=16, +3=19, +7=26             compares; when the two differ a third pass
-            Both give 26.                                    decides ("25 and 26 differ. Again: ... / 26
-                                                             twice, so 26.")
-    90-100  First: <forward>  Second: <backward>             always three passes, the third by pairs, and
-            Third: 7+3=10, 9+2=11, 5; 10+11=21, +5=26        the answer is the value at least two give
-            Got 26, 26, 26: so 26.
+    1-19    (none)                                   answer at once: right for short lists, a guess for long ones
+    20-44   Pairs 10 11 5, total 26                  shortcut: pair sums, then the total in one guess
+    45-69   Sum: 7+3=10, +9=19, +2=21, +5=26         computes: the terse running sums, reading the prompt
+    70-89   List: 7 3 9 2 5                          copies the list first (while the prompt is inside the
+            Sum: 7+3=10, +9=19, +2=21, +5=26         window), then computes over the copy
+    90-100  Copy: 7 3 9 2 5                          copies, computes, computes again and compares; when the
+            Sum: 7+3=10, +9=19, +2=21, +5=26         two differ a third pass decides ("25 and 26 differ.
+            Again: 7+3=10, +9=19, +2=21, +5=26       Third: ... / 26 twice: 26.")
+            Same: 26.
 
-Why (README, "v2 plan"): the bundled model's errors are mostly in reading the next number of the list; a second
-pass in the other direction reads the list in another order, so its slips fall elsewhere, and a disagreement is
-a signal the model can see in the line above. Each tier is named by the first reasoning token (the lesson of the
-"labelled" style) and each pass by its own label, so every choice reads text inside the 64-token window.
+Why this design (README, "v2"): a first design (stages 17-18: a backward second pass and a third pass by
+pairs) was learnt only in its single-pass tier; its other passes read the list in new orders the model never
+learnt in 380 steps, and on long lists read from beyond the 64-token sliding window. Here every pass is the one
+form the model computes well (the forward running sum), the higher tiers read a copy of the list written a few
+tokens above rather than the prompt 34+ tokens back, and the check is that same pass again: it cannot be
+copied from the pass above it, because in training the pass above sometimes carries a slip. Each tier is named
+by its first reasoning token, so the choice reads text inside the window.
 
 Training traces contain checks that catch and repair an error (`training_segments(..., error_rate=)`): in a
-fraction of the top-tier traces one pass carries an injected slip of the kinds the model makes (a number
-skipped, the previous number added again, a step's sum off by one or ten, carried on). The check line then sees
-two different results, the third pass computes the sum again, and the closing line takes the value two passes
-give. The slip's tokens are marked not to be trained on (`Segment.train` False): the model reads them as context
-but is never taught to write them.
+fraction of the top-tier traces the first or the second pass carries an injected slip of the kinds the model
+makes (a number skipped, the previous number added again, a step's sum off by one or ten, carried on). The
+comparison line then sees two different results, the third pass computes the sum, and the closing line takes
+the value two passes give. The slip's tokens are marked not to be trained on (`Segment.train` False): the model
+reads them as context but is never taught to write them.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ MIN_NUMBERS, MAX_NUMBERS = 2, 10
 DIFFICULTY = {2: "short", 3: "short", 4: "medium", 5: "medium", 6: "medium",
               7: "long", 8: "long", 9: "long", 10: "long"}
 EFFORT_TIERS = (20, 45, 70, 90)
-TIER_LABELS = {1: "Pairs", 2: "Sum", 3: "Forward", 4: "First"}  # the first reasoning token names the tier
+TIER_LABELS = {1: "Pairs", 2: "Sum", 3: "List", 4: "Copy"}  # the first reasoning token names the tier
 ERROR_KINDS = ("skip", "repeat", "slip")
 HELDOUT_PER_LENGTH = 40
 HELDOUT_SEED = 4242
@@ -100,17 +102,6 @@ def running_pass(numbers: list[int], error: tuple[str, int, int] | None = None) 
     return segments, total
 
 
-def pairs_pass(numbers: list[int]) -> tuple[str, int]:
-    """'7+3=10, 9+2=11, 5; 10+11=21, +5=26' (always right: the third pass of tier 4)."""
-    pairs = [numbers[i:i + 2] for i in range(0, len(numbers), 2)]
-    first = ", ".join(f"{p[0]}+{p[1]}={p[0] + p[1]}" if len(p) == 2 else str(p[0]) for p in pairs)
-    values = [sum(p) for p in pairs]
-    if len(values) == 1:
-        return first, values[0]
-    segs, total = running_pass(values)
-    return first + "; " + segs[0].text, total
-
-
 def pairs_shortcut(numbers: list[int]) -> str:
     """Tier 1: the pair sums, then the total named at once ('Pairs 10 11 5, total 26')."""
     values = [sum(numbers[i:i + 2]) for i in range(0, len(numbers), 2)]
@@ -137,8 +128,9 @@ def random_error(numbers: list[int], rng: random.Random) -> tuple[str, int, int]
 
 def training_segments(numbers: list[int], effort: int, rng: random.Random | None = None,
                       error_rate: float = 0.0, error: dict | None = None) -> list[Segment]:
-    """The reasoning of one training example as segments. For tiers 3-4, with probability error_rate (or when
-    `error` = {"pass": i, "kind": k, "step": s, "delta": d} is given) pass i (0-based) carries a slip."""
+    """The reasoning of one training example as segments. For tier 4, with probability error_rate (or when
+    `error` = {"pass": i, "kind": k, "step": s, "delta": d} is given) pass i (0 the first, 1 the second) carries
+    a slip."""
     tier = effort_tier(effort)
     total = sum(numbers)
     if tier == 0:
@@ -147,35 +139,30 @@ def training_segments(numbers: list[int], effort: int, rng: random.Random | None
         return [Segment(pairs_shortcut(numbers))]
     if tier == 2:
         return [Segment(f"{TIER_LABELS[2]}: ")] + running_pass(numbers)[0]
-    n_passes = 2 if tier == 3 else 3
+    copy = " ".join(str(n) for n in numbers)
+    if tier == 3:
+        return [Segment(f"{TIER_LABELS[3]}: {copy}\nSum: ")] + running_pass(numbers)[0]
     if error is None and rng is not None and rng.random() < error_rate:
         which = rng.randrange(2)
-        kind, step, delta = random_error(numbers if which == 0 else numbers[::-1], rng)
+        kind, step, delta = random_error(numbers, rng)
         error = {"pass": which, "kind": kind, "step": step, "delta": delta}
     if error is not None and error["pass"] not in (0, 1):
-        raise ValueError("only the forward or the backward pass carries a slip")
+        raise ValueError("only the first or the second pass carries a slip")
 
-    def one_pass(order: list[int], index: int) -> tuple[list[Segment], int]:
-        """pass `index` (0 forward, 1 backward); a slip's step counts along the pass's own order"""
+    def one_pass(index: int) -> tuple[list[Segment], int]:
         if error is not None and error["pass"] == index:
-            return running_pass(order, (error["kind"], error["step"], error["delta"]))
-        return running_pass(order)
+            return running_pass(numbers, (error["kind"], error["step"], error["delta"]))
+        return running_pass(numbers)
 
-    fwd, fwd_total = one_pass(numbers, 0)
-    bwd, bwd_total = one_pass(numbers[::-1], 1)
-    if tier == 3:
-        out = [Segment("Forward: ")] + fwd + [Segment("\nBackward: ")] + bwd
-        if fwd_total == bwd_total:
-            return out + [Segment(f"\nBoth give {fwd_total}.")]
-        again, again_total = running_pass(numbers)
-        assert again_total == total
-        return out + [Segment(f"\n{fwd_total} and {bwd_total} differ. Again: ")] + again + \
-            [Segment(f"\n{total} twice, so {total}.")]
-    third, third_total = pairs_pass(numbers)
-    votes = (fwd_total, bwd_total, third_total)
-    winner = max(set(votes), key=votes.count)
-    return ([Segment("First: ")] + fwd + [Segment("\nSecond: ")] + bwd + [Segment(f"\nThird: {third}")] +
-            [Segment(f"\nGot {votes[0]}, {votes[1]}, {votes[2]}: so {winner}.")])
+    first, first_total = one_pass(0)
+    second, second_total = one_pass(1)
+    out = [Segment(f"{TIER_LABELS[4]}: {copy}\nSum: ")] + first + [Segment("\nAgain: ")] + second
+    if first_total == second_total:
+        return out + [Segment(f"\nSame: {first_total}.")]
+    third, third_total = running_pass(numbers)
+    assert third_total == total
+    return out + [Segment(f"\n{first_total} and {second_total} differ. Third: ")] + third + \
+        [Segment(f"\n{total} twice: {total}.")]
 
 
 def reasoning_trace(numbers: list[int], effort: int) -> str:
