@@ -100,7 +100,14 @@ def worker(cfg: dict) -> dict:
     torch.set_num_threads(1)  # what dsv41_cli.common.tune_threads picks for this model
     from dsv41.model.assets import bundled_model_dir
     from dsv41.model.checkpoint import load_model
+    from dsv41.model.batch_cache import BatchCache
     from dsv41.model.engine import GenerationConfig, Generator, Request, Scheduler
+
+    # BatchCache.rope_stop reads the host int `longest`, which changes every step: dynamo guards on it and
+    # a dynamic=False compile recompiles at every step. The static value (a power of two) is set on the
+    # cache before each step and read instead (same value; it changes only when the RoPE table doubles).
+    rope_stop = BatchCache.rope_stop
+    BatchCache.rope_stop = lambda self: self.__dict__.get("static_stop") or rope_stop(self) if self.static else rope_stop(self)
 
     t0 = time.perf_counter()
     model, args, tok = load_model(bundled_model_dir(), device="cpu")
@@ -120,6 +127,7 @@ def worker(cfg: dict) -> dict:
             t = time.perf_counter()
             n = ids.size(0)
             R = sch.cache.prepare_step(n)
+            sch.cache.static_stop = rope_stop(sch.cache)
             if R > n:
                 ids = torch.cat([ids, ids.new_zeros(R - n)])
             logits = (rows_fn or model.decode_rows)(ids, sch.cache)
@@ -184,6 +192,7 @@ def worker(cfg: dict) -> dict:
             sch.step()
             ids = torch.tensor([sch.running[0].token])
             R = sch.cache.prepare_step(1)
+            sch.cache.static_stop = rope_stop(sch.cache)
             t = time.perf_counter()
             ex = torch._dynamo.explain(model.decode_rows)(torch.cat([ids, ids.new_zeros(R - 1)]), sch.cache)
         reasons: dict = {}
