@@ -40,8 +40,8 @@ def parse_trace(trace: str) -> dict:
             out[head] = pass_values(body)
         elif head in ("List", "Copy"):
             out[head] = [int(n) for n in body.split()]
-        elif " differ. Third: " in line:
-            a, b = map(int, re.match(r"(\d+) and (\d+) differ", line).groups())
+        elif ": differ. Third: " in line:
+            a, b = map(int, re.match(r"(\d+) and (\d+): differ", line).groups())
             out["differ"] = (a, b)
             out["Third"] = pass_values(line.split("Third: ")[1])
     closing = re.findall(r"(\d+)\.$", trace.splitlines()[-1]) if trace else []
@@ -67,7 +67,7 @@ def test_gold_traces_compute_the_sum_and_grow_with_effort():
             assert three["List"] == numbers and three["Sum"] == (numbers, total)
             four = parse_trace(traces[4])
             assert four["Copy"] == numbers and four["Sum"] == four["Again"] == (numbers, total)
-            assert four["closing"] == total and "differ" not in four and traces[4].endswith(f"\nSame: {total}.")
+            assert four["closing"] == total and "differ" not in four and traces[4].endswith(f"\n{total} and {total}: same, {total}.")
             # the higher tiers' passes are the effort-50 pass, written after the copy
             assert traces[2] in traces[3] and traces[2] in traces[4]
     # each tier named by the first reasoning token

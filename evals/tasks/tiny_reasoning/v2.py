@@ -13,17 +13,19 @@ Difficulty is the list length: short (2-3 numbers), medium (4-6), long (7-10). T
     70-89   List: 7 3 9 2 5                          copies the list first (while the prompt is inside the
             Sum: 7+3=10, +9=19, +2=21, +5=26         window), then computes over the copy
     90-100  Copy: 7 3 9 2 5                          copies, computes, computes again and compares; when the
-            Sum: 7+3=10, +9=19, +2=21, +5=26         two differ a third pass decides ("25 and 26 differ.
+            Sum: 7+3=10, +9=19, +2=21, +5=26         two differ a third pass decides ("25 and 26: differ.
             Again: 7+3=10, +9=19, +2=21, +5=26       Third: ... / 26 twice: 26.")
-            Same: 26.
+            26 and 26: same, 26.
 
 Why this design (README, "v2"): a first design (stages 17-18: a backward second pass and a third pass by
 pairs) was learnt only in its single-pass tier; its other passes read the list in new orders the model never
 learnt in 380 steps, and on long lists read from beyond the 64-token sliding window. Here every pass is the one
 form the model computes well (the forward running sum), the higher tiers read a copy of the list written a few
 tokens above rather than the prompt 34+ tokens back, and the check is that same pass again: it cannot be
-copied from the pass above it, because in training the pass above sometimes carries a slip. Each tier is named
-by its first reasoning token, so the choice reads text inside the window.
+copied from the pass above it, because in training the pass above sometimes carries a slip. The comparison
+line first writes both results, then its verdict, so the verdict compares two numbers a token apart (stages
+20-22 trained an earlier form, `Same: 26.`, whose verdict came first: the model wrote it whatever the passes
+gave). Each tier is named by its first reasoning token, so the choice reads text inside the window.
 
 Training traces contain checks that catch and repair an error (`training_segments(..., error_rate=)`): in a
 fraction of the top-tier traces the first or the second pass carries an injected slip of the kinds the model
@@ -158,10 +160,10 @@ def training_segments(numbers: list[int], effort: int, rng: random.Random | None
     second, second_total = one_pass(1)
     out = [Segment(f"{TIER_LABELS[4]}: {copy}\nSum: ")] + first + [Segment("\nAgain: ")] + second
     if first_total == second_total:
-        return out + [Segment(f"\nSame: {first_total}.")]
+        return out + [Segment(f"\n{first_total} and {second_total}: same, {first_total}.")]
     third, third_total = running_pass(numbers)
     assert third_total == total
-    return out + [Segment(f"\n{first_total} and {second_total} differ. Third: ")] + third + \
+    return out + [Segment(f"\n{first_total} and {second_total}: differ. Third: ")] + third + \
         [Segment(f"\n{total} twice: {total}.")]
 
 
