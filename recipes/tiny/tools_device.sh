@@ -10,6 +10,8 @@
 #   python -m dsv41.recipes.tiny.build_data                        # prose, code, literature, the Engram map
 #   python -m dsv41.recipes.tiny.build_data --reasoning-only undo  # reasoning_undo.u32.xz
 #   python -m dsv41.recipes.tiny.build_data --tools                # tools.u32.xz
+# Stage 19 ran on the tree of 2302002: the first tool-call design, without the loss mask that --tools has
+# written since (train.py applies a family's mask whenever DATA holds it), so a rerun on a later tree differs.
 set -euo pipefail
 RUNS=${RUNS:-runs/tiny-v2}
 FROM=${FROM:-model/assets/dsv41-tiny}

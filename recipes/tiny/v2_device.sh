@@ -35,12 +35,14 @@ case "$STAGE" in
   # tool calls with token-identical arguments and an assistant-only loss (x3, --mask-weight): from the first
   # run's stage 18, twice the text rows per step (the step is host-bound: docs/performance.md, "Training step"),
   # pictures every other step.
-  20|21|22) V2=(--batch 192 --mix prose=0.10,code=0.10,literature=0.05,reasoning_v2=0.60,tools=0.15 --mask-weight tools=3
-                --vision-every 2 --vision-batch 256 --vision-variety --vision-workers 12 --think-start-weight 4) ;;&
+  20|21|22) V2=(--batch 192 --mask-weight tools=3 --vision-every 2 --vision-batch 256 --vision-variety
+                --vision-workers 12 --think-start-weight 4)
+            MIX=prose=0.10,code=0.10,literature=0.05,reasoning_v2=0.60,tools=0.15 ;;&
   # stage 22: twice the tool rows (the calls were right but for the copied value after stage 21), and the
   # reasoning family rebuilt with --v2-top-share 0.3 --v2-error-rate 0.5 (stage 21 wrote reasoning at effort 1,
   # and its comparison line named the last value written whatever the passes gave)
-  22) V2=("${V2[@]}" --mix prose=0.10,code=0.10,literature=0.05,reasoning_v2=0.45,tools=0.30) ;;&
+  22) MIX=prose=0.10,code=0.10,literature=0.05,reasoning_v2=0.45,tools=0.30 ;;&
+  20|21|22) V2+=(--mix "$MIX") ;;&
   20) FROM=${FROM:-$RUNS/s18}; OPTS=(--lr 4e-4 --backbone-seconds 470 --dspark-seconds 0) ;;
   21) FROM=${FROM:-$RUNS/s20}; OPTS=(--lr 2.5e-4 --backbone-seconds 340 --dspark-seconds 150 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
   22) FROM=${FROM:-$RUNS/s21}; OPTS=(--lr 2.5e-4 --backbone-seconds 240 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1e-3) ;;
