@@ -20,11 +20,15 @@ that measured spread (docs/fidelity.md §7; tests/fixtures/s0_tiny/spread.json):
   of invisible (-inf) index scores.
 * **component tier** (each sub-layer fed S0's recorded inputs, S0's decisions and S0's upstream
   sub-layer outputs, so only that sub-layer's own arithmetic is compared): bf16 outputs within
-  2 bf16 steps of the tensor's scale with at most 2 % of the elements not bit-identical; fp32 hc
+  2 bf16 steps of the tensor's scale with at most 2 % of the elements not bit-identical (in the MoE
+  output, a row past that passes only where one E4M3 tie of its FP8 activation explains it); fp32 hc
   coefficients within 1e-3, router weights within 1e-4, the head within 1e-4.
 * **end-to-end tier**: full prefills compared over each sequence's robust prefix (the positions before
-  the first near-tied Top-K or routing decision), logits within 2e-2 and argmaxes equal where S0's
-  top-1 margin exceeds twice that; decode must still tell the `ref` quirk from `fixed`.
+  the first near-tied Top-K or routing decision, and before the first row this CPU rounds a bf16
+  sub-layer output differently from S0 when fed S0's inputs), logits within 2e-2 and argmaxes equal where
+  S0's top-1 margin exceeds twice that; decode must still tell the `ref` quirk from `fixed` (in its logits
+  over the steps where the quirk shows, and in decodeA's first-step Top-K), unless this CPU's prefill
+  already drifts too far for that.
 * **same-flavour**: where this CPU reproduces S0's prefills of A, B and C bit for bit (it sums like the
   golden's CPU), the caches must be bit-identical, and so must every decode run whose first step is.
 """
@@ -34,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv41.model import mhc
+from dsv41.model import formats, mhc
 
 FIXTURE = Path(__file__).parent / "fixtures" / "s0_tiny"
 INDEX_LAYERS = (2, 4, 6, 8)
@@ -44,10 +48,13 @@ KV_LAYERS = (2, 4, 6)
 TOPK_GAP = 0.01  # relative Top-K boundary gap (bf16 scores: one step is 2^-8 = 0.0039)
 ROUTE_GAP = 1e-3  # gap between the k-th and (k+1)-th biased router score (measured noise <= 2e-7)
 BF16_STEPS = 2 ** -7  # component tier: |d| <= 2 bf16 steps of the tensor's largest value ...
-BF16_FRACTION = 0.02  # ... on at most 2 % of the elements (measured <= 0.5 %)
+BF16_FRACTION = 0.02  # ... on at most 2 % of the elements (measured <= 1.2 %)
+# MoE output only: a row past that bound passes if one E4M3 rounding of its FP8 activation, moved by one bf16
+# step of the input, explains it (fp8_tie_explains; measured: 5.6 steps at layer 5 of A, one row of 80)
 PRE_ATOL, ROUTE_W_ATOL, HEAD_ATOL = 1e-3, 1e-4, 1e-4
 LOGITS_ATOL = 2e-2  # end-to-end, robust prefix only (measured <= 1.2e-7; one decision flip: 0.1-1)
 DECODE_RATIO = 0.5  # decode: distance to the own mode's golden against the other mode's
+DECODE_DRIFT = 0.4  # decode: compared only where the prefill's drift stays below this part of the quirk's effect
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +103,7 @@ def component_run(model, golden, name):
             return g(f"layer{i}.attn_out")[None]
 
         def ffn_fw(*a, i=i, orig=ffn.forward):
+            rec[f"layer{i}.ffn_in"] = a[0][0]  # the normed input: the MoE's FP8 activations come from it
             rec[f"layer{i}.ffn_out"] = orig(*a)[0]
             return g(f"layer{i}.ffn_out")[None]
 
@@ -137,17 +145,60 @@ def components(s0):
     return {name: component_run(model, golden, name) for name in "ABC"}
 
 
-def assert_bf16_tier(ours, ref, what):
+def assert_bf16_tier(ours, ref, what, explained=None):
     """Component tier for a bf16 tensor: within 2 bf16 steps of its largest value, and at most 2 % of the
-    elements not bit-identical (a scale of 1.01 or a wrong sign moves nearly all of them)."""
+    elements not bit-identical (a scale of 1.01 or a wrong sign moves nearly all of them).
+
+    `explained(row, bound) -> bool`, for a row-wise sub-layer (the MoE) only: rows past the bound pass where
+    it says one E4M3 tie of that row's FP8 activation accounts for them; at most 2 % of the rows (at least
+    one) may need it, and the 2 % element condition still holds for the whole tensor."""
     ours, ref = ours.float(), ref.float()
     finite = torch.isfinite(ref)
     assert torch.equal(finite, torch.isfinite(ours)), f"{what}: -inf pattern differs"
     d = (ours[finite] - ref[finite]).abs()
     bound = BF16_STEPS * ref[finite].abs().max().item()
-    assert d.max().item() <= bound, f"{what}: max |d| {d.max().item():.3g} > {bound:.3g}"
     frac = (d > 0).float().mean().item()
     assert frac <= BF16_FRACTION, f"{what}: {frac:.1%} of the elements differ"
+    if d.max().item() <= bound:
+        return
+    assert explained is not None, f"{what}: max |d| {d.max().item():.3g} > {bound:.3g}"
+    rows = ((ours - ref).abs().nan_to_num(0.0).flatten(1).amax(-1) > bound).nonzero().flatten().tolist()
+    assert len(rows) <= max(1, int(BF16_FRACTION * ref.size(0))), f"{what}: rows {rows} past {bound:.3g}"
+    for row in rows:
+        assert explained(row, bound), f"{what}: row {row} past {bound:.3g}, not explained by one E4M3 tie"
+
+
+def fp8_tie_explains(model, golden, name, layer, x, row, bound):
+    """True where S0's MoE output of `row` at `layer` is within `bound` of ours recomputed with one element
+    of our normed input moved by one bf16 step, among the moves that change that element's E4M3 rounding
+    in the FP8 activation quantization (S0's routes used). A bf16 input one step from an E4M3 rounding
+    midpoint (ties to even) flips a 32-wide block's activation by one E4M3 step, and the experts' GEMMs
+    carry that into the whole row: under the baseline ISA on an AMD EPYC, layer 5 of A, row 7, element 62
+    was -92.0 quanta (an exact tie, to -96) where S0 had -91.5 (to -88): ffn_out 5.6 bf16 steps off on
+    that row alone (docs/fidelity.md §7.5). A scale or sign error in the MoE is not explained this way."""
+    ffn = model.layers[layer].ffn
+    block = ffn.experts[0].w1.block  # the activation block of the experts' FP8 GEMMs
+    x = x[row]
+    n = x.numel()
+    moved = x.repeat(2 * n, 1)
+    bits = moved.view(torch.int16)
+    j = torch.arange(n)
+    bits[j, j] += 1  # one bf16 step away from zero
+    bits[n + j, j] -= 1  # one bf16 step toward zero
+    q = formats.fp8_fake_quant_f32(moved.float(), block)
+    flips = torch.isfinite(moved).all(-1) & (q != formats.fp8_fake_quant_f32(x.float(), block)[None]).any(-1)
+    moved = moved[flips]
+    if not len(moved):
+        return False
+    w, idx = golden[f"{name}.layer{layer}.route_w"][row], golden[f"{name}.layer{layer}.route_idx"][row]
+    ffn.gate.forward = lambda h, image_mask=None: (w.expand(len(h), -1), idx.expand(len(h), -1))
+    try:
+        with torch.inference_mode():
+            out = ffn(moved[None], None)[0].float()
+    finally:
+        del ffn.gate.forward
+    ref = golden[f"{name}.layer{layer}.ffn_out"][row].float()
+    return (out - ref).abs().amax(-1).min().item() <= bound
 
 
 def topk_robust_rows(golden, name, layer):
@@ -165,6 +216,26 @@ def robust_prefix(golden, components, name):
     for layer in range(10):
         shaky |= components[name][f"layer{layer}.route_gap"] < ROUTE_GAP
     return int(shaky.nonzero()[0]) if shaky.any() else S
+
+
+def first_rounding_departure(golden, components, name):
+    """(row, what) of the first position where this CPU, fed S0's own inputs and decisions, rounds a bf16
+    sub-layer output (a residual stream, attention, MoE or Engram output) differently from S0, or (S, None).
+    Such an element sat within this CPU's summation noise of a bf16 rounding midpoint (row 0, the BOS
+    shared by A, B and C, at layer 1 on an AMD EPYC: 2 fp32 ulps, 1.6e-7 relative, docs/fidelity.md §7.5).
+    It is a discrete decision like a near-tied Top-K: end to end, one bf16 step moves an E4M3 rounding of a
+    32-wide FP8 activation block, and from there logits move by 0.1-0.6 without any Top-K or route flip."""
+    S = golden[f"{name}.tokens"].numel()
+    first, what = S, None
+    for layer in range(10):
+        for key in ("engram_out", "attn_out", "ffn_out", "x_out"):
+            if f"{name}.layer{layer}.{key}" not in golden:
+                continue
+            ours, ref = components[name][f"layer{layer}.{key}"], golden[f"{name}.layer{layer}.{key}"]
+            rows = (ours.float() != ref.float()).flatten(1).any(-1).nonzero()
+            if len(rows) and int(rows[0]) < first:
+                first, what = int(rows[0]), f"layer{layer}.{key}"
+    return first, what
 
 
 def same_flavour(s0):
@@ -236,7 +307,11 @@ def test_components_from_s0_inputs(s0, components, name):
     for layer in range(10):
         for key in ("attn_out", "ffn_out", "x_out") + (("engram_out",) if layer in (1, 4) else ()):
             what = f"{name}.layer{layer}.{key}"
-            assert_bf16_tier(ours[f"layer{layer}.{key}"], golden[what], what)
+            explained = None
+            if key == "ffn_out":
+                explained = lambda row, bound, layer=layer: fp8_tie_explains(  # noqa: E731
+                    model, golden, name, layer, ours[f"layer{layer}.ffn_in"], row, bound)
+            assert_bf16_tier(ours[f"layer{layer}.{key}"], golden[what], what, explained)
         d = (ours[f"layer{layer}.pre_out"] - golden[f"{name}.layer{layer}.pre_out"]).abs().max()
         assert d <= PRE_ATOL, f"{name}.layer{layer}.pre_out: {d:.3g}"
     for layer in KV_LAYERS:
@@ -254,6 +329,11 @@ def test_components_from_s0_inputs(s0, components, name):
 def test_prefill_logits_over_the_robust_prefix(s0, components, name, prefix):
     model, golden = s0
     assert robust_prefix(golden, components, name) == prefix  # docs/fidelity.md §7 records these
+    row, what = first_rounding_departure(golden, components, name)
+    if row == 0:
+        pytest.skip(f"this CPU rounds S0's {name}.{what} differently at row 0 already (a bf16 near-tie); "
+                    "nothing of the prefill is comparable end to end, the component tier covers it")
+    prefix = min(prefix, row)
     with torch.inference_mode():
         logits = model(tokens(golden, name), all_logits=True)[0][:prefix]
     ref = golden[f"{name}.logits_all"][:prefix]
@@ -263,13 +343,28 @@ def test_prefill_logits_over_the_robust_prefix(s0, components, name, prefix):
     assert torch.equal(logits.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
-def decode_steps(model, golden, seq, quirk):
+def decode_steps(model, golden, seq, quirk, first=None):
+    """The step logits of a decode run; for decodeA, `first` (a dict) receives the first step's decisions:
+    `topk{i}` per index layer and `route{i}` per layer, as sets."""
     with torch.inference_mode():
         if seq == "decodeA":
             ids = tokens(golden, "A")
             cache = model.new_cache(1, ref_index_quirk=quirk)
             model(ids[:, :64], cache=cache)
-            return torch.stack([model(ids[:, t:t + 1], start_pos=t, cache=cache)[0] for t in range(64, 80)])
+            hooks = []
+            if first is not None:
+                for i, block in enumerate(model.layers):
+                    if block.attn.indexer is not None:
+                        hooks.append(block.attn.indexer.register_forward_hook(
+                            lambda m, a, o, i=i: first.setdefault(f"topk{i}", set(o[0].flatten().tolist())) and None))
+                    hooks.append(block.ffn.gate.register_forward_hook(
+                        lambda m, a, o, i=i: first.setdefault(f"route{i}", set(o[1].flatten().tolist())) and None))
+            try:
+                steps = [model(ids[:, 64:65], start_pos=64, cache=cache)[0]]
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            return torch.stack(steps + [model(ids[:, t:t + 1], start_pos=t, cache=cache)[0] for t in range(65, 80)])
         fed = golden[f"greedyB.{'ref' if quirk else 'fixed'}.fed_tokens"]
         cache = model.new_cache(1, ref_index_quirk=quirk)
         model(tokens(golden, "B"), cache=cache)
@@ -284,17 +379,44 @@ def test_decode_steps_match(s0, same_decode_flavour, seq, quirk, key, other):
     prefills B and feeds S0's greedy tokens. Both start past their sequence's robust prefix, so on another
     CPU a near-tied prefill decision may already have flipped: there each mode must stay clearly closer to
     its own golden than to the other mode's, over the steps where the quirk shows (squared per-step max |d|
-    at most half; measured <= 0.26), and so must the first step of decodeA, where both modes share the
-    prefill (measured <= 0.23). Where this CPU sums prefill and decode like the golden's: bit for bit."""
+    at most half; measured <= 0.26). At decodeA's first step, where both modes share the prefill, the quirk
+    shows first in the indexer's Top-K: over the index layers, that step's selections must share at least
+    twice as many entries with the own mode's golden as with the other's (measured 13 against 5 at worst);
+    its logits must be clearly closer to the own mode's too (ratio <= 0.5, measured <= 0.23 on the golden's
+    CPU flavours) where that step decides every Top-K and route as S0 did. Where this CPU's prefill
+    drifts so far that the modes cannot be told apart, the case is skipped. Where this CPU sums prefill and
+    decode like the golden's: bit for bit."""
     model, golden = s0
-    steps = decode_steps(model, golden, seq, quirk)
     ref, alt = golden[f"{seq}.{key}.step_logits"], golden[f"{seq}.{other}.step_logits"]
     shows = (ref - alt).abs().amax(-1) > 4 * LOGITS_ATOL  # steps where the quirk changes the logits
     assert shows.sum() >= 7
+    # the drift this CPU carries into the decode (its prefill's logits against S0's, rms over the rows the
+    # decode's prefill covers) against the quirk's own effect (rms over the steps where it shows)
+    name, rows = ("A", 64) if seq == "decodeA" else ("B", 37)
+    with torch.inference_mode():
+        prefill = model(tokens(golden, name), all_logits=True)[0][:rows]
+    drift = (prefill - golden[f"{name}.logits_all"][:rows]).abs().amax(-1).square().mean().sqrt()
+    effect = (ref - alt).abs().amax(-1)[shows].square().mean().sqrt()
+    if drift > DECODE_DRIFT * effect:
+        pytest.skip(f"{seq}: this CPU's prefill of {name} already drifts from S0's by {drift:.3f} (rms), against "
+                    f"a quirk effect of {effect:.3f}: the two modes cannot be told apart from S0's numbers here")
+    first = {}
+    steps = decode_steps(model, golden, seq, quirk, first)
     same, cross = (steps - ref).abs().amax(-1), (steps - alt).abs().amax(-1)
     assert same[shows].square().sum() <= DECODE_RATIO * cross[shows].square().sum(), (same, cross)
     if seq == "decodeA":
-        assert same[0] <= DECODE_RATIO * cross[0], (same[0], cross[0])
+        picks = lambda mode, layer: set(golden[f"decodeA.{mode}.layer{layer}.topk_last"][0].tolist())  # noqa: E731
+        own = sum(len(first[f"topk{layer}"] & picks(key, layer)) for layer in INDEX_LAYERS)
+        cross_picks = sum(len(first[f"topk{layer}"] & picks(other, layer)) for layer in INDEX_LAYERS)
+        assert own >= 2 * cross_picks, (own, cross_picks)
+        # the first step's logits are compared where that step decides as S0's did: past a flipped Top-K or
+        # route (this CPU's drifted prefill moves a near-tied decode decision) one step's logits can land
+        # anywhere between the modes (baseline ISA on an AMD EPYC: 0.99 against 1.02), as past the robust prefix
+        routes = golden[f"decodeA.{key}.route_last"][:, 0]
+        alike = all(first[f"topk{layer}"] == picks(key, layer) for layer in INDEX_LAYERS) and all(
+            first[f"route{layer}"] == set(routes[layer].tolist()) for layer in range(10))
+        if alike:
+            assert same[0] <= DECODE_RATIO * cross[0], (same[0], cross[0])
     if same_decode_flavour and torch.equal(steps[0], ref[0]):  # this case's one-row paths sum as the golden's
         assert torch.equal(steps, ref)
 

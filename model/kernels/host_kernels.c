@@ -1,0 +1,172 @@
+/* Host (CPU) kernels for the decode step's small, operator-bound pieces (model/kernels/host.py builds and
+ * loads this file; model/kernels/reference.py and model/formats.py hold the PyTorch code each function
+ * reproduces, and tests/test_host_kernels.py compares the two bit for bit).
+ *
+ * Why C: on the CPU a decode step of a small model is bound by the cost of launching torch operators (a
+ * few microseconds each), not by arithmetic; the Sinkhorn loop alone is about 120 operators on a 4 x 4
+ * matrix per token. Here each function is one call.
+ *
+ * Numerics: every function performs the same IEEE fp32 operations in the same order as its PyTorch
+ * reference (ATen sums a 4-element row or column left to right on every CPU flavour; checked in the
+ * tests), compiled with -ffp-contract=off (no fused multiply-add) and without -ffast-math, for the
+ * baseline x86-64 ISA (no -march), so the results do not depend on the CPU the code runs on.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* Sinkhorn normalization of `count` n x n matrices (row-major, contiguous), in place:
+ * comb /= rowsum; comb += eps; comb /= (colsum + eps); then iters-1 times: rows (sum + eps), columns
+ * (sum + eps). reference._sinkhorn_normalize_ is the same loop in torch. */
+void dsv41_sinkhorn_normalize(float *comb, int64_t count, int64_t n, int64_t iters, float eps) {
+    for (int64_t m = 0; m < count; m++) {
+        float *c = comb + m * n * n;
+        for (int64_t i = 0; i < n; i++) {  /* the softmax's division, then + eps */
+            float s = c[i * n];
+            for (int64_t j = 1; j < n; j++) s += c[i * n + j];
+            for (int64_t j = 0; j < n; j++) c[i * n + j] = c[i * n + j] / s + eps;
+        }
+        for (int64_t it = 0; it < iters; it++) {
+            if (it > 0) {
+                for (int64_t i = 0; i < n; i++) {
+                    float s = c[i * n];
+                    for (int64_t j = 1; j < n; j++) s += c[i * n + j];
+                    s += eps;
+                    for (int64_t j = 0; j < n; j++) c[i * n + j] /= s;
+                }
+            }
+            for (int64_t j = 0; j < n; j++) {
+                float s = c[j];
+                for (int64_t i = 1; i < n; i++) s += c[i * n + j];
+                s += eps;
+                for (int64_t i = 0; i < n; i++) c[i * n + j] /= s;
+            }
+        }
+    }
+}
+
+/* fp32 -> the nearest float8_e4m3fn value (round to nearest, ties to even), for |v| <= 448 or NaN, as
+ * torch's cast to float8_e4m3fn and back gives it (a NaN comes back as 0x7FF00000 with its sign). */
+static inline float round_e4m3(float v) {
+    if (v != v) return copysignf(u2f(0x7FF00000u), v);
+    float a = fabsf(v);
+    float r;
+    if (a < 0x1p-6f) {                 /* subnormal E4M3: multiples of 2^-9 */
+        r = rintf(a * 512.0f) * 0x1p-9f;  /* exact scalings; rintf rounds half to even */
+    } else {                           /* normal: keep 3 mantissa bits, ties to even */
+        uint32_t b = f2u(a);
+        b += 0x7FFFFu + ((b >> 20) & 1u);
+        r = u2f(b & 0xFFF00000u);
+    }
+    return copysignf(r, v);
+}
+
+/* formats.fp8_fake_quant_f32 on a contiguous fp32 [rows, cols] (cols a multiple of block): per block of
+ * `block` values, scale = 2^ceil(log2(max(amax, floor) * ratio)) read off the bits (formats._ceil_pow2_bits,
+ * NaN amax giving -0.0), q = e4m3(clamp(x / scale, -448, 448)), out = q * scale. */
+void dsv41_fp8_fake_quant(const float *x, float *out, int64_t numel, int64_t block, float amax_floor,
+                          float ratio) {
+    for (int64_t g = 0; g < numel; g += block) {
+        const float *xb = x + g;
+        float amax = 0.0f;
+        int nan = 0;
+        for (int64_t i = 0; i < block; i++) {
+            float a = fabsf(xb[i]);
+            if (a != a) nan = 1;
+            else if (a > amax) amax = a;
+        }
+        float m;
+        if (nan) m = u2f(0x7FC00000u);
+        else m = amax < amax_floor ? amax_floor : amax;
+        m = m * ratio;
+        uint32_t bits = (f2u(m) + 0x7FFFFFu) & 0xFF800000u;
+        float scale = u2f(bits);
+        for (int64_t i = 0; i < block; i++) {
+            float q = xb[i] / scale;
+            if (q == q) q = q < -448.0f ? -448.0f : (q > 448.0f ? 448.0f : q);
+            out[g + i] = round_e4m3(q) * scale;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- bf16 and the mHC mixes */
+
+/* fp32 -> bf16 bits, round to nearest even (c10::BFloat16's rounding; a NaN gives a quiet NaN, whose
+ * payload torch itself writes differently on its vector and scalar paths). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u = f2u(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float load(const void *p, int64_t i, int bf16) {
+    return bf16 ? u2f((uint32_t)((const uint16_t *)p)[i] << 16) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+/* reference._collapse: out[t, :] = sum_j pre[t, j] x[t, j, :], the products first, then the sum in the
+ * order j = 0, 1, ..., n-1; x [tokens, n, d] and out [tokens, d] in x's dtype (bf16 or fp32), pre fp32. */
+void dsv41_mhc_collapse(const void *x, const float *pre, void *out, int64_t tokens, int64_t n, int64_t d,
+                        int x_bf16) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *p = pre + t * n;
+        for (int64_t c = 0; c < d; c++) {
+            const int64_t base = t * n * d + c;
+            float s = p[0] * load(x, base, x_bf16);
+            for (int64_t j = 1; j < n; j++) s = s + p[j] * load(x, base + j * d, x_bf16);
+            store(out, t * d + c, s, x_bf16);
+        }
+    }
+}
+
+/* reference.expand (its few-token form; the same sums as the other): out[t, k, :] = post[t, k] y[t, :] +
+ * sum_j comb[t, j, k] r[t, j, :] (the sum over j in order, then added to the post term), in y's dtype;
+ * r [tokens, n, d] in its own dtype, post [tokens, n] and comb [tokens, n, n] fp32. */
+void dsv41_mhc_expand(const void *y, const void *r, const float *post, const float *comb, void *out,
+                      int64_t tokens, int64_t n, int64_t d, int y_bf16, int r_bf16) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *cm = comb + t * n * n;
+        for (int64_t k = 0; k < n; k++) {
+            const float pk = post[t * n + k];
+            for (int64_t c = 0; c < d; c++) {
+                float m = cm[k] * load(r, t * n * d + c, r_bf16);
+                for (int64_t j = 1; j < n; j++) m = m + cm[j * n + k] * load(r, t * n * d + j * d + c, r_bf16);
+                store(out, (t * n + k) * d + c, pk * load(y, t * d + c, y_bf16) + m, y_bf16);
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- rotary embedding of the last channels */
+
+/* layers.rope_tail: x [B, T, H, D] (H = 1 for [B, T, D]) contiguous, bf16 or fp32; the last r channels
+ * rotated pairwise by freqs (complex64 as float pairs, [T, r/2], or [B, T, r/2] when per_row), the conjugate
+ * when inverse; the rest copied. The complex product as ATen forms it: (ac - bd, ad + bc). */
+void dsv41_rope_tail(const void *x, void *out, const float *freqs, int64_t B, int64_t T, int64_t H, int64_t D,
+                     int64_t r, int per_row, int inverse, int bf16) {
+    const int64_t half = r / 2;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t t = 0; t < T; t++) {
+            const float *f = freqs + ((per_row ? b * T : 0) + t) * half * 2;
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t row = ((b * T + t) * H + h) * D;
+                if (bf16) memcpy((uint16_t *)out + row, (const uint16_t *)x + row, (size_t)(D - r) * 2);
+                else memcpy((float *)out + row, (const float *)x + row, (size_t)(D - r) * 4);
+                for (int64_t i = 0; i < half; i++) {
+                    const int64_t at = row + D - r + 2 * i;
+                    const float a = load(x, at, bf16), bb = load(x, at + 1, bf16);
+                    const float c = f[2 * i], dd = inverse ? -f[2 * i + 1] : f[2 * i + 1];
+                    store(out, at, a * c - bb * dd, bf16);
+                    store(out, at + 1, a * dd + bb * c, bf16);
+                }
+            }
+        }
+    }
+}
