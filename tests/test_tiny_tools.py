@@ -138,17 +138,60 @@ def test_every_argument_is_a_token_run_of_the_request(tok, seed):
     _check_arguments_in_request(tok, *tool_calls.conversation(random.Random(seed)))
 
 
+def _check_value(tok, tool, value):
+    key = tool_calls.ARGUMENT[tool]
+    for ask in tool_calls.ASKS[tool]:
+        messages = [{"role": "user", "content": ask.format(arg=tool_calls.rendered_argument(value))},
+                    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function",
+                     "function": {"name": tool, "arguments": json.dumps({key: value})}}]}]
+        _check_arguments_in_request(tok, messages, [tool_calls.TOOLS[tool]], "chat", 50)
+
+
 def test_every_city_word_and_phrasing_keeps_the_arguments_tokens(tok):
-    """All values and phrasings, not only those a seed draws (a string argument follows `">` in DSML)."""
-    for tool, values in [("get_weather", tool_calls.CITIES), ("reverse_text", tool_calls.WORDS +
-                         [f"{a} {b}" for a, b in zip(tool_calls.WORDS, tool_calls.WORDS[1:] + tool_calls.WORDS[:1])])]:
-        key = tool_calls.ARGUMENT[tool]
+    """All listed values and phrasings, and 300 invented values and lists of each tool, not only those a seed
+    draws (a string argument follows `">` in DSML)."""
+    rng = random.Random(11)
+    invented_cities = [tool_calls.pseudo_word(rng, rng.randint(1, 3)).capitalize() for _ in range(300)]
+    texts = [" ".join(tool_calls.text_word(rng) for _ in range(rng.randint(1, 2))) for _ in range(300)]
+    for tool, values in [("get_weather", tool_calls.CITIES + invented_cities),
+                         ("reverse_text", tool_calls.WORDS + texts +
+                          [f"{a} {b}" for a, b in zip(tool_calls.WORDS, tool_calls.WORDS[1:] + tool_calls.WORDS[:1])]),
+                         ("add", [tool_calls.number_list(rng) for _ in range(300)])]:
         for value in values:
-            for ask in tool_calls.ASKS[tool]:
-                messages = [{"role": "user", "content": ask.format(arg=value)},
-                            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function",
-                             "function": {"name": tool, "arguments": json.dumps({key: value})}}]}]
-                _check_arguments_in_request(tok, messages, [tool_calls.TOOLS[tool]], "chat", 50)
+            _check_value(tok, tool, value)
+
+
+def _values(seed: int, n: int) -> list[tuple[str, str]]:
+    """(tool, argument as the call writes it) of n conversations drawn as build_data / tool_eval draw them."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        messages, *_ = tool_calls.conversation(rng)
+        fn = messages[1]["tool_calls"][0]["function"]
+        value = json.loads(fn["arguments"])[tool_calls.ARGUMENT[fn["name"]]]
+        out.append((fn["name"], tool_calls.rendered_argument(value)))
+    return out
+
+
+def test_argument_values_cannot_be_memorized():
+    """Stages 20-22 (20 cities, 20 words) learnt one constant value per tool: now no value of a tool is more than
+    1% of its training draws, about half are drawn once, and half the evaluation values never occur in training."""
+    from collections import Counter
+
+    from dsv41.recipes.tiny import build_data, tool_eval
+
+    train = _values(20263, build_data.TOOL_CONVERSATIONS)  # build_tools' seed and count
+    for tool in tool_calls.TOOLS:
+        counts = Counter(v for t, v in train if t == tool)
+        total = sum(counts.values())
+        assert counts.most_common(1)[0][1] / total < 0.01, (tool, counts.most_common(3))
+        assert len(counts) > 0.45 * total, (tool, len(counts), total)  # half the draws invented, nearly all distinct
+    seen = {v for _, v in train}
+    evaluated = _values(tool_eval.EVAL_SEED, 60)
+    for tool in tool_calls.TOOLS:
+        vals = [v for t, v in evaluated if t == tool]
+        assert sum(v not in seen for v in vals) >= len(vals) // 3, tool
+    assert sum(v not in seen for _, v in evaluated) >= 30
 
 
 def test_the_thinking_line_names_the_tool_from_the_requests_keyword():

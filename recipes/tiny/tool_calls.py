@@ -16,6 +16,9 @@ Designed to be easy to copy (the first two trials learnt the DSML frame, not wha
   tools stays the reasoning task's);
 - every phrasing of a tool holds the tool's keyword (Add, Weather, Reverse), and the thinking line (thinking
   mode) names the tool from it: `Weather asked: get_weather.`;
+- the argument values cannot be memorized (stages 20-22, with 20 cities and 20 words, wrote one constant value
+  per tool): cities and words are half from lists of about 100, half invented (`pseudo_word`), the lists hold
+  2-8 numbers of 1-9 or 1-99, so nearly every value a conversation asks for is new and only copying pays;
 - `conversation_segments` marks the tokens the assistant writes (both turns, their end tokens included), the
   only ones trained on (build_data writes the mask OUT/tools.mask.u8.xz); the system part with the tool
   section, the user's request and the tool's result are context.
@@ -52,11 +55,57 @@ TOOLS = {
         "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}},
 }
 
+# The argument values come from a space far too large to memorize (stages 20-22 drew from 20 cities and 20 words and
+# learnt one constant value per tool instead of copying): half from the named lists below, half invented
+# (`pseudo_word`: syllables from ONSETS x VOWELS x CODAS, 1,274 distinct syllables, so about 1.6M two-syllable
+# and 2.1G three-syllable spellings, nearly every one unseen by training; 1-6 tokens in 2,000 draws), so only
+# copying the request's value pays.
 CITIES = ["Paris", "London", "Tokyo", "Berlin", "Madrid", "Rome", "Cairo", "Lima", "Oslo", "Seoul", "Delhi",
-          "Sydney", "Toronto", "Nairobi", "Lisbon", "Vienna", "Dublin", "Prague", "Hanoi", "Quito"]
+          "Sydney", "Toronto", "Nairobi", "Lisbon", "Vienna", "Dublin", "Prague", "Hanoi", "Quito",
+          "Athens", "Bangkok", "Beijing", "Boston", "Brussels", "Budapest", "Chicago", "Dakar", "Denver", "Dhaka",
+          "Doha", "Geneva", "Havana", "Helsinki", "Istanbul", "Jakarta", "Kabul", "Kyoto", "Lagos", "Manila",
+          "Miami", "Milan", "Montreal", "Moscow", "Mumbai", "Munich", "Naples", "Osaka", "Ottawa", "Perth",
+          "Riga", "Santiago", "Seattle", "Shanghai", "Sofia", "Stockholm", "Taipei", "Tehran", "Tunis", "Warsaw",
+          "Zurich", "Accra", "Amman", "Baku", "Bogota", "Caracas", "Casablanca", "Damascus", "Florence", "Glasgow",
+          "Hamburg", "Houston", "Kiev", "Lyon", "Malaga", "Marseille", "Melbourne", "Minsk", "Nice", "Porto",
+          "Reykjavik", "Seville", "Tallinn", "Valencia", "Venice", "Vilnius", "Zagreb", "Kigali", "Lusaka", "Perugia"]
 SKIES = ["Sunny", "Cloudy", "Rain", "Snow", "Fog", "Windy", "Clear"]
 WORDS = ["hello", "world", "tiny", "model", "python", "river", "stone", "garden", "window", "orange", "silver",
-         "planet", "music", "paper", "forest", "rocket", "candle", "bridge", "yellow", "summer"]
+         "planet", "music", "paper", "forest", "rocket", "candle", "bridge", "yellow", "summer",
+         "apple", "basket", "bottle", "butter", "castle", "cloud", "copper", "dragon", "engine", "feather",
+         "flower", "glass", "guitar", "hammer", "island", "jacket", "kettle", "ladder", "lemon", "letter",
+         "marble", "mirror", "monkey", "needle", "ocean", "pencil", "pepper", "pillow", "pocket", "puzzle",
+         "rabbit", "ribbon", "saddle", "shadow", "spider", "spring", "sugar", "table", "tiger", "tomato",
+         "tunnel", "velvet", "violin", "wagon", "winter", "wizard", "anchor", "barrel", "blanket", "button",
+         "cactus", "carpet", "cherry", "circle", "coffee", "cotton", "desert", "doctor", "falcon", "finger",
+         "garlic", "ginger", "harbor", "helmet", "honey", "insect", "jungle", "lantern", "meadow", "napkin",
+         "orchid", "parrot", "pebble", "pirate", "quartz", "raven", "salmon", "timber", "turtle", "valley"]
+ONSETS = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "br", "ch",
+          "dr", "gr", "pl", "sh", "st", "tr"]
+VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ai", "ou"]
+CODAS = ["", "", "", "", "", "", "n", "r", "l", "s", "m", "k"]
+
+
+def pseudo_word(rng: random.Random, syllables: int) -> str:
+    """An invented, pronounceable lowercase word of `syllables` syllables."""
+    return "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) for _ in range(syllables))
+
+
+def city_name(rng: random.Random) -> str:
+    """A city for get_weather: half from CITIES, half an invented capitalized name of 2-3 syllables."""
+    return rng.choice(CITIES) if rng.random() < 0.5 else pseudo_word(rng, rng.randint(2, 3)).capitalize()
+
+
+def text_word(rng: random.Random) -> str:
+    """A word for reverse_text: half from WORDS, half an invented one of 1-3 syllables."""
+    return rng.choice(WORDS) if rng.random() < 0.5 else pseudo_word(rng, rng.randint(1, 3))
+
+
+def number_list(rng: random.Random) -> list[int]:
+    """2-8 numbers for add: single digits (1-9) in half the lists, 1-99 in the other half."""
+    top = 9 if rng.random() < 0.5 else 99
+    return [rng.randint(1, top) for _ in range(rng.randint(2, 8))]
+
 
 # {arg}: the argument exactly as the DSML parameter holds it (a string as is, the list as JSON). A quote before a
 # string argument (` "` is a token of its own) and a line break before the list (`: [` would make ` [` one token,
@@ -81,13 +130,13 @@ def request(tool: str, rng: random.Random) -> tuple[str, dict, str]:
     """(the user's words, the call's arguments, the tool's result) for one request to ``tool``."""
     ask = rng.choice(ASKS[tool])
     if tool == "add":
-        numbers = [rng.randint(1, 9) for _ in range(rng.randint(2, 8))]
+        numbers = number_list(rng)
         args, result = {"numbers": numbers}, str(sum(numbers))
     elif tool == "get_weather":
-        city = rng.choice(CITIES)
+        city = city_name(rng)
         args, result = {"city": city}, f"{rng.choice(SKIES)}, {rng.randint(-5, 35)} C"
     else:
-        text = " ".join(rng.sample(WORDS, rng.randint(1, 2)))
+        text = " ".join(text_word(rng) for _ in range(rng.randint(1, 2)))
         args, result = {"text": text}, text[::-1]
     return ask.format(arg=rendered_argument(args[ARGUMENT[tool]])), args, result
 
