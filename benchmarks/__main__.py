@@ -105,6 +105,10 @@ SUBS: dict[str, Sub] = {
                   "32 mixed requests, tokens/s against concurrency, effort-sweep / eval smoke / bpb wall time",
                   "any", tiny=(), quick_note="8 requests, outputs a quarter as long, no commands",
                   tiny_note="accepted, changes nothing: the bundled model is already tiny"),
+    "host-kernels": Sub("bench_host_kernels.py", "the CPU host kernels (model/kernels/host.py) against the torch "
+                        "references in one process: one sequence, concurrent requests, greedy tokens identical",
+                        "cpu", device="cpu", tiny=(), quick_note="2 rounds, 8 requests, 32 new tokens",
+                        tiny_note="accepted, changes nothing: the bundled model is already tiny"),
     "serve": Sub("bench_serve.py", "load test of `dsv41 serve`: concurrent streaming clients for a fixed time "
                   "(--clients 64 --seconds 120): every request ends once, RSS, p50/p99 time to first token, "
                   "tokens/s", "any", tiny=(), quick_note="8 clients for 20 s",

@@ -191,8 +191,9 @@ def indexer_mhc_cases(quick: bool):
 
 # Kernels whose spills are known and documented (docs/performance.md), printed "SPILL*" without failing the run:
 # the sparse-attention tile kernel (the prefill path; decode moved to the split kernel).
-# The mHC x_once variant spilled 8 bytes at 255 registers at the 64 x 32 tile; at its default tile since
-# h200-2026-12-02-f, 32 x 64 (2 stages), it compiled offline to 255 registers and no spill (2026-12-02).
+# The mHC x_once variant spilled 8 bytes at 255 registers at the 64 x 32 tile; at its default tiles, 32 x 64
+# (2 stages, 4 warps; h200-2026-12-02-f) and 16 x 64 (2 stages, 2 warps; since h200-2026-12-02-g), it compiled
+# offline to 255 registers and no spill (2026-12-02).
 # The decode split kernel at its 32-row tiles (sparse_attention.SPLIT_BK since 2026-12-02) spills 88 (FP8 window)
 # and 40 (FP4 main) bytes at 255 registers, and still runs faster than the spill-free 16-row tiles: 123.3
 # against 164.2 µs at B=64 (graph replays, h200-2026-12-02-c).

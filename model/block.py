@@ -95,4 +95,4 @@ class Block(nn.Module):
         y = attend(self.attn_norm(h))
         x, h, pre_f, post_f, comb_f = self.mhc_step(x, pre_a, "ffn", y, post_a, comb_a)
         z = self.ffn(self.ffn_norm(h), image_mask) if ffn is None else ffn(self.ffn_norm(h))
-        return mhc.expand(z, x, post_f, comb_f), pre_f
+        return kernels_mhc.expand(z, x, post_f, comb_f), pre_f

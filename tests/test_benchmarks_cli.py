@@ -80,3 +80,17 @@ def test_cpu_subcommand_writes_its_json(tmp_path):
     assert data["benchmark"] == "smoke_cpu"
     assert len(data["rows"]["gemm"]) == 6 and len(data["rows"]["experts"]) == 2
     assert all(r["us"] > 0 and r["floor_us"] > 0 for rows in data["rows"].values() for r in rows)
+
+
+def test_host_kernels_benchmark_compares_in_one_process(tmp_path):
+    """The host-kernel A/B: both arms run, and the greedy tokens of the two arms are the same."""
+    out = tmp_path / "ab.json"
+    proc = cli("host-kernels", "--json", str(out), "--rounds", "1", "--requests", "2", "--new-tokens", "8",
+               "--max-prompt", "16", timeout=300)
+    if proc.returncode == 2 and "not available" in proc.stderr:
+        pytest.skip(proc.stderr.strip())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    for part in ("single_decode_tokens_per_s", "concurrent_tokens_per_s"):
+        assert data[part]["sequences_token_identical"] == data[part]["sequences"]
+        assert data[part]["host"][0] > 0 and data[part]["torch"][0] > 0

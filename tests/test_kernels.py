@@ -354,10 +354,11 @@ def test_mhc_stream_tiles_loaded_once_interpreted(monkeypatch, tune):
 
 
 # Every residual-kernel tile that mhc.TUNE (the default, its 64 x 16 fallback) or benchmarks/bench_mhc.py's
-# sweep can choose, with the stream tiles loaded once (x_once): (tile, warps). 300 tokens is a multiple of none
-# of the token blocks.
+# SWEEP can choose, and the x_once default before the current one, with the stream tiles loaded once (x_once):
+# (tile, warps). (bench_mhc checks each row of its XONCE_SWEEP against the reference as it times it.) 300 tokens
+# is a multiple of none of the token blocks.
 MHC_TILES = [((64, 16, 2), 4), ((64, 32, 2), 4), ((64, 32, 3), 4), ((128, 32, 2), 8), ((64, 64, 2), 8),
-             ((32, 64, 2), 4)]
+             ((32, 64, 2), 4), ((16, 64, 2), 2)]
 
 
 @interp
@@ -369,10 +370,10 @@ def test_mhc_x_once_every_tile_interpreted(monkeypatch, tile, warps):
     monkeypatch.setattr(mhc, "_target_programs", lambda device: 30)
     if tile == mhc.TUNE["tile"]:
         assert mhc.TUNE == dict(tile=tile, num_warps=warps, x_once=True)  # the default, checked as it stands
-        for T, d, want in ((300, 96, (64, 16, 2, True)), (300, 80, (64, 16, 2, True)),
-                           (37, 192, (16, 32, 3, False))):
+        for T, d, want in ((300, 96, (64, 16, 2, True, 4)), (300, 80, (64, 16, 2, True, 4)),
+                           (37, 192, (16, 32, 3, False, 4))):
             cfg = mhc.launch_config(T, d, torch.device("cpu"))
-            assert (cfg["BM"], cfg["BD"], cfg["num_stages"], cfg["x_once"]) == want
+            assert (cfg["BM"], cfg["BD"], cfg["num_stages"], cfg["x_once"], cfg["num_warps"]) == want
             check_mhc(mhc_case(1, T, 4, d, seed=d + T), force=True, tol_x=2e-3, tol_c=1e-4)
     for key, value in dict(tile=tile, num_warps=warps, x_once=True).items():
         monkeypatch.setitem(mhc.TUNE, key, value)
@@ -463,10 +464,12 @@ def test_mhc_gpu(shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tune", [dict(tile=(64, 32, 2), x_once=False), dict(tile=(64, 32, 2), x_once=True),
-                                  dict(tile=(64, 16, 2), x_once=True),
+@pytest.mark.parametrize("tune", [dict(tile=(64, 32, 2), num_warps=4, x_once=False),
+                                  dict(tile=(64, 32, 2), num_warps=4, x_once=True),
+                                  dict(tile=(64, 16, 2), num_warps=4, x_once=True),
                                   dict(tile=(128, 32, 2), num_warps=8, x_once=True),
-                                  dict(tile=(32, 64, 2), x_once=True)])
+                                  dict(tile=(32, 64, 2), num_warps=4, x_once=True),
+                                  dict(tile=(16, 64, 2), num_warps=2, x_once=True)])
 def test_mhc_schedules_gpu(monkeypatch, tune):
     """The residual kernel's schedules of bench_mhc's sweep (mhc.TUNE) at V4.1 width, 333 and 4096 tokens."""
     for key, value in tune.items():

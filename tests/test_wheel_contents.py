@@ -77,7 +77,8 @@ def test_the_wheel_ships_the_checkpoint_and_the_data_the_commands_read(wheel_nam
         assert files and files <= wheel_names, (folder, sorted(files - wheel_names))
     assert {"dsv41/__init__.py", "dsv41/recipes/tiny/README.md", "dsv41/recipes/tiny/reproduce.sh",
             "dsv41/recipes/tiny/train.py", "dsv41/evals/tasks/tiny_reasoning/heldout.jsonl",
-            "dsv41/model/kernels/__init__.py", "dsv41_cli/app.py", "dsv41/serve/app.py",
+            "dsv41/model/kernels/__init__.py", "dsv41/model/kernels/host_kernels.c", "dsv41_cli/app.py",
+            "dsv41/serve/app.py",
             "dsv41_cli/commands/serve.py"} <= wheel_names
     # one import root: no generic top-level name
     assert {n.split("/", 1)[0] for n in wheel_names if not n.split("/", 1)[0].endswith(".dist-info")} == \

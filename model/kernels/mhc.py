@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from dsv41.model.kernels import interpreting, opaque, reference, use_triton
+from dsv41.model.kernels import host, interpreting, opaque, reference, use_triton
 
 _FN_SPLIT: dict = {}
 
@@ -47,18 +47,24 @@ def _split_fn(fn: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 # The residual kernel's schedule from 256 tokens on (benchmarks/bench_mhc.py times alternatives against it in
 # one run): the tile (BM tokens, BD channels, pipeline stages), warps, and whether a block's n stream tiles
 # are loaded once (x_once) or once per output stream (before). TUNE.update(...) changes it for a benchmark.
-# x_once at 32 x 64 (2 stages), h200-2026-12-02-f (CUDA-graph GPU time, x the bytes floor, 4096 / 16384 tokens):
-# 2.72x / 2.04x against 4.17x / 3.23x for the previous default (OLD_DEFAULT: 64 x 32, x_once off) in the same
-# run, 1.53x / 1.58x faster; GPU-tested (test_mhc_schedules_gpu) in that run. A grid-stride variant that kept
-# W_fn in L1 across token tiles was measured there too and removed: 2.60x / 2.36x at best, the rest 3.8-5.6x
-# (its extra atomic adds cost more than the W_fn re-reads it saved). bench_mhc times OLD_DEFAULT beside TUNE
-# in every run. Where d is not a multiple of the tile's 64 channels, 64 x 16 (2 stages), also with x_once.
-TUNE = dict(tile=(32, 64, 2), num_warps=4, x_once=True)
+# x_once at 16 x 64 (2 stages, 2 warps) since h200-2026-12-02-g (CUDA-graph GPU time, x the bytes floor, 4096 /
+# 16384 tokens, two runs): 2.25x / 1.67x, against 2.61x / 1.96x for the x_once default before it (32 x 64, 2 stages,
+# 4 warps; 0.86x / 0.86x its time in the same run) and 4.02x / 3.21x for OLD_DEFAULT (64 x 32, x_once off); at 1024
+# tokens 1.05x the time of 32 x 64. Its sweep (bench_mhc --sweep-set xonce) found nothing faster at both sizes:
+# 32 x 64 at 3 stages 0.92x / 0.95x, 16 x 64 at 4 warps or 3 stages 0.80x at 4096 but 1.07x / 0.92x at 16384; the
+# tiles that spill in an offline sm_90 compile (32 x 64 at 2 warps, 32 x 128 and 64 x 64 at 4, 16 x 128 at 2,
+# 16 x 64 at 1; 255 registers, 840-1024 spill bytes) 1.4-3.8x. In h200-2026-12-02-f
+# x_once 32 x 64 replaced OLD_DEFAULT (1.53x / 1.58x faster), and a grid-stride variant that kept W_fn in L1 across
+# token tiles was measured and removed (its extra atomic adds cost more than the W_fn re-reads it saved).
+# bench_mhc times OLD_DEFAULT beside TUNE in every run. Where d is not a multiple of the tile's 64 channels,
+# 64 x 16 (2 stages, 4 warps), also with x_once.
+TUNE = dict(tile=(16, 64, 2), num_warps=2, x_once=True)
 OLD_DEFAULT = dict(tile=(64, 32, 2), num_warps=4, x_once=False)
 
 
 def _target_programs(device: torch.device) -> int:
-    """Residual-kernel programs to aim for: 4 per SM on a GPU (what fits at 128 registers x 4 warps); 2 under
+    """Residual-kernel programs to aim for: 4 per SM on a GPU (what fits at 128 registers x 4 warps, or at the
+    default tile's 255 registers x 2 warps, compiled offline for sm_90, 2026-12-02); 2 under
     the CPU interpreter, so its tests walk several channel blocks per program."""
     if device.type != "cuda":
         return 2
@@ -70,12 +76,14 @@ def launch_config(M: int, d: int, device: torch.device, tile: tuple[int, int, in
     BM tokens x BD channels per step, and a grid (token blocks, channel ranges) in which each program walks
     blocks_per_range channel blocks. Below 256 tokens: 16 tokens x 32 channels, 4 warps, stream tiles loaded
     per output stream (more token blocks, so fewer channel ranges and atomics are needed to fill the machine;
-    the decode schedule, not changed with TUNE); from 256: TUNE's tile, warps and x_once (64 x 16 where d is
-    not a multiple of the tile's channels). `tile` = (BM, BD, stages) replaces that rule
-    (benchmarks/diagnose_gaps.py times other tiles)."""
+    the decode schedule, not changed with TUNE); from 256: TUNE's tile, warps and x_once (64 x 16 at 4 warps
+    where d is not a multiple of the tile's channels). `tile` = (BM, BD, stages) replaces that rule, at 4 warps
+    and TUNE's x_once (benchmarks/diagnose_gaps.py times other tiles; 4 warps as before TUNE's 2, since larger
+    tiles at 2 warps spill)."""
     import triton
 
-    big = TUNE["tile"] if d % TUNE["tile"][1] == 0 else (64, 16, 2)
+    fits = d % TUNE["tile"][1] == 0
+    big = TUNE["tile"] if fits else (64, 16, 2)  # the fallback keeps its 4 warps whatever TUNE's are
     BM, BD, stages = tile or ((16, 32 if d % 32 == 0 else 16, 3) if M < 256 else big)
     # the ranges are as long as filling the machine allows (fewer atomics and W_fn re-reads); a decode
     # step of one token gets one block per program
@@ -85,7 +93,7 @@ def launch_config(M: int, d: int, device: torch.device, tile: tuple[int, int, in
     blocks_per_range = triton.cdiv(n_blocks, ranges)
     return dict(BM=BM, BD=BD, blocks_per_range=blocks_per_range,
                 grid=(token_blocks, triton.cdiv(n_blocks, blocks_per_range)),
-                num_warps=TUNE["num_warps"] if M >= 256 else 4, num_stages=stages,
+                num_warps=TUNE["num_warps"] if M >= 256 and fits and not tile else 4, num_stages=stages,
                 x_once=TUNE["x_once"] and M >= 256)
 
 
@@ -96,6 +104,8 @@ def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: t
     does not apply: off CUDA, when a gradient is wanted (training), or for shapes it does not take (a
     stream count that is not a power of two, d not a multiple of 16; a forced call raises instead)."""
     if not force_triton and not use_triton(x, y):  # the usual CPU answer, before any shape is read
+        if host.takes(x, pre_prev, *(() if y is None else (y, post, comb))):
+            return _host_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb)
         return reference.mhc_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb)
     *lead, n, d = x.shape
     fits = n & (n - 1) == 0 and d % 16 == 0
@@ -105,6 +115,25 @@ def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: t
             x.requires_grad or (y is not None and y.requires_grad) or fn.requires_grad):
         return reference.mhc_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb)
     return _launch(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb)
+
+
+def _host_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb):
+    """reference.mhc_step with its operator-bound pieces as C calls (host.py, the same bits): the residual
+    update, the collapse and the Sinkhorn loop; the RMS statistic, the projection, sigmoid and exp stay in
+    torch (their reductions and vectorized transcendentals are ATen's to round)."""
+    x_new = x if y is None else host.expand(y, x, post, comb)
+    collapsed = host.collapse(x_new, pre_prev)
+    normalize = host.sinkhorn_normalize_ if x.shape[-2] <= host.SINKHORN_MAX_N else None
+    pre_n, post_n, comb_n = reference._hc_coefficients(x_new.float(), fn, scale, base, iters, hc_eps, norm_eps,
+                                                       normalize)
+    return x_new, collapsed, pre_n, post_n, comb_n
+
+
+def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """reference.expand (the residual update after the last sub-layer of a block), one C call on the CPU."""
+    if host.takes(y, residual, post, comb):
+        return host.expand(y, residual, post, comb)
+    return reference.expand(y, residual, post, comb)
 
 
 @opaque

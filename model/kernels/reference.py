@@ -79,6 +79,14 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
     window = formats.unpack_fp8_ue8m0(window_codes, window_scales, formats.FP8_BLOCK, torch.float32)
     kv, idx = window, window_idx
     if main_codes is not None and main_idx is not None:
+        B, T, K = main_idx.shape
+        if T == 1 and K < main_codes.size(1):
+            # one query per row (decode): unpack only the K selected entries, not all N of them (the same
+            # values, gathered before the decode instead of after it), and point the indices at them
+            batch = torch.arange(B, device=main_idx.device).unsqueeze(1)
+            chosen = main_idx[:, 0].clamp_min(0).long()
+            main_codes, main_scales = main_codes[batch, chosen], main_scales[batch, chosen]
+            main_idx = torch.where(main_idx >= 0, torch.arange(K, device=main_idx.device), -1)
         main = formats.unpack_fp4_e4m3(main_codes, main_scales, formats.FP4_E4M3_BLOCK, torch.float32)
         kv = torch.cat([window, main], dim=1)
         idx = torch.cat([window_idx, torch.where(main_idx >= 0, main_idx + window.size(1), -1)], dim=-1)
@@ -144,8 +152,9 @@ def sinkhorn_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
 
 
 def _sinkhorn_split(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """sinkhorn_split of fp32 mixes."""
+                    eps: float, normalize=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sinkhorn_split of fp32 mixes. `normalize(comb, iters, eps)`, in place, replaces the torch loop
+    `_sinkhorn_normalize_` off the graph (model/kernels/mhc.py passes host.py's C loop on the CPU)."""
     if torch.is_grad_enabled():  # training: the graph wants the out-of-place form and the live parameters
         return _sinkhorn_split_graph(m, scale, base, n, iters, eps)
     # Operator count matters here (a decode step runs this 2 x layers times, one token each): the three
@@ -161,12 +170,19 @@ def _sinkhorn_split(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n:
     post = torch.sigmoid(z[..., n:2 * n].contiguous()).mul_(2)
     comb = z[..., 2 * n:].unflatten(-1, (n, n))
     comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))  # the softmax written out, as REF's kernel
+    return pre, post, (normalize or _sinkhorn_normalize_)(comb, iters, eps)
+
+
+def _sinkhorn_normalize_(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """In place on the exponentials of comb [..., n, n]: the softmax's division and + eps, a column
+    normalization, then iters-1 rounds of rows and columns, each divisor padded by eps (host.py's C loop
+    does the same operations in the same order)."""
     comb = comb.div_(comb.sum(dim=-1, keepdim=True)).add_(eps)
     comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
     for _ in range(iters - 1):
         comb.div_(comb.sum(dim=-1, keepdim=True).add_(eps))
         comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
-    return pre, post, comb
+    return comb
 
 
 def _sinkhorn_split_graph(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int,
@@ -214,13 +230,14 @@ def hc_coefficients(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
 
 
 def _hc_coefficients(xf: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
-                     hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     hc_eps: float, norm_eps: float,
+                     normalize=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hc_coefficients of x already in fp32 (x.float().flatten(-2) is x.flatten(-2).float(), value for value)."""
     *_, n, d = xf.shape
     flat = xf.flatten(-2)
     rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     mixes = F.linear(flat, fn.float()) * rstd
-    return _sinkhorn_split(mixes, scale, base, n, iters, hc_eps)  # mixes are fp32 already
+    return _sinkhorn_split(mixes, scale, base, n, iters, hc_eps, normalize)  # mixes are fp32 already
 
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -267,8 +284,8 @@ _EXPAND_BATCHED_NUMEL = 1 << 20  # residual elements up to which expand forms al
 
 def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              iters: int, hc_eps: float, norm_eps: float, y: torch.Tensor | None = None,
-             post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
-    """One single-pass mHC step around a sub-layer boundary.
+             post: torch.Tensor | None = None, comb: torch.Tensor | None = None, normalize=None):
+    """One single-pass mHC step around a sub-layer boundary (`normalize`: as in _sinkhorn_split).
 
     With y (the previous sub-layer's output [B,T,d]) and its post [B,T,n] / comb [B,T,n,n]: the residual
     update X' = post (x) y + comb^T X; without y, X' = X. Then, from X' alone: the next sub-layer's input
@@ -277,7 +294,7 @@ def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: t
     x_new = x if y is None else expand(y, x, post, comb)
     xf = x_new.float()  # once for both readers of X'
     collapsed = _collapse(xf, pre_prev, x_new.dtype)
-    pre_n, post_n, comb_n = _hc_coefficients(xf, fn, scale, base, iters, hc_eps, norm_eps)
+    pre_n, post_n, comb_n = _hc_coefficients(xf, fn, scale, base, iters, hc_eps, norm_eps, normalize)
     return x_new, collapsed, pre_n, post_n, comb_n
 
 

@@ -1,0 +1,213 @@
+"""The host kernels (model/kernels/host.py, host_kernels.c) against their torch references, bit for bit.
+
+Each C function must give the bits of the torch code it replaces on the CPU the tests run on, at every ATen
+CPU capability CI runs (.ci/run runs this file at the native ISA, AVX2 and the baseline): the C code does the
+same IEEE operations in the same order, so any difference is a bug. Then the model: a prefill and decode steps
+of the tiny model and a greedy generation of the bundled one, with the kernels and without, the same bits.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv41.model import formats, layers
+from dsv41.model.kernels import host, reference
+from test_host_overhead import assert_same, edge_values
+
+pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc") or os.environ.get("CC")),
+                                reason="no C compiler: the torch references run (tested everywhere else)")
+
+
+@pytest.fixture(autouse=True)
+def _loaded():
+    assert host.available(), host.status()
+
+
+def without_host(monkeypatch):
+    monkeypatch.setattr(host, "library", lambda: None)
+
+
+# ------------------------------------------------------------------------------------------- Sinkhorn
+
+
+@pytest.mark.parametrize("n,iters,eps", [(4, 20, 1e-6), (4, 1, 1e-6), (3, 7, 1e-3), (2, 2, 0.0)])
+def test_sinkhorn_normalize_bits(n, iters, eps):
+    """n <= host.SINKHORN_MAX_N: the stream counts the host loop takes (ATen's sums of longer rows may split)."""
+    g = torch.Generator().manual_seed(n * 100 + iters)
+    for shape in [(16, 1, n, n), (3, 5, n, n), (257, n, n)]:
+        logits = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 2)
+        comb = torch.exp(logits - logits.amax(-1, keepdim=True))  # as _sinkhorn_split hands it over
+        comb.view(-1, n, n)[0] = 1.0
+        comb.view(-1, n, n)[1, 0] = 1e-38  # a subnormal row sum after the division
+        expected = reference._sinkhorn_normalize_(comb.clone(), iters, eps)
+        got = host.sinkhorn_normalize_(comb.clone(), iters, eps)
+        assert_same(got, expected)
+
+
+# ------------------------------------------------------------------------------------------- FP8 activations
+
+
+def test_fp8_fake_quant_every_bf16_value():
+    """All 65,536 bf16 bit patterns (NaN and inf included), as blocks of 32 in a shuffled order, and as the
+    lone odd value in blocks of small ones (the amax floor) and of huge ones (saturation)."""
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    g = torch.Generator().manual_seed(0)
+    shuffled = every[torch.randperm(every.numel(), generator=g)].view(-1, 64)
+    for x in (every.view(-1, 32), shuffled):
+        assert_same(host.fp8_fake_quant_f32(x.contiguous(), 32, formats.FP8_AMAX_FLOOR, formats._FP8_RATIO),
+                    formats.fp8_fake_quant_f32(x, 32))
+    for fill in (1e-6, 3e38, 448.0):
+        x = torch.full((every.numel(), 32), fill)
+        x[:, 7] = every
+        assert_same(host.fp8_fake_quant_f32(x, 32, formats.FP8_AMAX_FLOOR, formats._FP8_RATIO),
+                    formats.fp8_fake_quant_f32(x, 32))
+
+
+@pytest.mark.parametrize("block", [32, 128])
+def test_fp8_fake_quant_edges(block):
+    for seed in range(4):
+        x = edge_values((9, 512), seed)
+        assert_same(host.fp8_fake_quant_f32(x, block, formats.FP8_AMAX_FLOOR, formats._FP8_RATIO),
+                    formats.fp8_fake_quant_f32(x, block))
+
+
+def test_linear_takes_the_host_path_with_the_same_bits(monkeypatch):
+    """Linear's decode path (layers._host_act_quant) through the C quantizer and through torch."""
+    lin = layers.Linear(64, 96, torch.float8_e4m3fn, 32)
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(1))
+    q, s = lin.quantize(w)
+    with torch.no_grad():
+        lin.weight.copy_(q.view(lin.weight.dtype))
+        lin.scale.copy_(s.view(lin.scale.dtype))
+    x = edge_values((3, 5, 64), 4, nonfinite=False).bfloat16()
+    calls = []
+    real = host.fp8_fake_quant_f32
+    monkeypatch.setattr(host, "fp8_fake_quant_f32", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        lin(x)  # fills the weight cache
+        got = lin(x)
+    assert calls, "the host kernel was not used"
+    without_host(monkeypatch)
+    with torch.inference_mode():
+        assert_same(got, lin(x))
+
+
+# ------------------------------------------------------------------------------------------- mHC mixes, RoPE
+
+
+@pytest.mark.parametrize("B,T", [(16, 1), (2, 3), (1, 37)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_collapse_and_expand_bits(B, T, dtype):
+    g = torch.Generator().manual_seed(B * T)
+    x = (torch.randn(B, T, 4, 64, generator=g) * torch.exp(torch.randn(B, T, 4, 1, generator=g) * 3)).to(dtype)
+    y = (torch.randn(B, T, 64, generator=g) * 5).to(dtype)
+    pre, post = torch.rand(B, T, 4, generator=g), torch.rand(B, T, 4, generator=g) * 2
+    comb = torch.rand(B, T, 4, 4, generator=g)
+    with torch.inference_mode():
+        assert_same(host.collapse(x, pre), reference.collapse(x, pre))
+        assert_same(host.expand(y, x, post, comb), reference.expand(y, x, post, comb))
+        # the residual in another dtype than y (the output follows y)
+        other = x.float() if dtype == torch.bfloat16 else x.bfloat16()
+        assert_same(host.expand(y, other, post, comb), reference.expand(y, other, post, comb))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_tail_bits(dtype):
+    g = torch.Generator().manual_seed(0)
+    table = layers.rope_frequencies(16, 128, 10000.0, 512, 1.0, 32, 1)
+    for B, T in ((16, 1), (2, 5)):
+        per_token = table[3:3 + T]
+        per_row = table[torch.randint(0, 128, (B, T), generator=g)]
+        for x in ((torch.randn(B, T, 4, 48, generator=g) * 5).to(dtype), (torch.randn(B, T, 80, generator=g) * 5).to(dtype)):
+            for freqs in (per_token, per_row):
+                for inverse in (False, True):
+                    tail = x[..., -16:].contiguous()
+                    expected = torch.cat([x[..., :-16], reference_rope(tail, freqs, inverse)], dim=-1)
+                    assert_same(host.rope_tail(x, freqs, 16, inverse), expected)
+                    with torch.inference_mode():  # the dispatch in layers.rope_tail
+                        assert_same(layers.rope_tail(x, freqs, 16, inverse), expected)
+
+
+def reference_rope(x, freqs, inverse):
+    with torch.enable_grad():  # layers.apply_rope is the torch path whatever the mode
+        return layers.apply_rope(x, freqs, inverse)
+
+
+def test_dispatch_leaves_what_it_does_not_take_to_torch(monkeypatch):
+    """Graphs (training), other dtypes, strided inputs and broadcast RoPE tables keep the torch code."""
+    x = torch.randn(2, 3, 4, 64, requires_grad=True)
+    assert not host.takes(x)  # grad mode on
+    with torch.inference_mode():
+        assert host.takes(torch.randn(2, 3))
+        assert not host.takes(torch.randn(2, 3, dtype=torch.float16))
+        assert not host.takes(torch.randn(3, 2).t())
+        table = layers.rope_frequencies(16, 64, 10000.0, 512, 1.0, 32, 1)
+        xr = torch.randn(4, 5, 48)
+        assert not layers._host_rope_fits(xr, table[:5].unsqueeze(0))  # [1, T, r/2] broadcast over B
+        assert not layers._host_rope_fits(xr, table[:5].conj())
+        assert layers._host_rope_fits(xr, table[:5])
+
+
+# ------------------------------------------------------------------------------------------- the model
+
+
+def test_decode_steps_are_the_same_bits_with_and_without(tiny_model, monkeypatch):
+    """The tiny model (every layer mode): a prefill and decode steps of a continuous batch, logits bit for bit."""
+    from test_batch_engine import prompts, run_rows
+
+    ids = prompts((1, 9, 17))
+    with torch.inference_mode():
+        with_c = run_rows(tiny_model, ids, 12)
+        full_c = tiny_model(torch.tensor([ids[2]]), 0, tiny_model.new_cache(1))
+    without_host(monkeypatch)
+    with torch.inference_mode():
+        without = run_rows(tiny_model, ids, 12)
+        full = tiny_model(torch.tensor([ids[2]]), 0, tiny_model.new_cache(1))
+    for a, b in zip(with_c, without):
+        assert_same(a, b)
+    assert_same(full_c, full)
+
+
+def test_bundled_model_greedy_tokens_unchanged(monkeypatch):
+    from dsv41.model.assets import bundled_model_dir
+    from dsv41.model.checkpoint import load_model
+    from dsv41.model.engine import GenerationConfig, Generator
+
+    model, _, tok = load_model(bundled_model_dir(), device="cpu")
+    gen = Generator(model, tok)
+    prompt = tok.encode("Add: 7 3 9 2 5")
+    config = GenerationConfig(max_new_tokens=24, stop_ids=())
+    with torch.inference_mode():
+        with_c = gen.generate(prompt, config).output_ids
+    without_host(monkeypatch)
+    with torch.inference_mode():
+        assert gen.generate(prompt, config).output_ids == with_c
+
+
+# ------------------------------------------------------------------------------------------- build, fallback
+
+STATUS = "from dsv41.model.kernels import host; print(host.status())"
+
+
+def _status(env) -> str:
+    r = subprocess.run([sys.executable, "-c", STATUS], capture_output=True, text=True, env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.strip()
+
+
+def test_build_is_cached_and_the_fallbacks_say_why(tmp_path):
+    cache = {"DSV41_CACHE_DIR": str(tmp_path)}
+    assert _status(cache) == "loaded"
+    (built,) = (tmp_path / "host-kernels").glob("*.so")
+    stamp = built.stat().st_mtime_ns
+    assert _status(cache) == "loaded" and built.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert not list((tmp_path / "host-kernels").glob("*.tmp*"))
+    assert _status({**cache, "DSV41_HOST_KERNELS": "0"}).startswith("disabled")
+    broken = _status({"DSV41_CACHE_DIR": str(tmp_path / "other"), "CC": str(tmp_path / "no-such-cc")})
+    assert broken.startswith("build failed"), broken
