@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/checkpoints.py
 
 # the test models are tiny: per-op overhead dominates, extra intra-op threads only add contention
 torch.set_num_threads(1)
+
+# Launched in the background without job control (`bash .ci/run &`), the suite starts with SIGINT ignored,
+# and every command the interrupt tests start would inherit that and never see their Ctrl-C. A handler here
+# (not an ignore) is reset to the default by exec, so the children's Python installs its KeyboardInterrupt.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
