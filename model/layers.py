@@ -219,8 +219,7 @@ def _host_act_quant(x: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Te
     skipping the cast to x's dtype and back (exact there; formats.fp8_fake_quant_f32)."""
     if dtype == torch.bfloat16 or dtype == torch.float32:
         if host.available() and x.shape[-1] % block == 0:  # one C call for about 14 operators, the same bits
-            return host.fp8_fake_quant_f32(x.float().contiguous(), block, formats.FP8_AMAX_FLOOR,
-                                           formats._FP8_RATIO)
+            return host.fp8_fake_quant_f32(x, block)
         return formats.fp8_fake_quant_f32(x, block)
     return formats.fp8_fake_quant(x, block).float()
 
@@ -304,16 +303,8 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> t
 
 def rope_tail(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
     """RoPE on the LAST rope_dim channels only; the leading channels carry no position."""
-    if host.takes(x) and _host_rope_fits(x, freqs):  # one C call, the same bits (kernels/host.py)
+    if host.takes(x) and host.rope_fits(x, freqs):  # one C call, the same bits (kernels/host.py)
         return host.rope_tail(x, freqs, rope_dim, inverse)
     head, tail = x.tensor_split([-rope_dim], dim=-1)  # x[..., :-rope_dim], x[..., -rope_dim:] in one call
     return torch.cat([head, apply_rope(tail, freqs, inverse)], dim=-1)
 
-
-def _host_rope_fits(x: torch.Tensor, freqs: torch.Tensor) -> bool:
-    """x [B, T, D] or [B, T, H, D] with complex64 freqs [T, r/2] or [B, T, r/2], contiguous: the shapes
-    host.rope_tail walks (apply_rope also broadcasts a [1, T, r/2] table; that stays with it)."""
-    fshape = freqs.shape
-    return (freqs.dtype == torch.complex64 and freqs.is_contiguous() and not freqs.is_conj()
-            and x.dim() in (3, 4) and fshape[-2] == x.shape[1]
-            and (len(fshape) == 2 or len(fshape) == 3 and fshape[0] == x.shape[0]))

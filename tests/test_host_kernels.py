@@ -60,12 +60,12 @@ def test_fp8_fake_quant_every_bf16_value():
     g = torch.Generator().manual_seed(0)
     shuffled = every[torch.randperm(every.numel(), generator=g)].view(-1, 64)
     for x in (every.view(-1, 32), shuffled):
-        assert_same(host.fp8_fake_quant_f32(x.contiguous(), 32, formats.FP8_AMAX_FLOOR, formats._FP8_RATIO),
+        assert_same(host.fp8_fake_quant_f32(x, 32),
                     formats.fp8_fake_quant_f32(x, 32))
     for fill in (1e-6, 3e38, 448.0):
         x = torch.full((every.numel(), 32), fill)
         x[:, 7] = every
-        assert_same(host.fp8_fake_quant_f32(x, 32, formats.FP8_AMAX_FLOOR, formats._FP8_RATIO),
+        assert_same(host.fp8_fake_quant_f32(x, 32),
                     formats.fp8_fake_quant_f32(x, 32))
 
 
@@ -73,7 +73,7 @@ def test_fp8_fake_quant_every_bf16_value():
 def test_fp8_fake_quant_edges(block):
     for seed in range(4):
         x = edge_values((9, 512), seed)
-        assert_same(host.fp8_fake_quant_f32(x, block, formats.FP8_AMAX_FLOOR, formats._FP8_RATIO),
+        assert_same(host.fp8_fake_quant_f32(x, block),
                     formats.fp8_fake_quant_f32(x, block))
 
 
@@ -150,9 +150,9 @@ def test_dispatch_leaves_what_it_does_not_take_to_torch(monkeypatch):
         assert not host.takes(torch.randn(3, 2).t())
         table = layers.rope_frequencies(16, 64, 10000.0, 512, 1.0, 32, 1)
         xr = torch.randn(4, 5, 48)
-        assert not layers._host_rope_fits(xr, table[:5].unsqueeze(0))  # [1, T, r/2] broadcast over B
-        assert not layers._host_rope_fits(xr, table[:5].conj())
-        assert layers._host_rope_fits(xr, table[:5])
+        assert not host.rope_fits(xr, table[:5].unsqueeze(0))  # [1, T, r/2] broadcast over B
+        assert not host.rope_fits(xr, table[:5].conj())
+        assert host.rope_fits(xr, table[:5])
 
 
 # ------------------------------------------------------------------------------------------- the model

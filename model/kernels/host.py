@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from dsv41.model import formats
+
 SOURCE = Path(__file__).with_name("host_kernels.c")
 # no -march: the baseline ISA of the machine's compiler target, so the code and its numbers are the same on
 # every CPU; no fused multiply-add, no fast-math: each operation rounds as the torch reference's does
@@ -115,10 +117,12 @@ def sinkhorn_normalize_(comb: torch.Tensor, iters: int, eps: float) -> torch.Ten
     return comb
 
 
-def fp8_fake_quant_f32(x: torch.Tensor, block: int, amax_floor: float, ratio: float) -> torch.Tensor:
-    """formats.fp8_fake_quant_f32 of a contiguous fp32 CPU x whose last dim is a multiple of block."""
+def fp8_fake_quant_f32(x: torch.Tensor, block: int = formats.FP8_BLOCK) -> torch.Tensor:
+    """formats.fp8_fake_quant_f32 of a bf16 or fp32 CPU x whose last dim is a multiple of block."""
+    x = x.float().contiguous()
     out = torch.empty_like(x)
-    library().dsv41_fp8_fake_quant(x.data_ptr(), out.data_ptr(), x.numel(), block, amax_floor, ratio)
+    library().dsv41_fp8_fake_quant(x.data_ptr(), out.data_ptr(), x.numel(), block, formats.FP8_AMAX_FLOOR,
+                                   formats._FP8_RATIO)
     return out
 
 
@@ -153,6 +157,15 @@ def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: to
                                residual.numel() // (n * d), n, d, y.dtype == torch.bfloat16,
                                residual.dtype == torch.bfloat16)
     return out
+
+
+def rope_fits(x: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """x [B, T, D] or [B, T, H, D] with complex64 freqs [T, r/2] or [B, T, r/2], contiguous: the shapes
+    rope_tail walks (layers.apply_rope also broadcasts a [1, T, r/2] table; that stays with it)."""
+    fshape = freqs.shape
+    return (freqs.dtype == torch.complex64 and freqs.is_contiguous() and not freqs.is_conj()
+            and x.dim() in (3, 4) and fshape[-2] == x.shape[1]
+            and (len(fshape) == 2 or len(fshape) == 3 and fshape[0] == x.shape[0]))
 
 
 def rope_tail(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:

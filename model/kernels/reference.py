@@ -284,8 +284,8 @@ _EXPAND_BATCHED_NUMEL = 1 << 20  # residual elements up to which expand forms al
 
 def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              iters: int, hc_eps: float, norm_eps: float, y: torch.Tensor | None = None,
-             post: torch.Tensor | None = None, comb: torch.Tensor | None = None, normalize=None):
-    """One single-pass mHC step around a sub-layer boundary (`normalize`: as in _sinkhorn_split).
+             post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
+    """One single-pass mHC step around a sub-layer boundary.
 
     With y (the previous sub-layer's output [B,T,d]) and its post [B,T,n] / comb [B,T,n,n]: the residual
     update X' = post (x) y + comb^T X; without y, X' = X. Then, from X' alone: the next sub-layer's input
@@ -294,7 +294,7 @@ def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: t
     x_new = x if y is None else expand(y, x, post, comb)
     xf = x_new.float()  # once for both readers of X'
     collapsed = _collapse(xf, pre_prev, x_new.dtype)
-    pre_n, post_n, comb_n = _hc_coefficients(xf, fn, scale, base, iters, hc_eps, norm_eps, normalize)
+    pre_n, post_n, comb_n = _hc_coefficients(xf, fn, scale, base, iters, hc_eps, norm_eps)
     return x_new, collapsed, pre_n, post_n, comb_n
 
 
