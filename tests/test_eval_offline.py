@@ -301,3 +301,41 @@ result = "exact_match,flexible-extract"
     assert "resumed: 1 finished rows reused" in r.stderr
     rows = json.loads(r.stdout)["rows"]
     assert [row["status"] for row in rows] == ["ok", "ok"] and rows[0] == partial["rows"][0]
+
+
+def test_an_interrupt_between_the_row_file_and_the_report_still_leaves_the_partial_report(tmp_path, monkeypatch):
+    """Ctrl-C may land after rows/NN.json is written and before report.json: the report on disk must still
+    agree with rows/ (a CI run once caught exactly that window with the subprocess test above)."""
+    import types
+
+    import typer
+
+    from dsv41.evals import reports
+    from dsv41_cli.commands import eval_cmd
+
+    suite_file = tmp_path / "pair.toml"
+    suite_file.write_text('name = "pair"\ntitle = "Two rows"\ncolumns = []\noffline = true\n' + TINY_REASONING_ROW
+                          + TINY_REASONING_ROW.replace('benchmark = "tiny-reasoning"', 'benchmark = "second"'))
+    suite = reports.load_suite(str(suite_file))
+    out = tmp_path / "out"
+    entry = {**reports._entry(suite, suite.rows[0]), "this_run": 50.0, "n": 3}
+    reports.write_atomic(out / "rows" / "00.json", json.dumps(entry))  # finished by an earlier run
+    real_write_report, calls = reports.write_report, []
+
+    def write_report_interrupted_once(report, out_dir):
+        calls.append(1)
+        if len(calls) == 1:  # the signal arrives just before the first report write
+            raise KeyboardInterrupt
+        return real_write_report(report, out_dir)
+
+    monkeypatch.setattr(reports, "write_report", write_report_interrupted_once)
+
+    def never(mode):
+        raise AssertionError("row 1 must not start")
+
+    run = {"output": out, "offline": True, "data_dir": None, "settings": {"limit": 3}, "num_fewshot": None}
+    with pytest.raises(typer.Exit) as stop:
+        eval_cmd._run_suite(suite, never, None, run, True, types.SimpleNamespace(is_main=True), [])
+    assert stop.value.exit_code == 130 and len(calls) == 2
+    partial = json.loads((out / "report.json").read_text())
+    assert [r["status"] for r in partial["rows"]] == ["ok", "pending"] and partial["config"] == {"limit": 3}

@@ -431,15 +431,17 @@ def _run_suite(suite, make_lm, mode, run, as_json, ctx, lms):
         return _evaluate([row.task], lm, run, num_fewshot=row.shots if run["num_fewshot"] is None else None)[1]
 
     finished = []
+    latest = {}  # the newest partial report, written again if an interrupt lands between its writes
 
     def on_row(k, entry, partial):
         if suite.rows[k].task is not None:
             finished.append(k)
         if not ctx.is_main:
             return
+        partial["config"] = run["settings"]
+        latest["report"] = partial
         if suite.rows[k].task is not None:
             write_atomic(rows_dir / f"{k:02d}.json", json.dumps(entry, indent=2, default=str) + "\n")
-        partial["config"] = run["settings"]
         write_report(partial, output)
 
     log = (lambda m: _note(m)) if ctx.is_main else (lambda m: None)
@@ -447,6 +449,8 @@ def _run_suite(suite, make_lm, mode, run, as_json, ctx, lms):
         report = run_suite(suite, evaluate_row, explain_failure, log=log, mode_override=mode, done=done, on_row=on_row)
     except KeyboardInterrupt:
         if ctx.is_main:
+            if "report" in latest:  # each write is atomic; this makes the report agree with rows/ on disk
+                write_report(latest["report"], output)
             _interrupted(len(finished), len(runnable(suite)), "rows", output, lms)
         raise typer.Exit(130)
     if not ctx.is_main:  # every rank computed the same report; rank 0 writes it
