@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--plot", metavar="PATH", help="the concurrency curve as a PNG")
     ap.add_argument("--quick", action="store_true", help="8 requests, outputs a quarter as long, no commands")
+    ap.add_argument("--engines", type=int, default=None,
+                    help="the current tree's effort-sweep and eval with --engines N (default: its own default, one "
+                         "engine per CPU core; the revision runs as it is)")
     ap.add_argument("--commands", nargs="+", choices=["effort-sweep", "eval", "bpb"], default=None,
                     help="with the commands part: only these commands (default: all)")
     ap.add_argument("--command-runs", type=int, default=1, help="runs of each command per tree, interleaved")
@@ -262,9 +265,12 @@ def main(argv: list[str] | None = None) -> int:
                     for label, tree in trees.items():
                         out = tmp / f"out-{label}"
                         out.mkdir(exist_ok=True)
-                        runs[label].append(command_wall(tree, [x.format(out=out) for x in args], out))
+                        extra = (["--engines", str(a.engines)] if a.engines and label == "current"
+                                 and name.split()[0] in ("effort-sweep", "eval") else [])
+                        runs[label].append(command_wall(tree, [x.format(out=out) for x in args] + extra, out))
                 walls = {label: statistics.median(w) for label, w in runs.items()}
-                doc["commands"][name] = {"revision_s": round(walls["revision"], 1), "current_s": round(walls["current"], 1),
+                doc["commands"][name] = {"current_engines": a.engines or "default",
+                                         "revision_s": round(walls["revision"], 1), "current_s": round(walls["current"], 1),
                                          "ratio": round(walls["revision"] / walls["current"], 2),
                                          "runs_s": {label: [round(w, 2) for w in ws] for label, ws in runs.items()}}
                 print(f"dsv41 {name}: revision {walls['revision']:.1f} s, current {walls['current']:.1f} s, "

@@ -6,9 +6,11 @@ sequence (every sequence has its own cache); prefill reads at least the whole st
 FLOPs: 4 H D (Kw + Km) per token (two products). The floor leaves out the split kernel's fp32 partial outputs
 (written and read back once: 2 * splits * H * D * 4 bytes per token), which are the price of the split.
 
-Decode cases are timed for both kernels on the same inputs: "split" (flash-decoding: split kernel per segment
-+ combine, the default at T = 1) and "tiles" (the first kernel, one program per (token, 16 heads), still the
-prefill path), plus the split path replayed from a CUDA graph (its three launches without CPU cost).
+Every case (decode and prefill) is timed for both kernels on the same inputs: "split" (flash-decoding: split
+kernel per segment + combine, the default at T = 1; a prefill's tokens go in groups of
+sparse_attention.SPLIT_GROUP_ROWS) and "tiles" (the first kernel, one program per (token, 16 heads), the default
+prefill path, sparse_attention.PREFILL_VARIANT), plus the split path replayed from a CUDA graph (its launches without CPU cost). The split row
+carries tiles_over_split, the tile kernel's time over the split kernel's in the same run.
 Usage: python benchmarks/bench_sparse_attention.py [--json F] [--variant auto|split|tiles|both] [--quick]
 """
 
@@ -81,22 +83,27 @@ def run(json_path=None, variant="both", do_sweep=True):
             kv_bytes = B * (KW * WROW + KM * MROW)
         else:
             kv_bytes = B * (KW * WROW + N * MROW)
-        variants = [variant] if variant != "both" else (["split", "tiles"] if T == 1 else ["auto"])
+        variants = [variant] if variant != "both" else ["split", "tiles"]
         ref_us = None
         if B * T * N <= 64 * 65536:  # the torch reference (unpack everything, gather) on the same inputs
             ref_us = bench(lambda: reference.sparse_attention_packed(*args), rep_ms=50) * 1e6
+        case_rows = {}
         for v in variants:
             fn = lambda: sa.sparse_attention_packed(*args, variant=v)  # noqa: E731
             extra = {"variant": v}
-            if v == "split" or (v == "auto" and T == 1):
-                _, tiles, seg_splits = sa.split_config(B * T, [KW, KM], D, sa._sm_count(q.device))
-                extra.update(splits=sum(seg_splits), tiles_per_split=tiles,
+            if v == "split" or (v == "auto" and H <= sa.SPLIT_MAX_HEADS and (T == 1 or sa.PREFILL_VARIANT == "split")):
+                group = min(B * T, sa.SPLIT_GROUP_ROWS)  # _launch_split's split choice: one group's rows
+                _, tiles, seg_splits = sa.split_config(group, [KW, KM], D, sa._sm_count(q.device))
+                extra.update(splits=sum(seg_splits), tiles_per_split=tiles, groups=-(-B * T // group),
                              partial_bytes=2 * B * T * sum(seg_splits) * H * D * 4,
                              graph_us=graph_bench(fn) * 1e6)
             if ref_us is not None:
                 extra["torch_ref_us"] = ref_us
-            name = "sparse_attention_packed" if v in ("auto", "split") or T > 1 else "sparse_attention_packed[tiles]"
-            rows.append(record(name, label, bench(fn), io + kv_bytes, flops, **extra))
+            name = "sparse_attention_packed[tiles]" if v == "tiles" else "sparse_attention_packed"
+            case_rows[v] = record(name, label, bench(fn), io + kv_bytes, flops, **extra)
+            rows.append(case_rows[v])
+        if "split" in case_rows and "tiles" in case_rows:  # the ratio against the previous kernel, same run
+            case_rows["split"]["tiles_over_split"] = case_rows["tiles"]["us"] / case_rows["split"]["us"]
         if do_sweep and B == 64 and N == 4096:
             sweep(rows, args, label, io + kv_bytes, flops)
         args = None  # free the case's tensors before the next one
@@ -111,7 +118,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--variant", choices=("auto", "split", "tiles", "both"), default="both",
-                    help="kernel(s) to time; both = split and tiles for decode, the default kernel for prefill")
+                    help="kernel(s) to time; both = split and tiles, decode and prefill")
     ap.add_argument("--quick", action="store_true", help="short timing windows (one short GPU run)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the split kernel's launch sweep")
     a = ap.parse_args()

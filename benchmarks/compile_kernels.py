@@ -105,8 +105,10 @@ def cases(quick: bool):
 
 
 def sparse_attention_cases(quick: bool):
-    """The decode split kernel (all 64 heads, D=512, FP8 window + FP4 main) and its combine kernel, at the
-    configuration model/kernels/sparse_attention.py launches, and the tile kernel it replaces for decode."""
+    """The split kernel (all 64 heads, D=512, FP8 window + FP4 main; decode and prefill) and its combine
+    kernel, at the configuration model/kernels/sparse_attention.py launches, and the tile kernel it replaced
+    (now variant="tiles" and more than 64 heads). Shapes (tokens, splits, list lengths) are runtime arguments,
+    so one compile covers decode and prefill."""
     from dsv41.model.kernels import _triton_sparse_attention as S
     from dsv41.model.kernels import sparse_attention as sa
 
@@ -114,7 +116,7 @@ def sparse_attention_cases(quick: bool):
                      stride_sr="i32", idx_ptr="*i32", stride_ib="i32", stride_it="i32", K="i32")
     split_types = dict(seg_types, q_ptr="*bf16", sink_ptr="*fp32", po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32",
                        stride_qb="i32", stride_qt="i32", stride_qh="i32", T="i32", H="i32", scale="fp32",
-                       TILES="i32", SPLIT0="i32", SPLITS="i32")
+                       ROW0="i32", TILES="i32", SPLIT0="i32", SPLITS="i32")
     split_div = ("codes_ptr", "scales_ptr", "idx_ptr", "stride_cb", "stride_cr", "stride_sb", "stride_sr", "q_ptr",
                  "po_ptr", "stride_qb", "stride_qt", "stride_qh")
     launched = (64, sa.SPLIT_BK, sa.SPLIT_WARPS, sa.SPLIT_STAGES)
@@ -126,7 +128,7 @@ def sparse_attention_cases(quick: bool):
                    dict(D=512, BH=BH, BK=BK, FMT=fmt, INTERPRET=False), split_div, w, st)
     yield ("sparse combine", S.combine_kernel,
            dict(po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", sink_ptr="*fp32", o_ptr="*bf16", stride_ob="i32",
-                stride_ot="i32", stride_oh="i32", T="i32", H="i32"),
+                stride_ot="i32", stride_oh="i32", T="i32", H="i32", ROW0="i32"),
            dict(SPLITS=5, D=512, BH=16, BD=128, INTERPRET=False), ("po_ptr", "o_ptr", "stride_ob", "stride_oh"), 4, 3)
     if not quick:
         seg = {f"{p}_{k}": v for p in "ab" for k, v in
@@ -190,7 +192,7 @@ def indexer_mhc_cases(quick: bool):
 
 
 # Kernels whose spills are known and documented (docs/performance.md), printed "SPILL*" without failing the run:
-# the sparse-attention tile kernel (the prefill path; decode moved to the split kernel).
+# the sparse-attention tile kernel (variant="tiles" and H > 64 since decode and prefill moved to the split kernel).
 # The mHC x_once variant spilled 8 bytes at 255 registers at the 64 x 32 tile; at its default tiles, 32 x 64
 # (2 stages, 4 warps; h200-2026-12-02-f) and 16 x 64 (2 stages, 2 warps; since h200-2026-12-02-g), it compiled
 # offline to 255 registers and no spill (2026-12-02).

@@ -43,6 +43,7 @@ class GenOutput:
     finish_reason: str  # "eos" | "stop_string" | "length"
     budget_forced: bool = False
     answered: bool = True  # False: the reasoning never closed, so there is no answer part
+    engine_seconds: float = 0.0  # the request's share of its engine's time (GenerationResult.engine_seconds)
 
     @property
     def output_tokens(self) -> int:
@@ -76,7 +77,7 @@ class _Row:
                 return "stop_string"
         return None
 
-    def result(self, finish: str, forced: bool) -> GenOutput:
+    def result(self, finish: str, forced: bool, engine_seconds: float = 0.0) -> GenOutput:
         tok, eos = self.tok, self.eos
         reasoning = None
         if self.thinking:
@@ -89,7 +90,7 @@ class _Row:
             answer = cut_at_stop(answer, self.req.until)
         finish = {"stop": "eos"}.get(finish, finish)
         return GenOutput(answer, reasoning, list(self.out), self.reasoning_tokens, finish, forced,
-                         answered=self.answer_from is not None)
+                         answered=self.answer_from is not None, engine_seconds=engine_seconds)
 
 
 def cut_at_stop(text: str, until: Sequence[str]) -> str:
@@ -103,33 +104,44 @@ def cut_at_stop(text: str, until: Sequence[str]) -> str:
     return text[:cut]
 
 
-def generate(model, tokenizer, requests: Sequence[GenRequest], *, batch_size: int = 8,
-             on_done: Callable[[int, GenOutput], None] | None = None, generator=None) -> list[GenOutput]:
-    """Generate for every request, up to `batch_size` at once; results in request order. on_done(i,
-    output) as each finishes. `generator`: a model.engine.Generator to reuse (else one is made)."""
-    from dsv41.model.engine import GenerationConfig, Generator, Request, SamplingConfig
+def engine_request(r: GenRequest, tokenizer):
+    """(the evaluation row, the engine's Request) of one GenRequest."""
+    from dsv41.model.engine import GenerationConfig, Request, SamplingConfig
 
     eos = tokenizer.eos_id
     think_start, think_end = tokenizer.token_to_id(THINK_START), tokenizer.token_to_id(THINK_END)
+    thinking = think_start is not None and r.prompt_ids[-1] == think_start
+    row = _Row(r, thinking, tokenizer, think_end, eos)
+    config = GenerationConfig(max_new_tokens=r.max_new_tokens, sampling=SamplingConfig(r.temperature, r.top_p, r.seed),
+                              stop_ids=(eos,), thinking_budget=r.thinking_budget if thinking else None,
+                              think_end_id=think_end)
+    return row, Request(list(r.prompt_ids), config, on_token=row.on_token)
+
+
+def generate(model, tokenizer, requests: Sequence[GenRequest], *, batch_size: int = 8,
+             on_done: Callable[[int, GenOutput], None] | None = None, generator=None, pool=None) -> list[GenOutput]:
+    """Generate for every request, up to `batch_size` at once; results in request order. on_done(i,
+    output) as each finishes. `generator`: a model.engine.Generator to reuse (else one is made). `pool`: an
+    evals.engine_pool.EnginePool to spread the requests over (its batch size then applies to each engine)."""
+    from dsv41.model.engine import Generator
+
     for r in requests:
         if not r.prompt_ids:
             raise ValueError("empty prompt")
         if len(r.prompt_ids) + r.max_new_tokens > model.args.max_seq_len:
             raise ValueError(f"prompt ({len(r.prompt_ids)} tokens) + max_new_tokens ({r.max_new_tokens}) exceed "
                              f"the model's max_seq_len ({model.args.max_seq_len})")
+    if pool is not None:
+        return pool.generate(requests, tokenizer, on_done=on_done)
     rows, engine_requests = [], []
     for r in requests:
-        thinking = think_start is not None and r.prompt_ids[-1] == think_start
-        row = _Row(r, thinking, tokenizer, think_end, eos)
-        config = GenerationConfig(max_new_tokens=r.max_new_tokens, sampling=SamplingConfig(r.temperature, r.top_p, r.seed),
-                                  stop_ids=(eos,), thinking_budget=r.thinking_budget if thinking else None,
-                                  think_end_id=think_end)
+        row, request = engine_request(r, tokenizer)
         rows.append(row)
-        engine_requests.append(Request(list(r.prompt_ids), config, on_token=row.on_token))
+        engine_requests.append(request)
     results: list[GenOutput | None] = [None] * len(requests)
 
     def done(i, result):
-        results[i] = rows[i].result(result.finish_reason, result.budget_forced)
+        results[i] = rows[i].result(result.finish_reason, result.budget_forced, result.engine_seconds)
         if on_done:
             on_done(i, results[i])
 

@@ -120,13 +120,15 @@ class TinyReasoning:
 
 def run_sweep(model, tokenizer, task: GenerationTask, efforts: Sequence[int] = DEFAULT_EFFORTS, *,
               limit: int | None = None, batch_size: int = 8, thinking_budget: int | None = None,
-              progress=None, store: "SweepStore | None" = None, items: list[dict] | None = None) -> dict:
+              progress=None, store: "SweepStore | None" = None, items: list[dict] | None = None,
+              pool=None) -> dict:
     """Accuracy and token use of `task` at each effort: the `dsv41 effort-sweep` JSON document.
 
     progress: an object with start(label, total) / advance(n) / stop(), or None.
     store: a `SweepStore` (opened with `SweepStore.open`): finished batches are appended to it as they
     complete and batches it already holds are not generated again.
-    items: the task's items when the caller has loaded them (else `task.items(limit)`)."""
+    items: the task's items when the caller has loaded them (else `task.items(limit)`).
+    pool: an evals.engine_pool.EnginePool to spread each effort's requests over (the same results)."""
     items = task.items(limit) if items is None else items
     if not items:
         raise ValueError(f"task {task.name} has no items")
@@ -139,45 +141,48 @@ def run_sweep(model, tokenizer, task: GenerationTask, efforts: Sequence[int] = D
         if longest + task.max_new_tokens > limit_len:
             raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({task.max_new_tokens}) exceed "
                              f"the model's max_seq_len ({limit_len})")
+    # Every effort's requests in one engine run, the highest effort (the longest reasoning) first: the long
+    # requests start early and decode beside the short ones, where effort after effort each ended on its few
+    # longest requests decoding alone. A request's tokens do not depend on what decodes beside it.
+    rows: dict[int, dict[int, dict]] = {effort: {} for effort in efforts}
+    seconds = dict.fromkeys(efforts, 0.0)
+    for effort in efforts:
+        for record in (store.batches(effort).values() if store else ()):  # finished before an interrupt
+            rows[effort].update(zip(record["batch"], record["rows"]))
+            seconds[effort] += record["seconds"]
+    todo = [(effort, i) for effort in sorted(efforts, reverse=True) for i in range(len(items))
+            if i not in rows[effort]]
+    if progress:
+        progress.start(f"{task.name} · efforts {', '.join(map(str, efforts))}", len(items) * len(efforts))
+        progress.advance(len(items) * len(efforts) - len(todo))
+
+    def done(j, o):
+        effort, i = todo[j]
+        # seconds: the item's share of the engine's time (its prefill and its part of each decode step)
+        record = {"effort": effort, "batch": [i], "seconds": round(o.engine_seconds, 4),
+                  "rows": [_row_of(items[i], o, task.score(o, items[i]))]}
+        if store:
+            store.append(record)
+        rows[effort][i] = record["rows"][0]
+        seconds[effort] += record["seconds"]
+        if progress:
+            progress.advance(1)
+
+    try:
+        if todo:
+            generate(model, tokenizer, [all_requests[effort][i] for effort, i in todo], batch_size=batch_size,
+                     on_done=done, pool=pool)
+    finally:
+        if progress:
+            progress.stop()
     points, samples = [], []
     for effort in efforts:
-        requests = all_requests[effort]
-        rows: dict[int, dict] = {}
-        seconds = 0.0
-        for record in (store.batches(effort).values() if store else ()):  # finished before an interrupt
-            rows.update(zip(record["batch"], record["rows"]))
-            seconds += record["seconds"]
-        todo = [i for i in range(len(requests)) if i not in rows]
-        if progress:
-            progress.start(f"{task.name} · effort {effort}", len(requests))
-            progress.advance(len(requests) - len(todo))
-        last = [time.perf_counter()]
-
-        def done(j, o, effort=effort, todo=todo, rows=rows, last=last):
-            nonlocal seconds
-            i, now = todo[j], time.perf_counter()
-            record = {"effort": effort, "batch": [i], "seconds": round(now - last[0], 3),
-                      "rows": [_row_of(items[i], o, task.score(o, items[i]))]}
-            last[0] = now
-            if store:
-                store.append(record)
-            rows[i] = record["rows"][0]
-            seconds += record["seconds"]
-            if progress:
-                progress.advance(1)
-
-        try:
-            if todo:  # the whole effort at once: the engine keeps batch_size sequences in flight
-                generate(model, tokenizer, [requests[i] for i in todo], batch_size=batch_size, on_done=done)
-        finally:
-            if progress:
-                progress.stop()
-        ordered = [rows[i] for i in range(len(items))]
+        ordered = [rows[effort][i] for i in range(len(items))]
         points.append(point_from(effort, [r["score"] for r in ordered], [r["reasoning_tokens"] for r in ordered],
                                  [r["output_tokens"] for r in ordered],
                                  budget_forced=sum(r["budget_forced"] for r in ordered),
                                  unfinished=sum(not r["answered"] for r in ordered),
-                                 seconds=round(seconds, 2)))
+                                 seconds=round(seconds[effort], 2)))
         samples += [{"effort": effort, **{k: r[k] for k in SAMPLE_KEYS}} for r in ordered]
     return {"task": task.name, "points": [_point_json(p) for p in points], "samples": samples}
 
@@ -200,11 +205,12 @@ def _point_json(p: SweepPoint) -> dict:
 def run_lm_eval_sweep(model, tokenizer, task: str, efforts: Sequence[int] = DEFAULT_EFFORTS, *,
                       limit: int | None = None, batch_size: int = 8, max_gen_toks: int | None = None,
                       thinking_budget: int | None = None, data_dir=None, include_path: list[str] | None = None,
-                      progress=None, store: "SweepStore | None" = None) -> dict:
+                      progress=None, store: "SweepStore | None" = None, pool=None) -> dict:
     """The effort sweep on an lm-eval generation task (thinking mode, the chat encoding at each
     effort). Accuracy is the task's first reported metric under its first filter, per document;
     token counts come from the adapter's generation log. With a `store`, each finished effort is
-    appended to it and efforts it already holds are not run again."""
+    appended to it and efforts it already holds are not run again. pool: an EnginePool the adapter's
+    generations spread over."""
     import tempfile
 
     from dsv41.evals.lm_eval_model import DSV41LM, make_task_manager, run_tasks
@@ -218,7 +224,7 @@ def run_lm_eval_sweep(model, tokenizer, task: str, efforts: Sequence[int] = DEFA
                 if tm is None:
                     tm = make_task_manager([task], generated, include_path)
                 lm = DSV41LM(model=model, tokenizer=tokenizer, mode="thinking", effort=effort, batch_size=batch_size,
-                             max_gen_toks=max_gen_toks, thinking_budget=thinking_budget, progress=progress)
+                             max_gen_toks=max_gen_toks, thinking_budget=thinking_budget, progress=progress, pool=pool)
                 t0 = time.perf_counter()
                 results = run_tasks(lm, [task], tm, limit=limit, data_dir=data_dir)
                 if not lm.generation_log:

@@ -75,13 +75,15 @@ class DSV41LM(TemplateLM):
                  max_length: int | None = None, mode: str | None = None, effort: int | str = "high",
                  max_gen_toks: int | None = None, thinking_budget: int | None = None,
                  max_logits_bytes: int = DEFAULT_LOGITS_BYTES, model=None, tokenizer=None, progress=None,
-                 ctx=None, **unused: Any):
+                 ctx=None, pool=None, **unused: Any):
         """pretrained: checkpoint directory (None: the bundled dsv41-tiny). model/tokenizer: an
         already loaded pair instead (tests, `dsv41 eval`). mode: None (raw text), "thinking" or
         "chat". effort: 1..100 or low/high/max. max_gen_toks: overrides every task's generation
         length. progress: an object with start(label, total)/advance(n)/stop() for long calls.
         ctx: the `dsv41.model.parallel.ParallelContext` the model was loaded under (default: the current
-        one; loading from `pretrained` under torchrun starts it and loads this rank's part)."""
+        one; loading from `pretrained` under torchrun starts it and loads this rank's part). pool: an
+        evals.engine_pool.EnginePool over the same checkpoint that generate_until spreads its requests over
+        (one process's model copy only; the same results)."""
         super().__init__()
         from dsv41.model import parallel
 
@@ -118,6 +120,7 @@ class DSV41LM(TemplateLM):
         self.thinking_budget = int(thinking_budget) if thinking_budget not in (None, "") else None
         self.max_logits_bytes = int(max_logits_bytes)
         self.progress = progress
+        self.pool = pool
         self.generation_log: list[dict] = []  # one record per generate_until request, in call order
         self._cache, self._caching = None, False  # the request cache (open_request_cache)
         # requests handed to us, answered (from the cache or the model) and answered from the cache
@@ -345,7 +348,7 @@ class DSV41LM(TemplateLM):
 
         def run(share: list[int]):
             return generate(self.model, self.tok, [gen_requests[i] for i in share], batch_size=self.generation_rows,
-                            on_done=lambda j, o: done(share[j], o))
+                            on_done=lambda j, o: done(share[j], o), pool=self.pool if self.ctx.dp == 1 else None)
 
         if self.progress:
             self.progress.start("generate_until", len(self.ctx.share(order)))

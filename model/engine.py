@@ -63,6 +63,9 @@ class GenerationResult:
     dspark: dict | None = None  # acceptance_per_position, mean_accepted_per_step, steps
     budget_forced: bool = False
     prefill: dict | None = None  # what the prompt cost: tokens through encoder and decoder, prefix-cache hit
+    # this request's share of its engine's time: its prefill, plus each decode step's time divided among the
+    # rows of that step (in a batch, decode_seconds is wall time the request shared with others)
+    engine_seconds: float = 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -432,6 +435,7 @@ class _Sequence:
         self.cache: KVCache | None = None
         self.done_tokens = 0  # prompt tokens prefilled so far
         self.prefill_seconds = 0.0
+        self.engine_seconds = 0.0  # decode steps' time shared with the step's other rows (GenerationResult)
         self.prefill_stats: dict | None = None
         self.started = self.finished_at = 0.0
         self.token = -1  # the next input token (the last one committed)
@@ -626,6 +630,7 @@ class Scheduler:
         self.running.append(seq)
 
     def _decode(self, finished: list) -> None:
+        t0 = time.perf_counter()
         ids = torch.tensor([seq.token for seq in self.running], device=self.gen.device)
         logits = self.decode(ids)
         check_finite(logits, self.gen.source)
@@ -635,6 +640,9 @@ class Scheduler:
             self._commit(seq, greedy[row] if seq.sampler.greedy else int(seq.sampler(logits[row])))
             if seq.finish:
                 done.append(seq)
+        share = (time.perf_counter() - t0) / len(self.running)
+        for seq in self.running:
+            seq.engine_seconds += share
         for seq in done:
             row = self.running.index(seq)
             self._store_prefix(seq, None, row)
@@ -692,7 +700,9 @@ class Scheduler:
             kv = cache_bytes_per_token(seq.cache) if isinstance(seq.cache, KVCache) else 0.0
         return GenerationResult(len(seq.request.prompt_ids), seq.out, seq.finish, seq.prefill_seconds,
                                 seq.finished_at - seq.started, _peak_memory(self.gen.device), kv, seq.dspark_stats,
-                                seq.budget.forced, seq.prefill_stats)
+                                seq.budget.forced, seq.prefill_stats,
+                                seq.prefill_seconds + (seq.engine_seconds if seq.spec is None
+                                                       else seq.finished_at - seq.started))
 
 
 class GraphedDecode:

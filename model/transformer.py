@@ -22,19 +22,36 @@ from dsv41.model import formats, mhc
 from dsv41.model.block import Block, SharedState  # one layer (model/block.py); importable from here as before
 from dsv41.model.cache import KVCache
 from dsv41.model.config import ModelArgs
+from dsv41.model.kernels import host
+from dsv41.model.kernels import reference as kernels_reference
 from dsv41.model.layers import Linear, RMSNorm
 
 
 class Head(nn.Module):
-    """Output projection; stored bf16, applied in fp32 so logits come out fp32."""
+    """Output projection; stored bf16, applied in fp32 so logits come out fp32.
+
+    On the CPU each logit is summed over the hidden size in a fixed order (reference.head_logits, host.head_logits
+    in C): a row's logits depend neither on the rows computed with it nor on the CPU, so a decode step computes
+    the head on its rows in use only (`row_independent`); gradients, where wanted, come from the GEMMs of the
+    same product. On CUDA it is one fp32 GEMM."""
 
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(vocab_size, dim, dtype=torch.bfloat16))
         self._fp32: tuple | None = None
+        self._host: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.fp32_weight())
+        if not self.row_independent(x):
+            return F.linear(x.float(), self.fp32_weight())
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _FixedOrderHead.apply(x, self.weight, self.host_weight())
+        return fixed_order_logits(x, self.host_weight())
+
+    @staticmethod
+    def row_independent(x: torch.Tensor) -> bool:
+        """True when forward(x) computes each row on its own, in an order fixed for every CPU."""
+        return x.device.type == "cpu"
 
     def fp32_weight(self) -> torch.Tensor:
         """The weight widened to fp32, kept until the weight changes (widening the vocabulary-sized matrix
@@ -42,11 +59,46 @@ class Head(nn.Module):
         w = self.weight
         if torch.is_grad_enabled() and w.requires_grad:
             return w.float()
-        key = (w._version, w.data_ptr(), w.device)
-        if self._fp32 is None or self._fp32[0] != key:
-            with torch.inference_mode(False), torch.no_grad():  # an ordinary tensor, usable anywhere
-                self._fp32 = (key, w.detach().float())
+        self._fp32 = self._kept(self._fp32, lambda: w.detach().float())
         return self._fp32[1]
+
+    def host_weight(self) -> torch.Tensor:
+        """The weight widened to fp32 and transposed, [dim, vocab] (host.head_logits walks the vocabulary
+        contiguously), kept like fp32_weight's."""
+        self._host = self._kept(self._host, lambda: self.weight.detach().float().t().contiguous())
+        return self._host[1]
+
+    def _kept(self, cached: tuple | None, make) -> tuple:
+        w = self.weight
+        key = (w._version, w.data_ptr(), w.device)
+        if cached is None or cached[0] != key:
+            with torch.inference_mode(False), torch.no_grad():  # an ordinary tensor, usable anywhere
+                cached = (key, make())
+        return cached
+
+
+def fixed_order_logits(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> fp32 logits [..., V] on the CPU, wt = the weight widened and transposed [K, V]."""
+    xf = x.detach().float().reshape(-1, x.size(-1)).contiguous()
+    fn = host.head_logits if host.available() else kernels_reference.head_logits
+    return fn(xf, wt).view(*x.shape[:-1], -1)
+
+
+class _FixedOrderHead(torch.autograd.Function):
+    """fixed_order_logits in the forward; the gradients of x W^T (the sum's order does not change them)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, wt):
+        ctx.save_for_backward(x, weight)
+        return fixed_order_logits(x, wt)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.size(-1))
+        gx = (g @ weight.float()).view(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
+        gw = (g.t() @ x.detach().float().reshape(-1, x.size(-1))).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw, None
 
 
 class Transformer(nn.Module):
@@ -228,19 +280,21 @@ class Transformer(nn.Module):
     def decode(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """One token for each of the rows in use 0..B-1 of a continuous batch, each at its own position:
         ids [B] -> logits [B, V] (fp32). `cache` is a `BatchCache` (model/batch_cache.py); those rows advance
-        by one. The step computes at least BatchCache.MIN_ROWS rows (free rows as padding, see there)."""
+        by one. The step computes at least BatchCache.MIN_ROWS rows (free rows as padding, see there); the
+        head, whose rows are independent on the CPU (Head), only the B rows in use."""
         B = ids.size(0)
         R = cache.prepare_step(B)
         if R > B:
             ids = torch.cat([ids, ids.new_zeros(R - B)])
-        logits = self.decode_rows(ids, cache)
+        logits = self.decode_rows(ids, cache, head_rows=B)
         cache.advance()
         return logits[:B]
 
-    def decode_rows(self, ids: torch.Tensor, cache) -> torch.Tensor:
+    def decode_rows(self, ids: torch.Tensor, cache, head_rows: int | None = None) -> torch.Tensor:
         """The device work of `decode` on all the step's rows (ids [R] -> logits [R, V]), no host reads: the
         part a CUDA graph captures (model/engine.py). The same layers as `forward`, their attention in its
-        per-row form (`Block.decode`)."""
+        per-row form (`Block.decode`). head_rows: compute the logits of the first head_rows rows only, where
+        the head's rows are independent (else every row: a GEMM's row count stays >= MIN_ROWS, batch_cache.py)."""
         ids = ids.view(-1, 1)
         R = ids.size(0)
         rows = None
@@ -254,8 +308,10 @@ class Transformer(nn.Module):
                 x = block.engram(x, rows[:, :, block.spec.engram], None)
             x, pre = block.decode(x, pre, cache, shared)
         cache.advance_positions()
-        # the head on every row: its GEMM's row count stays >= MIN_ROWS (batch invariance, batch_cache.py)
-        return self.head(self.norm(mhc.collapse(x, pre)[:, -1]))
+        hidden = self.norm(mhc.collapse(x, pre)[:, -1])
+        if head_rows is not None and head_rows < R and Head.row_independent(hidden):
+            hidden = hidden[:head_rows]
+        return self.head(hidden)
 
 # ---------------------------------------------------------------------------------- random weights
 @torch.no_grad()

@@ -267,7 +267,7 @@ def test_generation_keeps_at_least_32_rows_in_flight(loaded, monkeypatch, batch_
 
     seen = []
 
-    def fake_generate(model, tok, requests, batch_size=8, on_done=None):
+    def fake_generate(model, tok, requests, batch_size=8, on_done=None, pool=None):
         seen.append(batch_size)
         outs = [GenOutput("x", "", [1], 1, "eos") for _ in requests]
         for i, o in enumerate(outs):
@@ -286,7 +286,7 @@ def test_mmlu_pro_thinking_takes_the_last_answer(loaded, mmlu_pro_dir, monkeypat
     import dsv41.evals.lm_eval_model as M
     from dsv41.evals.effort import GenOutput
 
-    def fake_generate(model, tok, requests, batch_size=8, on_done=None):
+    def fake_generate(model, tok, requests, batch_size=8, on_done=None, pool=None):
         outs = [GenOutput("First the answer is (A). No: the answer is (E).", "reasoning", [1, 2, 3], 1, "eos")
                 for _ in requests]
         for i, o in enumerate(outs):

@@ -212,3 +212,86 @@ def test_build_is_cached_and_the_fallbacks_say_why(tmp_path):
     assert _status({**cache, "DSV41_HOST_KERNELS": "0"}).startswith("disabled")
     broken = _status({"DSV41_CACHE_DIR": str(tmp_path / "other"), "CC": str(tmp_path / "no-such-cc")})
     assert broken.startswith("build failed"), broken
+
+
+# ------------------------------------------------------------------------------------------- the output head
+
+
+def _head_inputs(R, K, V, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(R, K, generator=g) * torch.exp(torch.randn(R, K, generator=g))
+    w = (torch.randn(V, K, generator=g) * 0.05).bfloat16()
+    x[0, :3] = torch.tensor([0.0, -0.0, 1e-40])
+    w[:5, 0] = torch.tensor([-0.0, 0.0, 3e38, -3e38, 1e-39]).bfloat16()
+    return x, w.float().t().contiguous()
+
+
+@pytest.mark.parametrize("R,K,V", [(1, 64, 1000), (3, 16, 64), (4, 64, 129), (9, 72, 300), (17, 32, 7)])
+def test_head_logits_bits(R, K, V):
+    """Whole and partial 64-column blocks, row counts below, at and past the 4-row block, and -0.0, subnormal
+    and overflowing products."""
+    x, wt = _head_inputs(R, K, V, R * K + V)
+    expected = reference.head_logits(x, wt)
+    assert_same(host.head_logits(x, wt), expected)
+    for r in range(R):  # each row alone: the same bits (the step computes only its rows in use)
+        assert_same(host.head_logits(x[r:r + 1].contiguous(), wt), expected[r:r + 1])
+
+
+def test_head_logits_every_isa_version_gives_the_same_bits():
+    """The library runs the AVX-512, AVX2 or baseline version of the head, the widest the CPU has; each one this
+    CPU can run gives the reference's bits (the claim that lets a golden hold on every x86-64 CPU), at row
+    counts below, at and past each version's row tile."""
+    order = ["base", "avx2", "avx512"]
+    runnable = order[: order.index(host.head_isa()) + 1]
+    for R in (1, 2, 3, 4, 7, 9):
+        x, wt = _head_inputs(R, 64, 517, R)
+        expected = reference.head_logits(x, wt)
+        for version in runnable:
+            assert_same(host.head_logits(x, wt, version), expected)
+    print(f"head versions checked: {runnable}", file=sys.stderr)
+
+
+def test_head_dispatch_and_the_rows_a_decode_step_computes(tiny_model, monkeypatch):
+    """On the CPU the head is the fixed-order sum (the C kernel, or its torch reference without the library:
+    the same bits), with gradients or without; the gradients are those of the GEMM. A decode step of 2 rows in
+    use computes the head on those 2, not on the BatchCache.MIN_ROWS rows of the step."""
+    from dsv41.model.batch_cache import BatchCache
+    from dsv41.model.transformer import Head
+
+    head = tiny_model.head
+    h = torch.randn(3, 5, head.weight.size(1)).bfloat16()
+    with torch.inference_mode():
+        fast = head(h)
+        assert head.row_independent(h) and fast.shape == (3, 5, head.weight.size(0))
+        with monkeypatch.context() as m:
+            without_host(m)
+            assert_same(head(h), fast)
+    trained = Head(10, 8)
+    with torch.no_grad():
+        trained.weight.normal_()
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    y = trained(x)
+    with torch.no_grad():
+        assert_same(y.detach(), trained(x))  # the same forward bits with a gradient wanted
+    y.square().sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    w2 = trained.weight.detach().clone().requires_grad_(True)
+    torch.nn.functional.linear(x2, w2.float()).square().sum().backward()
+    assert torch.allclose(x.grad, x2.grad, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(trained.weight.grad.float(), w2.grad.float(), rtol=2e-2, atol=1e-3)
+    seen = []
+    real = host.head_logits
+    monkeypatch.setattr(host, "head_logits", lambda x, wt: seen.append(x.size(0)) or real(x, wt))
+    with torch.inference_mode():
+        cache = BatchCache(tiny_model.args, 4, 64)
+        for b, n in enumerate((3, 5)):
+            cache.load(b, _prefilled(tiny_model, n))
+        seen.clear()  # the prefills' heads
+        logits = tiny_model.decode(torch.tensor([5, 6]), cache)
+    assert logits.shape[0] == 2 and seen == [2] and cache.rows >= BatchCache.MIN_ROWS
+
+
+def _prefilled(model, n):
+    kv = model.new_cache(1)
+    model(torch.arange(3, 3 + n).view(1, -1), 0, kv)
+    return kv

@@ -73,16 +73,18 @@ def mhc_case(B, T, n, d, seed, device=DEV):
     return [t.to(device) for t in (x, y, pre_prev, post, comb, fn, scale, base)]
 
 
-def check_attention(case, force, tol):
+def check_attention(case, force, tol, variant="auto"):
     q, wc, ws, mc, ms, sink, widx, midx = case
     scale = q.size(-1) ** -0.5
-    out = sparse_attention.sparse_attention_packed(q, wc, ws, mc, ms, sink, widx, midx, scale, force_triton=force)
+    out = sparse_attention.sparse_attention_packed(q, wc, ws, mc, ms, sink, widx, midx, scale, force_triton=force,
+                                                   variant=variant)
     ref = reference.sparse_attention_packed(q, wc, ws, mc, ms, sink, widx, midx, scale)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert rel_err(out, ref) < tol
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))  # the empty query
     # window-only (SWA layers)
-    out = sparse_attention.sparse_attention_packed(q, wc, ws, None, None, sink, widx, None, scale, force_triton=force)
+    out = sparse_attention.sparse_attention_packed(q, wc, ws, None, None, sink, widx, None, scale, force_triton=force,
+                                                   variant=variant)
     ref = reference.sparse_attention_packed(q, wc, ws, None, None, sink, widx, None, scale)
     assert rel_err(out, ref) < tol
 
@@ -162,9 +164,10 @@ def pack_input(shape, dtype, seed, device=DEV):
 
 # ---------------------------------------------------------------------------------- CPU (interpreter)
 @interp
+@pytest.mark.parametrize("variant", ["split", "tiles"])  # split: how "auto" runs decode (and prefill if chosen)
 @pytest.mark.parametrize("shape", [(2, 3, 4, 64, 8, 20, 5, 7), (1, 2, 3, 32, 5, 40, 3, 70)])
-def test_sparse_attention_interpreted(shape):
-    check_attention(attention_case(*shape, seed=sum(shape)), force=True, tol=2e-2)
+def test_sparse_attention_interpreted(shape, variant):
+    check_attention(attention_case(*shape, seed=sum(shape)), force=True, tol=2e-2, variant=variant)
 
 
 @interp
@@ -206,6 +209,57 @@ def test_sparse_attention_split_matches_tiles_interpreted():
     assert rel_err(split, tiles) < 2e-2
     with pytest.raises(ValueError, match="variant"):
         sparse_attention.sparse_attention_packed(*args, force_triton=True, variant="nope")
+
+
+@interp
+def test_sparse_attention_prefill_takes_split_in_row_groups_interpreted(monkeypatch):
+    """Prefill (T > 1) with variant "auto" takes the tile kernel by default (PREFILL_VARIANT), and the split path
+    where PREFILL_VARIANT says "split" (the tile kernel still above SPLIT_MAX_HEADS heads). Its query tokens go through in groups of SPLIT_GROUP_ROWS: with groups of 3 over B=2 x T=4 (rows
+    0-2, then 3-5 across the batch rows, then a shorter 6-7) the output is bit for bit the one-group output
+    (same split choice, same per-token work) and matches the reference; the empty query stays 0."""
+    from dsv41.model.kernels import _triton_sparse_attention as kernels
+    from dsv41.model.kernels.sparse_attention import split_config
+
+    calls, combines = [], []
+    for kind in ("split", "tiles"):
+        launch = getattr(sparse_attention, f"_launch_{kind}")
+        monkeypatch.setattr(sparse_attention, f"_launch_{kind}",
+                            lambda *a, _f=launch, _k=kind: calls.append(_k) or _f(*a))
+
+    class CountedCombine:  # combine_kernel[grid]: one launch per group, grid[0] = the group's rows
+        def __getitem__(self, grid, _kernel=kernels.combine_kernel):
+            combines.append(grid[0])
+            return _kernel[grid]
+
+    monkeypatch.setattr(kernels, "combine_kernel", CountedCombine())
+    q, wc, ws, mc, ms, sink, widx, midx = attention_case(2, 4, 4, 64, 8, 20, 5, 70, seed=21)
+    sink = sink * 3
+    sparse_attention.sparse_attention_packed(q, wc, ws, mc, ms, sink, widx, midx, 0.125, force_triton=True)
+    assert calls == ["tiles"] and sparse_attention.PREFILL_VARIANT == "tiles"
+    calls.clear()
+    monkeypatch.setattr(sparse_attention, "PREFILL_VARIANT", "split")
+    B, T, H, D = q.shape
+    assert B * T <= sparse_attention.SPLIT_GROUP_ROWS
+    assert split_config(3, [5, 70], D, 132) == split_config(B * T, [5, 70], D, 132)  # what bit for bit needs
+    for m_codes, m_scales, m_idx in ((mc, ms, midx), (None, None, None)):  # and window-only (one segment)
+        args = (q, wc, ws, m_codes, m_scales, sink, widx, m_idx, 0.125)
+        whole = sparse_attention.sparse_attention_packed(*args, force_triton=True)
+        with monkeypatch.context() as m:
+            m.setattr(sparse_attention, "SPLIT_GROUP_ROWS", 3)
+            grouped = sparse_attention.sparse_attention_packed(*args, force_triton=True)
+        assert combines == [B * T, 3, 3, 2]
+        combines.clear()
+        assert torch.equal(grouped, whole)
+        assert rel_err(grouped, reference.sparse_attention_packed(*args)) < 6e-3
+        assert torch.equal(grouped[0, 0], torch.zeros_like(grouped[0, 0]))
+    assert calls == ["split"] * 4
+    # more heads than the split kernel's program holds: the tile kernel
+    q, wc, ws, mc, ms, sink, widx, midx = attention_case(1, 2, sparse_attention.SPLIT_MAX_HEADS + 1, 32, 4, 6, 3,
+                                                         5, seed=22)
+    args = (q, wc, ws, mc, ms, sink, widx, midx, 0.125)
+    out = sparse_attention.sparse_attention_packed(*args, force_triton=True)
+    assert calls[4:] == ["tiles"]
+    assert rel_err(out, reference.sparse_attention_packed(*args)) < 2e-2
 
 
 @interp
@@ -415,10 +469,13 @@ def test_sparse_attention_gpu(shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(2, 1, 64, 512, 128, 70000, 128, 512), (64, 1, 64, 512, 128, 4096, 128, 512),
-                                   (3, 1, 16, 128, 16, 50, 9, 61), (2, 4, 64, 512, 128, 900, 100, 333)])
+                                   (3, 1, 16, 128, 16, 50, 9, 61), (2, 4, 64, 512, 128, 900, 100, 333),
+                                   (2, 600, 64, 512, 128, 2048, 128, 512)])
 def test_sparse_attention_split_gpu(shape):
-    """The decode split kernel (the default at T=1; forced for T>1) against the reference and the tile kernel,
-    at V4.1-Flash width with B=2 (one split per 16-row tile) and B=64, -1 holes and an empty query."""
+    """The split kernel (the default for decode with H <= 64) against the reference and the tile kernel,
+    at V4.1-Flash width with B=2 (one split per 16-row tile) and B=64, -1 holes and an empty query; the last
+    shape is a prefill of 1,200 query tokens: two groups of SPLIT_GROUP_ROWS, the second starting inside
+    batch row 0."""
     for seed in range(2):
         q, wc, ws, mc, ms, sink, widx, midx = attention_case(*shape, seed=seed)
         args = (q, wc, ws, mc, ms, sink, widx, midx, q.size(-1) ** -0.5)

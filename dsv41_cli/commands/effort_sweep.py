@@ -48,6 +48,9 @@ def command(
     fresh: bool = typer.Option(False, "--fresh", help="Discard the partial results in --output and start over."),
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="Requests decoding at once (the engine's "
                                    "rows; the results do not depend on it)."),
+    engines: int = typer.Option(0, "--engines", min=0, show_default=False,
+                                help="Engines decoding at once on the CPU, one process each, --batch-size rows each "
+                                     "(default: one per CPU core, at most 8; 1 on a GPU). The results do not depend on it."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, show_default=False,
                                                  help="Generation length per item (default 256 for tiny-reasoning, "
                                                       "the task's own for lm-eval)."),
@@ -105,6 +108,8 @@ def command(
     from dsv41.model.checkpoint import load_model
 
     dev = resolve_device(device)
+    if engines > 1 and dev != "cpu":
+        fail(f"--engines {engines}: several engines run on the CPU only (one process each); on {dev} use one")
     out_dir = output or Path("runs") / "effort-sweep" / task_key.replace("/", "_")
     from dsv41_cli.commands.eval_cmd import StepProgress, explain_failure
     from dsv41.evals import effort
@@ -138,11 +143,18 @@ def command(
     if store.reused:
         done = store.items_done() if bundled else len(store.records)
         err.print(f"resuming: reused {done} of {total} {unit} from {store.path}", markup=False, soft_wrap=True)
+    from dsv41.evals.engine_pool import EnginePool, default_engines
+    from dsv41.model.engine import Generator
+
+    # the generations spread over this process's engine and engines - 1 worker processes (the same results)
+    pool = EnginePool(Generator(net, tokenizer, source=model_dir), model_dir, engines or default_engines(dev),
+                      batch_size)
     try:
         if bundled:
             try:
                 doc = effort.run_sweep(net, tokenizer, sweep_task, effort_list, batch_size=batch_size,
-                                       thinking_budget=thinking_budget, progress=progress, store=store, items=items)
+                                       thinking_budget=thinking_budget, progress=progress, store=store, items=items,
+                                       pool=pool)
             except ValueError as e:
                 fail(str(e))
         else:
@@ -152,6 +164,7 @@ def command(
             name = resolve(task, "thinking")
             try:
                 doc = effort.run_lm_eval_sweep(net, tokenizer, name, effort_list, limit=limit, batch_size=batch_size,
+                                               pool=pool,
                                                max_gen_toks=max_new_tokens, thinking_budget=thinking_budget,
                                                data_dir=data_dir, include_path=[str(p) for p in include_path or []],
                                                progress=progress, store=store)
@@ -164,11 +177,14 @@ def command(
                     raise
                 fail(explain_failure(e))
     except KeyboardInterrupt:
+        pool.close()
         progress.stop()
         done = store.items_done() if bundled else len(store.on_disk())
         err.print(f"interrupted: {done} of {total} done, kept in {out_dir}; run the same command again to resume",
                   markup=False, soft_wrap=True)
         raise typer.Exit(130)
+    finally:
+        pool.close()
     doc["model"] = str(model_dir)
     doc["thinking_budget"] = thinking_budget
     paths = effort.write_sweep(doc, out_dir, plot=plot, plot_path=plot_file)

@@ -126,6 +126,9 @@ def command(
     mode: Optional[str] = typer.Option(None, "--mode", show_default=False, help="thinking|chat: apply the V4.1 chat encoding (default: raw text, as a base model)."),
     effort: str = typer.Option("high", "--effort", help="Reasoning effort 1..100 or low|high|max (with --mode thinking)."),
     batch_size: int = typer.Option(8, "--batch-size", min=1),
+    engines: int = typer.Option(0, "--engines", min=0, show_default=False,
+                                help="Engines generating at once on the CPU, one process each (default: one per CPU "
+                                     "core, at most 8; 1 on a GPU or under torchrun). The results do not depend on it."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, show_default=False,
                                                  help="Generation length of every generating task (default: each task's own)."),
     max_gen_toks: Optional[int] = typer.Option(None, "--max-gen-toks", min=1, hidden=True, help="Old name of --max-new-tokens."),
@@ -207,16 +210,25 @@ def command(
     # one process, or one rank under torchrun: every rank runs lm-eval and the model calls (the adapter
     # divides the work between model copies), rank 0 alone shows progress, prints and writes files
     ctx = start_ranks(device)
+    if engines > 1 and (ctx.distributed or ctx.device != "cpu"):
+        _fail(f"--engines {engines}: several engines run on the CPU in one command (one process each), not on "
+              f"{ctx.device} or under torchrun")
     net, args, tokenizer = load_on_ranks(model_dir, ctx)
 
-    from dsv41.evals.lm_eval_model import DSV41LM
+    from dsv41.evals.engine_pool import EnginePool, default_engines
+    from dsv41.evals.lm_eval_model import DSV41LM, GENERATION_ROWS
+    from dsv41.model.engine import Generator
 
     progress = StepProgress(enabled=ctx.is_main)
     lms: list = []
+    # generate_until's requests spread over this process's engine and engines - 1 worker processes
+    pool = EnginePool(Generator(net, tokenizer, source=model_dir), model_dir,
+                      1 if ctx.distributed else (engines or default_engines(ctx.device)), max(batch_size, GENERATION_ROWS))
 
     def make_lm(lm_mode):
         lm = DSV41LM(model=net, tokenizer=tokenizer, mode=lm_mode, effort=effort_value, batch_size=batch_size,
-                     max_gen_toks=max_new_tokens, thinking_budget=thinking_budget, progress=progress, ctx=ctx)
+                     max_gen_toks=max_new_tokens, thinking_budget=thinking_budget, progress=progress, ctx=ctx,
+                     pool=pool)
         lms.append(lm)
         return lm
 
@@ -232,10 +244,11 @@ def command(
         write_atomic(output / FINGERPRINT, json.dumps(fingerprint, indent=2) + "\n")
     run = dict(limit=limit, num_fewshot=num_fewshot, data_dir=data_dir, include_path=include_path, output=output,
                confirm=confirm_run_unsafe_code, offline=run_offline, settings=settings)
-    if suite_spec is not None:
-        _run_suite(suite_spec, make_lm, mode, run, as_json, ctx, lms)
-    else:
-        _run_tasks(names, make_lm(mode), run, as_json, ctx)
+    with pool:
+        if suite_spec is not None:
+            _run_suite(suite_spec, make_lm, mode, run, as_json, ctx, lms)
+        else:
+            _run_tasks(names, make_lm(mode), run, as_json, ctx)
 
 
 def _check_fingerprint(output: Path, fingerprint: dict) -> None:

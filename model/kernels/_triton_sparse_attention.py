@@ -117,7 +117,7 @@ def kernel(q_ptr, o_ptr, sink_ptr, stride_qb, stride_qt, stride_qh, T, H, scale,
 
 
 
-# ------------------------------------------------------------------------- decode: split-K (flash-decoding)
+# ---------------------------------------- split-K (flash-decoding): decode, and prefill in groups of tokens
 @triton.jit
 def load_rows_natural(codes_ptr, scales_ptr, b, stride_cb, stride_cr, stride_sb, stride_sr, rows, valid,
                       D: tl.constexpr, FMT: tl.constexpr, INTERPRET: tl.constexpr):
@@ -195,15 +195,18 @@ def split_range(acc, m_i, l_i, q, scale, b, t, k_lo, k_hi,
 
 @triton.jit
 def split_kernel(q_ptr, sink_ptr, po_ptr, pm_ptr, pl_ptr, stride_qb, stride_qt, stride_qh, T, H, scale,
-                 TILES, SPLIT0, SPLITS,
+                 ROW0, TILES, SPLIT0, SPLITS,
                  codes_ptr, scales_ptr, stride_cb, stride_cr, stride_sb, stride_sr, idx_ptr, stride_ib, stride_it, K,
                  D: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, FMT: tl.constexpr, INTERPRET: tl.constexpr):
     """One program per (token, split) of one segment (one launch per segment: the two segments' loops in
-    one program spill on sm_90, each alone does not): all heads over TILES tiles of BK indices. Writes the
-    split's normalised partial output po [R, SPLITS, H, D] (fp32), its max pm and sum pl [R, SPLITS, H] at
-    split SPLIT0 + program_id(1). The running max starts at the sink (finite), so a split with no valid row
-    ends with l = 0, o = 0 and no NaN; the sink itself is added once, by the combine kernel."""
-    row = tl.program_id(0)
+    one program spill on sm_90, each alone does not): all heads over TILES tiles of BK indices. The launch
+    covers a group of G tokens, query rows ROW0 .. ROW0+G-1 of the B*T; program_id(0) is the token's slot in
+    the group's partials. Writes the split's normalised partial output po [G, SPLITS, H, D] (fp32), its max
+    pm and sum pl [G, SPLITS, H] at split SPLIT0 + program_id(1). The running max starts at the sink
+    (finite), so a split with no valid row ends with l = 0, o = 0 and no NaN; the sink itself is added once,
+    by the combine kernel."""
+    slot = tl.program_id(0)
+    row = ROW0 + slot
     split = tl.program_id(1)
     b = row // T
     t = row % T
@@ -221,7 +224,7 @@ def split_kernel(q_ptr, sink_ptr, po_ptr, pm_ptr, pl_ptr, stride_qb, stride_qt, 
     acc, m_i, l_i = split_range(acc, m_i, l_i, q, scale, b, t, lo, tl.minimum(lo + TILES * BK, K),
                                 codes_ptr, scales_ptr, stride_cb, stride_cr, stride_sb, stride_sr,
                                 idx_ptr, stride_ib, stride_it, K, D, BK, FMT, INTERPRET)
-    part = row * SPLITS + SPLIT0 + split
+    part = slot * SPLITS + SPLIT0 + split
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(po_ptr + (part * H + heads[:, None]).to(tl.int64) * D + cols[None, :], o, mask=hmask[:, None])
     tl.store(pm_ptr + part * H + heads, m_i, mask=hmask)
@@ -229,12 +232,14 @@ def split_kernel(q_ptr, sink_ptr, po_ptr, pm_ptr, pl_ptr, stride_qb, stride_qt, 
 
 
 @triton.jit
-def combine_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, o_ptr, stride_ob, stride_ot, stride_oh, T, H,
+def combine_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, o_ptr, stride_ob, stride_ot, stride_oh, T, H, ROW0,
                    SPLITS: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
                    INTERPRET: tl.constexpr):
     """Log-sum-exp merge of the splits of one token, for BH heads x BD columns, with the sink:
-    M = max(sink, m_s), o = sum_s l_s e^(m_s - M) o_s / (e^(sink - M) + sum_s l_s e^(m_s - M))."""
-    row = tl.program_id(0)
+    M = max(sink, m_s), o = sum_s l_s e^(m_s - M) o_s / (e^(sink - M) + sum_s l_s e^(m_s - M)).
+    The token of partial slot program_id(0) is query row ROW0 + program_id(0) (split_kernel's group)."""
+    slot = tl.program_id(0)
+    row = ROW0 + slot
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     cols = tl.program_id(2) * BD + tl.arange(0, BD)
     hmask = heads < H
@@ -243,11 +248,11 @@ def combine_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, o_ptr, stride_ob, stride_ot
     sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
     m = sink
     for s in range(SPLITS):
-        m = tl.maximum(m, tl.load(pm_ptr + (row * SPLITS + s) * H + heads, mask=hmask, other=0.0))
+        m = tl.maximum(m, tl.load(pm_ptr + (slot * SPLITS + s) * H + heads, mask=hmask, other=0.0))
     den = tl.exp(sink - m)
     acc = tl.zeros([BH, BD], dtype=tl.float32)
     for s in range(SPLITS):
-        part = row * SPLITS + s
+        part = slot * SPLITS + s
         w = tl.load(pl_ptr + part * H + heads, mask=hmask, other=0.0) * \
             tl.exp(tl.load(pm_ptr + part * H + heads, mask=hmask, other=0.0) - m)
         den += w

@@ -4,8 +4,15 @@ On the CPU a decode step of a small model spends its time launching torch operat
 each), not computing: the 20 Sinkhorn iterations of one mHC step are about 120 operators on a 4 x 4 matrix
 per token, one FP8 activation quantization about 14. The C functions do the same fp32 operations in the
 same order as their references (reference._sinkhorn_normalize_, formats.fp8_fake_quant_f32,
-reference.collapse and expand, layers.rope_tail), so they give the same bits (tests/test_host_kernels.py,
-on every CPU flavour CI runs).
+reference.collapse and expand, layers.rope_tail, reference.head_logits), so they give the same bits
+(tests/test_host_kernels.py, on every CPU flavour CI runs).
+
+The output head is the one kernel here that is about arithmetic, not operator counts: the vocabulary-sized
+GEMM was a third of a one-sequence decode step, computed on 16 rows (the padding that kept MKL's GEMM
+batch-invariant, model/batch_cache.py). Summed in a fixed order per logit, a row's logits are the same
+whatever rows are computed with it, so the step computes the head on its rows in use only; the function has
+AVX-512, AVX2 and baseline versions (the lanes never meet: the same bits), the widest the CPU runs picked at
+the first call (`head_isa`).
 
 The C file is compiled on first use with the system's C compiler (`cc`, or $CC) into a per-user cache
 (`$DSV41_CACHE_DIR`, default ~/.cache/dsv41) under a name that hashes the source and the flags, and loaded
@@ -92,6 +99,11 @@ def library() -> ctypes.CDLL | None:
     lib.dsv41_mhc_expand.restype = None
     lib.dsv41_rope_tail.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.dsv41_rope_tail.restype = None
+    for name in ("dsv41_head_logits", *HEAD_VERSIONS.values()):
+        if hasattr(lib, name):  # the AVX versions exist on x86-64 only
+            getattr(lib, name).argtypes = [ptr, i64, i64, ptr, i64, ptr]
+            getattr(lib, name).restype = None
+    lib.dsv41_head_isa.restype = ctypes.c_int
     _STATUS[0] = "loaded"
     return lib
 
@@ -178,4 +190,24 @@ def rope_tail(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool
     per_row = freqs.dim() == 3
     library().dsv41_rope_tail(x.data_ptr(), out.data_ptr(), freqs.data_ptr(), B, T, H, D, rope_dim, per_row,
                               inverse, x.dtype == torch.bfloat16)
+    return out
+
+
+# host_kernels.c's versions of the head by instruction set, the value dsv41_head_isa returns for each
+HEAD_VERSIONS = {0: "dsv41_head_logits_base", 1: "dsv41_head_logits_avx2", 2: "dsv41_head_logits_avx512"}
+
+
+def head_isa() -> str:
+    """The head version this CPU runs: "avx512", "avx2" or "base"."""
+    return HEAD_VERSIONS[library().dsv41_head_isa()].rsplit("_", 1)[-1]
+
+
+def head_logits(x: torch.Tensor, wt: torch.Tensor, version: str | None = None) -> torch.Tensor:
+    """reference.head_logits: x [R, K] fp32 contiguous, wt [K, V] fp32 contiguous (CPU) -> [R, V] fp32.
+    version: "base", "avx2" or "avx512" to run that one (the tests; the CPU must have it), else the CPU's."""
+    R, K = x.shape
+    V = wt.size(1)
+    out = torch.empty(R, V, dtype=torch.float32)
+    fn = getattr(library(), f"dsv41_head_logits_{version}" if version else "dsv41_head_logits")
+    fn(x.data_ptr(), R, K, wt.data_ptr(), V, out.data_ptr())
     return out

@@ -170,3 +170,85 @@ void dsv41_rope_tail(const void *x, void *out, const float *freqs, int64_t B, in
         }
     }
 }
+
+/* ---------------------------------------------------------------- the output head */
+
+/* Head logits: out[r, v] = sum_k x[r, k] w[v, k] in fp32, with the weight stored transposed, wt [K, V] (k-major,
+ * so one k walks V contiguously; the head's bf16 weight widened exactly). Each output is summed in the order
+ * k = 0, 1, ..., K-1, starting from the first product: ((x0 w0 + x1 w1) + x2 w2) + ... (reference.head_logits
+ * is the same loop in torch). So a row's logits do not depend on how many rows are computed with it (batch
+ * invariance without padding rows), nor on the CPU: the lanes of a vector never meet, so the AVX-512, AVX2
+ * and baseline versions below give the same bits (no fused multiply-add: -ffp-contract=off); they differ only
+ * in their register tiles (RB rows x CB vectors of accumulators, sized to the ISA's register file).
+ * dsv41_head_logits picks the widest one the CPU runs; each is exported for the tests. */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+/* the same vectors at any float's address (unaligned loads and stores, no aliasing assumption) */
+typedef float f32x16u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef float f32x8u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef float f32x4u __attribute__((vector_size(16), aligned(4), may_alias));
+
+#define HEAD_KERNEL(NAME, TARGET, VT, VU, VW, RB, CB)                                                            \
+TARGET void NAME(const float *x, int64_t R, int64_t K, const float *wt, int64_t V, float *out) {            \
+    const int64_t vb = (VW) * (CB), full = V / vb * vb;                                                     \
+    for (int64_t v0 = 0; v0 < full; v0 += vb) {                                                              \
+        int64_t r = 0;                                                                                       \
+        for (; r + (RB) <= R; r += (RB)) { /* RB rows: each weight vector loaded once for RB rows */         \
+            VT a[RB][CB], w[CB];                                                                             \
+            for (int c = 0; c < (CB); c++) w[c] = *(const VU *)(wt + v0 + (VW) * c);                         \
+            for (int i = 0; i < (RB); i++)                                                                   \
+                for (int c = 0; c < (CB); c++) a[i][c] = x[(r + i) * K] * w[c];                              \
+            for (int64_t k = 1; k < K; k++) {                                                                \
+                for (int c = 0; c < (CB); c++) w[c] = *(const VU *)(wt + k * V + v0 + (VW) * c);             \
+                for (int i = 0; i < (RB); i++) {                                                             \
+                    const float xk = x[(r + i) * K + k];                                                     \
+                    for (int c = 0; c < (CB); c++) a[i][c] = a[i][c] + xk * w[c];                            \
+                }                                                                                            \
+            }                                                                                                \
+            for (int i = 0; i < (RB); i++)                                                                   \
+                for (int c = 0; c < (CB); c++) *(VU *)(out + (r + i) * V + v0 + (VW) * c) = a[i][c];         \
+        }                                                                                                    \
+        for (; r < R; r++) { /* the rows left, one at a time (one sequence's decode step is one row) */     \
+            VT a[CB];                                                                                        \
+            for (int c = 0; c < (CB); c++) a[c] = x[r * K] * *(const VU *)(wt + v0 + (VW) * c);              \
+            for (int64_t k = 1; k < K; k++) {                                                                \
+                const float xk = x[r * K + k];                                                               \
+                for (int c = 0; c < (CB); c++) a[c] = a[c] + xk * *(const VU *)(wt + k * V + v0 + (VW) * c); \
+            }                                                                                                \
+            for (int c = 0; c < (CB); c++) *(VU *)(out + r * V + v0 + (VW) * c) = a[c];                      \
+        }                                                                                                    \
+    }                                                                                                        \
+    for (int64_t r = 0; r < R; r++) { /* the last, partial block of columns */                               \
+        float *o = out + r * V;                                                                              \
+        for (int64_t j = full; j < V; j++) o[j] = x[r * K] * wt[j];                                          \
+        for (int64_t k = 1; k < K; k++)                                                                      \
+            for (int64_t j = full; j < V; j++) o[j] = o[j] + x[r * K + k] * wt[k * V + j];                   \
+    }                                                                                                        \
+}
+
+#define HEAD_OPT __attribute__((optimize("O3")))
+HEAD_KERNEL(dsv41_head_logits_base, HEAD_OPT, f32x4, f32x4u, 4, 2, 4)
+#if defined(__x86_64__) && defined(__GNUC__)
+HEAD_KERNEL(dsv41_head_logits_avx2, HEAD_OPT __attribute__((target("avx2"))), f32x8, f32x8u, 8, 3, 4)
+HEAD_KERNEL(dsv41_head_logits_avx512, HEAD_OPT __attribute__((target("avx512f"))), f32x16, f32x16u, 16, 4, 4)
+#endif
+
+/* 2: AVX-512, 1: AVX2, 0: the baseline (what dsv41_head_logits runs; host.head_isa() reports it). */
+int dsv41_head_isa(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx512f")) return 2;
+    if (__builtin_cpu_supports("avx2")) return 1;
+#endif
+    return 0;
+}
+
+void dsv41_head_logits(const float *x, int64_t R, int64_t K, const float *wt, int64_t V, float *out) {
+    static int isa = -1;
+    if (isa < 0) isa = dsv41_head_isa();
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (isa == 2) { dsv41_head_logits_avx512(x, R, K, wt, V, out); return; }
+    if (isa == 1) { dsv41_head_logits_avx2(x, R, K, wt, V, out); return; }
+#endif
+    dsv41_head_logits_base(x, R, K, wt, V, out);
+}

@@ -240,6 +240,17 @@ def _hc_coefficients(xf: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, ba
     return _sinkhorn_split(mixes, scale, base, n, iters, hc_eps, normalize)  # mixes are fp32 already
 
 
+def head_logits(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """The output head on the host: x [R, K] fp32, wt [K, V] fp32 (the head's weight transposed) -> [R, V] fp32,
+    each logit summed over k in the fixed order 0, 1, ..., K-1 from the first product, ((x_0 w_0 + x_1 w_1) +
+    x_2 w_2) + ...: elementwise products and additions, whose bits no CPU, vector width or row count changes
+    (an fp32 GEMM's order depends on all three). host.head_logits is this loop in C."""
+    acc = x[:, :1] * wt[0]
+    for k in range(1, x.size(1)):
+        acc.add_(x[:, k:k + 1] * wt[k])
+    return acc
+
+
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Input mixing: sum_j pre_j X_j. [B,T,n,d] x [B,T,n] -> [B,T,d] in x's dtype.
 

@@ -7,20 +7,24 @@ over j in window_idx[t] (rows of the window store) and main_idx[t] (rows of the 
 by all query heads), so each row is read and dequantized once per block of heads and used for both
 products.
 
-Two kernels. Decode (one query token per sequence, T = 1, H <= 64; `variant="split"` forces it for any T):
-flash-decoding. The token's index list, [window ; main] cut into tiles of BK rows (each segment padded to whole
-tiles), is split across programs (split_config: about 2 x SMs programs in all, so B = 1 gets one split per
-tile); each split_kernel program takes ALL heads of its (token, split), so every gathered row is decoded once
-and used by every head ([H, D] x [D, BK] then [H, BK] x [BK, D]), loads each row as contiguous bytes (the
-FP4 nibbles are decoded apart and interleaved with join + reshape), and writes a normalised fp32 partial
-output with its max and sum; one launch per segment (the two loops in one program spill on sm_90). Then
-combine_kernel merges the splits by log-sum-exp with the sink. Otherwise (prefill, or `variant="tiles"`):
-the tile kernel, one program per (token, block of BH heads) walking the window indices and then the
-compressed indices in tiles of BK rows with the online softmax. Both start the running max at the sink (so
-an empty row ends as 0, and an empty split has l = 0 and no NaN). The tile kernel keeps every D-vector as
-its even and odd halves (q.kv = q_even.kv_even + q_odd.kv_odd) so the FP4 nibbles never interleave; it
-loads FP8 and bf16 rows with stride 2. Row formats (constexpr per segment): DENSE (bf16 rows), FP8 (E4M3
-bytes + UE8M0 per 32), FP4 (E2M1 pairs + E4M3 per 16).
+Two kernels. The split kernel runs for decode (T = 1) when H <= 64, and for prefill too where PREFILL_VARIANT
+says so (`variant="split"` forces it): flash-decoding. Each query token's index list, [window ; main] cut into tiles of BK rows (each segment
+padded to whole tiles), is split across programs (split_config: about 2 x SMs programs in all, so decode at
+B = 1 gets one split per tile and a long prefill one split per segment); each split_kernel program takes ALL
+heads of its (token, split), so every gathered row is decoded once and used by every head ([H, D] x [D, BK]
+then [H, BK] x [BK, D]), loads each row as contiguous bytes (the FP4 nibbles are decoded apart and
+interleaved with join + reshape), and writes a normalised fp32 partial output with its max and sum; one
+launch per segment (the two loops in one program spill on sm_90). Then combine_kernel merges the splits by
+log-sum-exp with the sink. The B*T query tokens go through in groups of at most SPLIT_GROUP_ROWS (the split
+launches and the combine per group, one partial buffer reused), so a long prefill's partials stay bounded.
+The tile kernel (prefill by default, `variant="tiles"`, and H > 64, more heads than the split kernel's
+all-heads program holds):
+one program per (token, block of BH heads) walking the window indices and then the compressed indices in
+tiles of BK rows with the online softmax. Both start the running max at the sink (so an empty row ends as 0,
+and an empty split has l = 0 and no NaN). The tile kernel keeps every D-vector as its even and odd halves
+(q.kv = q_even.kv_even + q_odd.kv_odd) so the FP4 nibbles never interleave; it loads FP8 and bf16 rows with
+stride 2. Row formats (constexpr per segment): DENSE (bf16 rows), FP8 (E4M3 bytes + UE8M0 per 32), FP4 (E2M1
+pairs + E4M3 per 16).
 
 Numerics: the dequantized values are exact in bf16 (at most 5 significant bits), q enters the matrix
 units as bf16 (the model's q is bf16), the logits and the accumulator are fp32, the probabilities enter
@@ -42,8 +46,8 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
                             sink: torch.Tensor, window_idx: torch.Tensor, main_idx: torch.Tensor | None,
                             scale: float, force_triton: bool = False, variant: str = "auto") -> torch.Tensor:
     """See reference.sparse_attention_packed (same signature, same result within bf16 rounding). `variant`
-    picks the kernel ("auto": split for decode, tiles otherwise; "tiles" or "split" to compare them). The
-    reference also runs for what the kernel does not take unless forced: a head dim that is not a power of
+    picks the kernel ("auto": split for decode up to SPLIT_MAX_HEADS heads, PREFILL_VARIANT's for prefill,
+    tiles above; "tiles" or "split" to compare them). The reference also runs for what the kernel does not take unless forced: a head dim that is not a power of
     two >= 32, a q that is not bf16."""
     usable = force_triton or (supported(q, window_codes.size(-1)) and q.dtype == torch.bfloat16)
     if not usable or not use_triton(q, window_codes, main_codes, force=force_triton):
@@ -78,6 +82,17 @@ SPLIT_WARPS = 8  # 64 x 512 fp32 accumulator over 256 threads: 128 registers eac
 SPLIT_STAGES = 1
 SPLIT_BK = 32  # rows per tile at D >= 256
 SPLIT_PER_SM = 2  # programs aimed at per SM (rows x splits): fewer means fewer fp32 partials to write and merge
+# Query tokens per launch group of the split path (its partials hold one group at a time). A group of this many
+# rows gets one split per segment from split_config (rows >= SPLIT_PER_SM x SMs), 2 x H x D x 4 = 256 KiB of
+# fp32 partials per token at H = 64, D = 512: 256 MiB for the group, where a 32K-token prefill in one launch
+# would take 8 GiB. It still gives each launch 1024 programs per segment (~8 per SM on an H200's 132) and costs
+# a 4096-token prefill 4 x 3 launches; every decode batch up to 1024 sequences stays one group, as before.
+SPLIT_GROUP_ROWS = 1024
+# The kernel "auto" takes for prefill (T > 1). The split kernel takes prefill in bounded groups (tested under the
+# interpreter, compiled offline for sm_90 with the decode kernel's registers), but its prefill speed on the GPU
+# has not been measured against the tile kernel's yet (bench_sparse_attention times both; issue #24), so the
+# default stays the measured one until then.
+PREFILL_VARIANT = "tiles"
 
 
 def _launch(q, sink, scale, segments, variant="auto"):
@@ -86,7 +101,7 @@ def _launch(q, sink, scale, segments, variant="auto"):
         raise ValueError(f"sparse attention kernel needs a power-of-two head dim >= 32, got {D}")
     if variant not in VARIANTS:
         raise ValueError(f"sparse attention variant must be one of {VARIANTS}, got {variant!r}")
-    if variant == "split" or (variant == "auto" and T == 1 and H <= SPLIT_MAX_HEADS):
+    if variant == "split" or (variant == "auto" and H <= SPLIT_MAX_HEADS and (T == 1 or PREFILL_VARIANT == "split")):
         return _launch_split(q, sink, scale, segments)
     return _launch_tiles(q, sink, scale, segments)
 
@@ -131,7 +146,7 @@ def _sm_count(device) -> int:
 @opaque
 def _launch_split(q, sink, scale, segments):
     """Flash-decoding: split_kernel over (token, split) for each segment, all heads per program, then
-    combine_kernel merges the splits with the sink."""
+    combine_kernel merges the splits with the sink; the B*T query tokens in groups of SPLIT_GROUP_ROWS."""
     import triton
 
     from dsv41.model.kernels._triton_sparse_attention import combine_kernel, split_kernel
@@ -141,16 +156,21 @@ def _launch_split(q, sink, scale, segments):
     o = torch.empty_like(q)
     sink = sink.float().contiguous()
     R = B * T
-    BK, tiles, seg_splits = split_config(R, [idx.size(-1) for _, _, _, idx in segments], D, _sm_count(q.device))
+    group_rows = max(1, min(R, SPLIT_GROUP_ROWS))
+    # one split choice for every group (a full group's, also the last, shorter one's): the partial buffer fits
+    # each group, and a token's splits do not depend on the group it falls in
+    counts = [idx.size(-1) for _, _, _, idx in segments]
+    BK, tiles, seg_splits = split_config(group_rows, counts, D, _sm_count(q.device))
     splits = max(sum(seg_splits), 1)
     BH = max(16, triton.next_power_of_2(H))
-    po = torch.empty(R, splits, H, D, dtype=torch.float32, device=q.device)
-    pm = torch.empty(R, splits, H, dtype=torch.float32, device=q.device)
-    pl = torch.empty(R, splits, H, dtype=torch.float32, device=q.device)
-    if sum(seg_splits) == 0:  # no index at all: every query sees only its sink, o = 0
+    po = torch.empty(group_rows, splits, H, D, dtype=torch.float32, device=q.device)
+    pm = torch.empty(group_rows, splits, H, dtype=torch.float32, device=q.device)
+    pl = torch.empty(group_rows, splits, H, dtype=torch.float32, device=q.device)
+    if sum(seg_splits) == 0:  # no index at all: every query sees only its sink, o = 0 (no launch writes these)
         pm.fill_(float("-inf"))
         pl.zero_()
         po.zero_()
+    launched = []  # (fmt, codes, scales, idx, first split, splits) of the segments that have indices
     split0 = 0
     for (fmt, codes, scales, idx), n in zip(segments, seg_splits):
         if n == 0:
@@ -158,22 +178,27 @@ def _launch_split(q, sink, scale, segments):
         codes = codes.contiguous()
         scales = codes if scales is None else scales.contiguous()
         idx = idx.to(torch.int32).expand(B, T, -1).contiguous()
-        split_kernel[(R, n)](q, sink, po, pm, pl, q.stride(0), q.stride(1), q.stride(2), T, H, float(scale),
-                             tiles, split0, splits, codes, scales, codes.stride(0), codes.stride(1),
-                             scales.stride(0), scales.stride(1), idx, idx.stride(0), idx.stride(1), idx.size(2),
-                             D=D, BH=BH, BK=BK, FMT=fmt, INTERPRET=interpreting(), num_warps=SPLIT_WARPS,
-                             num_stages=SPLIT_STAGES)
+        launched.append((fmt, codes, scales, idx, split0, n))
         split0 += n
     BHC, BD = 16, min(D, 128)
-    combine_kernel[(R, triton.cdiv(H, BHC), D // BD)](po, pm, pl, sink, o, o.stride(0), o.stride(1), o.stride(2),
-                                                       T, H, SPLITS=splits, D=D, BH=BHC, BD=BD,
-                                                       INTERPRET=interpreting(), num_warps=4)
+    for row0 in range(0, R, group_rows):
+        rows = min(group_rows, R - row0)
+        for fmt, codes, scales, idx, split0, n in launched:
+            split_kernel[(rows, n)](q, sink, po, pm, pl, q.stride(0), q.stride(1), q.stride(2), T, H, float(scale),
+                                    row0, tiles, split0, splits, codes, scales, codes.stride(0), codes.stride(1),
+                                    scales.stride(0), scales.stride(1), idx, idx.stride(0), idx.stride(1),
+                                    idx.size(2), D=D, BH=BH, BK=BK, FMT=fmt, INTERPRET=interpreting(),
+                                    num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES)
+        combine_kernel[(rows, triton.cdiv(H, BHC), D // BD)](po, pm, pl, sink, o, o.stride(0), o.stride(1),
+                                                              o.stride(2), T, H, row0, SPLITS=splits, D=D,
+                                                              BH=BHC, BD=BD, INTERPRET=interpreting(), num_warps=4)
     return o
 
 
 @opaque
 def _launch_tiles(q, sink, scale, segments):
-    """The first kernel: one program per (token, block of BH heads) walking the whole list (prefill)."""
+    """The first kernel: one program per (token, block of BH heads) walking the whole list (prefill by default,
+    `variant="tiles"`, and more heads than the split kernel's program holds)."""
     import triton
 
     B, T, H, D = q.shape

@@ -1,0 +1,73 @@
+"""Several engines in several processes (evals/engine_pool.py): the same outputs as one engine, token for
+token; reported as they finish; a worker's failure stops the run with its error; small runs stay here."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsv41.evals.batch_generate import GenRequest, generate
+from dsv41.evals.engine_pool import MIN_REQUESTS_PER_ENGINE, EnginePool, WorkerFailed, default_engines
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory):
+    from tests.checkpoints import make_small_checkpoint
+
+    return make_small_checkpoint(tmp_path_factory.mktemp("pool") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def loaded(small_ckpt):
+    from dsv41.model.checkpoint import load_model
+
+    return load_model(small_ckpt)
+
+
+def requests(tok, n):
+    """Prompts of mixed lengths and lengths of reply, thinking (ends with <think>) and not, a stop string."""
+    out = []
+    for k in range(n):
+        text = "Add: " + " ".join(str((k * 7 + j) % 10) for j in range(2 + k % 9))
+        ids = tok.encode(text + (" <think>" if k % 2 else ""), allow_special=True)
+        out.append(GenRequest(ids, max_new_tokens=4 + (k * 5) % 13, until=("\n\n",) if k % 3 == 0 else ()))
+    return out
+
+
+def same(a, b) -> bool:
+    """The outputs equal but for engine_seconds (a timing)."""
+    from dataclasses import replace
+
+    return [replace(o, engine_seconds=0.0) for o in a] == [replace(o, engine_seconds=0.0) for o in b]
+
+
+def test_two_engines_give_one_engines_outputs_token_for_token(loaded, small_ckpt):
+    from dsv41.model.engine import Generator
+
+    model, _, tok = loaded
+    reqs = requests(tok, 2 * MIN_REQUESTS_PER_ENGINE + 3)
+    alone = generate(model, tok, reqs, batch_size=4)
+    seen = []
+    with EnginePool(Generator(model, tok), small_ckpt, engines=2, batch_size=4) as pool:
+        pooled = generate(model, tok, reqs, batch_size=4, pool=pool, on_done=lambda i, o: seen.append(i))
+        assert len(pool._procs) == 1  # the worker ran (and stays for the next run)
+        again = pool.generate(reqs[:5], tok)  # a small run: this process only
+    assert same(pooled, alone) and same(again, alone[:5])
+    assert sorted(seen) == list(range(len(reqs)))  # each reported once
+
+
+def test_a_failing_worker_stops_the_run_with_its_error(loaded, tmp_path):
+    from dsv41.model.engine import Generator
+
+    model, _, tok = loaded
+    reqs = requests(tok, 2 * MIN_REQUESTS_PER_ENGINE)
+    with EnginePool(Generator(model, tok), tmp_path / "no-such-checkpoint", engines=2, batch_size=4) as pool:
+        with pytest.raises(WorkerFailed, match="engine worker 1 failed"):
+            pool.generate(reqs, tok)
+        assert pool._procs == []  # closed after the failure
+
+
+def test_default_engines():
+    assert default_engines("cuda") == 1
+    assert 1 <= default_engines("cpu") <= 8
+    with pytest.raises(ValueError):
+        EnginePool(None, ".", engines=0, batch_size=1)
