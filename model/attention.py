@@ -231,7 +231,7 @@ class Attention(nn.Module):
                 (main_codes, main_scales), top = cache.main_rows(src, n), shared.topk
         o = kernels_attention.sparse_attention_packed(q, *cache.window_rows(self.spec.id), main_codes, main_scales,
                                                       self.attn_sink, cache.window_index(self.spec.id), top,
-                                                      self.scale)
+                                                      self.scale, window_values=cache.window_decoded(self.spec.id))
         return self.output(o, freqs)
 
     def compress_step(self, x: torch.Tensor, cache, stop: int) -> None:

@@ -52,6 +52,12 @@ class BatchCache:
                              for l in range(args.n_layers)}
         self.window_scales = {l: torch.zeros(S, W, D // 32, dtype=torch.uint8, device=self.device)
                               for l in range(args.n_layers)}
+        # On the CPU the window rows also as the fp32 values they decode to, kept as they are written: the
+        # reference attention would otherwise decode every row's whole window at every step of every layer
+        # (a tenth of a 32-row step). The same values as decoding them there (the decode is elementwise).
+        # Kernels decode the packed bytes in registers, so CUDA keeps only those.
+        self.window_values = ({l: torch.zeros(S, W, D, dtype=torch.float32) for l in range(args.n_layers)}
+                              if self.device.type == "cpu" else None)
         self.window_floor = torch.zeros(args.n_layers, S, dtype=torch.long, device=self.device)
         self.floored = [False] * args.n_layers  # does any row of this layer have a window floor
         self.ratio = {l: args.compress_ratios[l] for l in args.kv_source_layers}
@@ -116,6 +122,8 @@ class BatchCache:
                     raise ValueError("a training (differentiable) cache cannot join a batch")
                 self.window_codes[l][row] = ring.parts[0][0]
                 self.window_scales[l][row] = ring.parts[1][0]
+                if self.window_values is not None:
+                    self.window_values[l][row] = _decoded(ring.parts[0][0], ring.parts[1][0])
                 self.dtype = ring.dtype
             floor = kv.window_floor.get(l, 0)
             self.window_floor[l, row] = floor
@@ -189,6 +197,8 @@ class BatchCache:
         for l in range(self.args.n_layers):
             self.window_codes[l][dst] = self.window_codes[l][src]
             self.window_scales[l][dst] = self.window_scales[l][src]
+            if self.window_values is not None:
+                self.window_values[l][dst] = self.window_values[l][src]
         self.window_floor[:, dst] = self.window_floor[:, src]
         n_max = self.entries_needed(self.lengths[src])
         for l in self.ratio:
@@ -267,9 +277,15 @@ class BatchCache:
         slots = self.positions[:self.rows] % self.window_size
         self.window_codes[layer_id][rows, slots] = packed[0][:, 0]
         self.window_scales[layer_id][rows, slots] = packed[1][:, 0]
+        if self.window_values is not None:
+            self.window_values[layer_id][rows, slots] = _decoded(packed[0][:, 0], packed[1][:, 0])
 
     def window_rows(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.window_codes[layer_id][:self.rows], self.window_scales[layer_id][:self.rows]
+
+    def window_decoded(self, layer_id: int) -> torch.Tensor | None:
+        """The window rows as fp32 values [R, W, D] (CPU; None on CUDA): window_rows decoded."""
+        return self.window_values[layer_id][:self.rows] if self.window_values is not None else None
 
     def open_group(self, layer_id: int, kv: torch.Tensor, score: torch.Tensor):
         """Add this step's projections (kv, score [R, 1, D] fp32) to each row's open group; return the
@@ -335,3 +351,8 @@ class BatchCache:
             main += sum(t[row, :n].nbytes for t in self.main[l])
             keys += sum(t[row, :n].nbytes for t in self.index_keys[l])
         return {"main": main, "index_keys": keys, "window": ring}
+
+
+def _decoded(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Window bytes (FP8 E4M3 + UE8M0 per 32) -> their fp32 values."""
+    return WINDOW_CODEC.unpack((codes, scales), torch.float32)

@@ -141,6 +141,13 @@ def test_rows_move_free_and_reload(tiny_model):
     for k in "acd":
         got = torch.stack(seen[k])
         assert torch.equal(got, alone[k][:len(got)]), k
+    # the decoded window the CPU step reads (BatchCache.window_values) is the packed window decoded, after the
+    # loads, the move and the ring writes
+    from dsv41.model import formats
+
+    for layer, values in cache.window_values.items():
+        decoded = formats.unpack_fp8_ue8m0(cache.window_codes[layer], cache.window_scales[layer])
+        assert torch.equal(values[:3].view(torch.int32), decoded[:3].view(torch.int32)), layer
 
 
 @torch.inference_mode()

@@ -68,15 +68,18 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
 def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
                             main_codes: torch.Tensor | None, main_scales: torch.Tensor | None,
                             sink: torch.Tensor, window_idx: torch.Tensor, main_idx: torch.Tensor | None,
-                            scale: float) -> torch.Tensor:
+                            scale: float, window_values: torch.Tensor | None = None) -> torch.Tensor:
     """Sparse MQA with a sink over packed KV.
 
     q [B,T,H,D]; window rows packed FP8 E4M3 + UE8M0 per 32 (codes [B,W,D] uint8, scales [B,W,D/32] uint8);
     main rows packed E2M1 + E4M3 per 16 (codes [B,N,D/2] uint8, scales [B,N,D/16] uint8), or None (a
     window-only layer); window_idx [B,T,Kw] into the window rows, main_idx [B,T,Km] into the main rows,
     -1 = empty. Returns [B,T,H,D] in q's dtype: sparse_attention over [window ; main] with the indices
-    concatenated, the main ones shifted by W."""
-    window = formats.unpack_fp8_ue8m0(window_codes, window_scales, formats.FP8_BLOCK, torch.float32)
+    concatenated, the main ones shifted by W. window_values: the window rows already decoded to fp32 (a
+    BatchCache keeps them as it writes them), used instead of decoding window_codes and window_scales."""
+    if window_values is None:
+        window_values = formats.unpack_fp8_ue8m0(window_codes, window_scales, formats.FP8_BLOCK, torch.float32)
+    window = window_values
     kv, idx = window, window_idx
     if main_codes is not None and main_idx is not None:
         B, T, K = main_idx.shape

@@ -44,15 +44,17 @@ DENSE, FP8, FP4, NONE = 0, 1, 2, 3
 def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
                             main_codes: torch.Tensor | None, main_scales: torch.Tensor | None,
                             sink: torch.Tensor, window_idx: torch.Tensor, main_idx: torch.Tensor | None,
-                            scale: float, force_triton: bool = False, variant: str = "auto") -> torch.Tensor:
+                            scale: float, force_triton: bool = False, variant: str = "auto",
+                            window_values: torch.Tensor | None = None) -> torch.Tensor:
     """See reference.sparse_attention_packed (same signature, same result within bf16 rounding). `variant`
     picks the kernel ("auto": split for decode up to SPLIT_MAX_HEADS heads, PREFILL_VARIANT's for prefill,
     tiles above; "tiles" or "split" to compare them). The reference also runs for what the kernel does not take unless forced: a head dim that is not a power of
-    two >= 32, a q that is not bf16."""
+    two >= 32, a q that is not bf16. window_values: the window rows decoded (the reference's shortcut; the
+    kernel decodes the bytes itself)."""
     usable = force_triton or (supported(q, window_codes.size(-1)) and q.dtype == torch.bfloat16)
     if not usable or not use_triton(q, window_codes, main_codes, force=force_triton):
         return reference.sparse_attention_packed(q, window_codes, window_scales, main_codes, main_scales, sink,
-                                                 window_idx, main_idx, scale)
+                                                 window_idx, main_idx, scale, window_values)
     segments = [(FP8, window_codes, window_scales, window_idx)]
     if main_codes is not None and main_idx is not None:
         segments.append((FP4, main_codes, main_scales, main_idx))
