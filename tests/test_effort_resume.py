@@ -44,7 +44,7 @@ def without_timings(doc: dict) -> dict:
 
 def test_bare_command_sweeps_the_bundled_task_into_runs(tmp_path):
     """No TASK: tiny-reasoning at the five preset efforts, into ./runs/effort-sweep/tiny-reasoning/
-    with the figure, and says where. (The default --limit, 30, took 3 min 41 s on 2 cores:
+    with the figure, and says where. (The default --limit, 30, took 17 s on 2 cores with two engines:
     docs/evaluation.md; here a small --limit keeps it to CI time.)"""
     pytest.importorskip("matplotlib")
     from dsv41.model.assets import bundled_model_dir
