@@ -5,7 +5,9 @@ torch thread, `dsv41_cli.common.tune_threads`), so a run of hundreds of requests
 `dsv41 eval`'s generate_until) uses one core of the machine. An `EnginePool` of N engines is this process's
 engine plus N-1 worker processes, each loading the same checkpoint and running its own scheduler at one
 thread. Requests go into one shared queue and each engine takes the next one when a row of its batch frees,
-so the engines stay busy to the end of the run whatever the requests' lengths.
+so the engines stay busy to the end of the run whatever the requests' lengths. `generate` takes evaluation
+requests (GenRequest -> GenOutput: `dsv41 effort-sweep`, `dsv41 eval`), `generate_many` the engine's own
+Requests (-> GenerationResult: `dsv41 generate --input-file`).
 
 A request's tokens do not depend on the engine or the batch it decodes in (batch invariance,
 docs/generation.md), so the results are those of one engine, token for token (tests/test_engine_pool.py);
@@ -52,6 +54,8 @@ class EnginePool:
     def __init__(self, generator, model_dir: str | os.PathLike, engines: int, batch_size: int):
         if engines < 1 or batch_size < 1:
             raise ValueError("engines and batch_size must be at least 1")
+        if engines > 1 and str(generator.device) != "cpu":
+            raise ValueError("several engines run on the CPU only (each worker loads the checkpoint there)")
         self.generator, self.model_dir = generator, str(model_dir)
         self.engines, self.batch_size = engines, batch_size
         self._ctx = multiprocessing.get_context("spawn")
@@ -103,9 +107,25 @@ class EnginePool:
         on_done(i, output) as each finishes (in this process)."""
         from dsv41.evals.batch_generate import generate
 
-        if self.engines == 1 or len(requests) < MIN_REQUESTS_PER_ENGINE * 2:
+        if not self.spreads(requests):
             return generate(self.generator.model, tokenizer, requests, batch_size=self.batch_size, on_done=on_done,
                             generator=self.generator)
+        return self._run(requests, tokenizer, on_done)
+
+    def generate_many(self, requests: Sequence, on_done=None) -> list:
+        """Generator.generate_many over the pool for engine Requests (model/engine.py) that a worker can take:
+        no `on_token` hook and no prefix cache (objects of this process); GenerationResults in request order,
+        on_done(i, result) as each finishes. Other requests, or too few, run in this process."""
+        if not self.spreads(requests) or any(r.on_token is not None or r.config.prefix_cache is not None
+                                              for r in requests):
+            return self.generator.generate_many(list(requests), max_batch_size=self.batch_size, on_done=on_done)
+        return self._run(requests, self.generator.tokenizer, on_done)
+
+    def spreads(self, requests: Sequence) -> bool:
+        """Whether a run of these requests goes to several engines (else it stays in this process)."""
+        return self.engines > 1 and len(requests) >= MIN_REQUESTS_PER_ENGINE * 2
+
+    def _run(self, requests, tokenizer, on_done):
         if not self._procs:
             self._start()
         results: list[GenOutput | None] = [None] * len(requests)
@@ -157,9 +177,9 @@ class EnginePool:
 
 
 def _serve(generator, tokenizer, tasks, batch_size, report, poll=None, complete=None, share=None) -> None:
-    """One engine's loop: take requests (i, GenRequest, share) from `tasks` while fewer than `share` (the
-    run's share of an engine, at most batch_size) are in flight, step, report what finished (report(i,
-    GenOutput)). The parent process passes poll(block), called between steps (the workers' results), and
+    """One engine's loop: take requests (i, request, share) from `tasks` while fewer than `share` (the run's
+    share of an engine, at most batch_size) are in flight, step, report what finished (report(i, GenOutput)
+    for a GenRequest, report(i, GenerationResult) for an engine Request). The parent process passes poll(block), called between steps (the workers' results), and
     complete(), which ends the loop; a worker passes neither, waits for requests when idle and ends on None."""
     import torch
 
@@ -178,11 +198,16 @@ def _serve(generator, tokenizer, tasks, batch_size, report, poll=None, complete=
                 if item is None:  # a worker's stop
                     return
                 i, request, share = item
-                rows[i], engine_req = engine_request(request, tokenizer)
-                scheduler.submit(engine_req, key=i)
+                if isinstance(request, GenRequest):  # evaluation: its row reads the answer out of the tokens
+                    rows[i], request = engine_request(request, tokenizer)
+                else:  # an engine Request as it is: its GenerationResult comes back
+                    rows[i] = None
+                scheduler.submit(request, key=i)
             if rows:
                 for i, result in scheduler.step():
-                    report(i, rows.pop(i).result(result.finish_reason, result.budget_forced, result.engine_seconds))
+                    row = rows.pop(i)
+                    report(i, result if row is None else
+                           row.result(result.finish_reason, result.budget_forced, result.engine_seconds))
             if poll is not None:
                 poll(not rows)
 

@@ -71,3 +71,25 @@ def test_default_engines():
     assert 1 <= default_engines("cpu") <= 8
     with pytest.raises(ValueError):
         EnginePool(None, ".", engines=0, batch_size=1)
+
+
+def test_generate_input_file_on_two_engines_writes_one_engines_replies(small_ckpt, tmp_path):
+    """`dsv41 generate --input-file` spreads the file over the engines (its requests as the engine takes them,
+    no hook or prefix cache): the same replies, in the file's order, as with one engine."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    prompts = "\n\n".join(f"Add: {k} {k + 3} {2 * k % 7}" for k in range(2 * MIN_REQUESTS_PER_ENGINE + 1))
+    (tmp_path / "in.txt").write_text(prompts + "\n")
+    replies = {}
+    for engines in (1, 2):
+        r = subprocess.run([sys.executable, "-m", "dsv41_cli", "generate", "--model", str(small_ckpt), "--input-file",
+                            str(tmp_path / "in.txt"), "--max-new-tokens", "6", "--temperature", "0", "--json",
+                            "--engines", str(engines)], capture_output=True, text=True, cwd=tmp_path,
+                           env={**os.environ, "DSV41_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        docs = [json.loads(line) for line in r.stdout.splitlines()]
+        replies[engines] = [(d["prompt_tokens"], d["output_ids"], d["finish_reason"]) for d in docs]
+    assert len(replies[1]) == 2 * MIN_REQUESTS_PER_ENGINE + 1 and replies[2] == replies[1]

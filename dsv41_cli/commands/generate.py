@@ -68,6 +68,10 @@ def command(
                                                    help="--input-file: the prompts in flight reserve their prompt and "
                                                    "--max-new-tokens; at most this many positions in all (default: "
                                                    "--max-batch-size x the model's context)."),
+    engines: int = typer.Option(0, "--engines", min=0, show_default=False,
+                                help="--input-file: engines decoding at once on the CPU, one process each with "
+                                     "--max-batch-size rows (default: one per CPU core, at most 8; 1 on a GPU). The "
+                                     "replies do not depend on it."),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On CUDA, replay the decode step "
                                      "from CUDA graphs (DSV41_CUDA_GRAPHS=0 also turns them off)."),
     print_prompt: bool = typer.Option(False, "--print-prompt", help="Print the exact prompt text and exit (no weights loaded)."),
@@ -95,6 +99,9 @@ def command(
 
     # one process, or one rank of `torchrun --nproc-per-node N -m dsv41_cli generate`: rank 0 owns the console
     ctx = start_ranks(device)
+    if engines > 1 and (ctx.distributed or ctx.device != "cpu"):
+        fail(f"--engines {engines}: several engines run on the CPU in one command (one process each), not on "
+             f"{ctx.device} or under torchrun")
     if from_stdin:
         prompt = ctx.on_main(_read_stdin_prompt, prompt == "-")  # rank 0 reads it; every rank gets it
         _check_prompt(prompt, "the prompt read from stdin", bool(image))
@@ -172,9 +179,17 @@ def command(
         _interactive(engine, tokenizer, config, mode, effort_value, system, tool_list, image_blocks, ctx)
         return
     if input_file is not None:  # the whole file to the engine at once; replies in the file's order
+        from dsv41.evals.engine_pool import EnginePool, default_engines
+
+        # several engines (worker processes, evals/engine_pool.py) where each can take its share: the CPU, one
+        # process of the command, no token budget across the whole batch, no prefix cache (this process's)
+        spread = not ctx.distributed and max_batch_tokens is None and prefix_cache is None
+        pool = EnginePool(engine, model_dir, (engines or default_engines(ctx.device)) if spread else 1, max_batch_size)
         try:
-            run_batch(engine, tokenizer, config, [encode(msgs) for msgs in batch], mode, as_json, notes=ctx.is_main,
-                      max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens)
+            with pool:
+                run_batch(engine, tokenizer, config, [encode(msgs) for msgs in batch], mode, as_json,
+                          notes=ctx.is_main, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
+                          pool=pool)
         except ContextFull as e:
             fail(str(e))
         return
@@ -421,11 +436,12 @@ def run_one(engine, tokenizer, config, prompt_text: str, mode: str, stream: bool
 
 
 def run_batch(engine, tokenizer, config, encoded: list[tuple], mode: str, as_json: bool, notes: bool,
-              max_batch_size: int = 32, max_batch_tokens: int | None = None) -> None:
+              max_batch_size: int = 32, max_batch_tokens: int | None = None, pool=None) -> None:
     """`--input-file`: every prompt (encoded: (prompt text, image records)) to the engine at once
-    (continuous batching). Replies come out in the file's order, each as soon as it and every reply
-    before it are done: a JSON line each with --json (flushed), else the reply as `generate` streams it
-    (reasoning dimmed, then the answer, then the stats line), written whole."""
+    (continuous batching; over the engines of `pool`, an evals.engine_pool.EnginePool, when given). Replies
+    come out in the file's order, each as soon as it and every reply before it are done: a JSON line each
+    with --json (flushed), else the reply as `generate` streams it (reasoning dimmed, then the answer, then
+    the stats line), written whole."""
     from dsv41.model.engine import Request, RequestTooLarge
 
     prepared = [_prepare(engine, tokenizer, config, text, records, None, notes) for text, records in encoded]
@@ -452,7 +468,11 @@ def run_batch(engine, tokenizer, config, encoded: list[tuple], mode: str, as_jso
             shown[0] += 1
 
     try:
-        engine.generate_many(requests, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, on_done=done)
+        if pool is not None and max_batch_tokens is None:
+            pool.generate_many(requests, on_done=done)
+        else:
+            engine.generate_many(requests, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
+                                 on_done=done)
     except RequestTooLarge as e:
         fail(f"--max-batch-tokens: {e}")
 
