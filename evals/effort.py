@@ -153,7 +153,8 @@ def run_sweep(model, tokenizer, task: GenerationTask, efforts: Sequence[int] = D
     todo = [(effort, i) for effort in sorted(efforts, reverse=True) for i in range(len(items))
             if i not in rows[effort]]
     if progress:
-        progress.start(f"{task.name} · efforts {', '.join(map(str, efforts))}", len(items) * len(efforts))
+        label = f"effort {efforts[0]}" if len(efforts) == 1 else f"{len(efforts)} efforts"
+        progress.start(f"{task.name} · {label}", len(items) * len(efforts))
         progress.advance(len(items) * len(efforts) - len(todo))
 
     def done(j, o):
