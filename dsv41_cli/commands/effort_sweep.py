@@ -177,7 +177,7 @@ def command(
                     raise
                 fail(explain_failure(e))
     except KeyboardInterrupt:
-        pool.close()
+        pool.close()  # the workers stop before the line below (finally closes again: a no-op)
         progress.stop()
         done = store.items_done() if bundled else len(store.on_disk())
         err.print(f"interrupted: {done} of {total} done, kept in {out_dir}; run the same command again to resume",

@@ -184,9 +184,9 @@ def command(
         # several engines (worker processes, evals/engine_pool.py) where each can take its share: the CPU, one
         # process of the command, no token budget across the whole batch, no prefix cache (this process's)
         spread = not ctx.distributed and max_batch_tokens is None and prefix_cache is None
-        pool = EnginePool(engine, model_dir, (engines or default_engines(ctx.device)) if spread else 1, max_batch_size)
+        pool = EnginePool(engine, model_dir, engines or default_engines(ctx.device), max_batch_size) if spread else None
         try:
-            with pool:
+            with pool or contextlib.nullcontext():
                 run_batch(engine, tokenizer, config, [encode(msgs) for msgs in batch], mode, as_json,
                           notes=ctx.is_main, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
                           pool=pool)
@@ -468,7 +468,7 @@ def run_batch(engine, tokenizer, config, encoded: list[tuple], mode: str, as_jso
             shown[0] += 1
 
     try:
-        if pool is not None and max_batch_tokens is None:
+        if pool is not None:
             pool.generate_many(requests, on_done=done)
         else:
             engine.generate_many(requests, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
