@@ -70,6 +70,9 @@ SUBS: dict[str, Sub] = {
                         "(8K / 128K / 1M context)", "gpu-unless-tiny"),
     "ced": Sub("bench_ced.py", "CED replay prefill against full, 32K prompt", "gpu-unless-tiny", quick=(),
                quick_note="accepted, changes nothing: one prompt and one chunk size, no timing window"),
+    "profile-prefill": Sub("profile_prefill.py", "GPU time of one 4096-token prefill chunk of the stack, by "
+                           "kernel (torch.profiler)", "gpu-unless-tiny", quick=(),
+                           quick_note="accepted, changes nothing: one chunk is profiled"),
     "launches": Sub("bench_launches.py", "kernel launches per Reuse layer, eager and from a CUDA graph",
                     "gpu-unless-tiny", quick=(), quick_note="accepted, changes nothing: it counts, it does not time"),
     "e2e": Sub("bench_e2e.py", "the tiny random model decoding (GPU and CPU) and launches per Reuse layer",

@@ -52,7 +52,23 @@ def prefill_time(model, ids: torch.Tensor, chunk: int, mode: str) -> dict:
             "estimate_40_layers_s": comp["estimate_40_layers_s"], **fs.memory_note()}
 
 
-def run(json_path=None, device=None, tiny=False, tokens=None, chunks=None, experts=None, quick=False):
+def run(json_path=None, device=None, tiny=False, tokens=None, chunks=None, experts=None, quick=False,
+        prefill_variants=None):
+    """prefill_variants: the sparse attention kernels to run the prefill with, each in turn in this run
+    (model/kernels/sparse_attention.py PREFILL_VARIANT: "tiles", "split"); default the module's own."""
+    from dsv41.model.kernels import sparse_attention
+
+    default_variant = sparse_attention.PREFILL_VARIANT
+    variants = prefill_variants or [default_variant]
+    try:
+        return _run(json_path, device, tiny, tokens, chunks, experts, variants)
+    finally:
+        sparse_attention.PREFILL_VARIANT = default_variant
+
+
+def _run(json_path, device, tiny, tokens, chunks, experts, variants):
+    from dsv41.model.kernels import sparse_attention
+
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
     tokens = tokens or (256 if tiny else 32768)
@@ -68,19 +84,21 @@ def run(json_path=None, device=None, tiny=False, tokens=None, chunks=None, exper
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, args.vocab_size, (1, tokens), generator=g).to(device)
     results, comparisons, failures = [], [], []
-    for chunk in chunks:
+    for chunk, variant in [(c, v) for c in chunks for v in variants]:
+        sparse_attention.PREFILL_VARIANT = variant
         got = {}
         for mode in ("full", "replay"):
             try:
-                r = prefill_time(model, ids, chunk, mode)
+                r = {**prefill_time(model, ids, chunk, mode), "prefill_attention": variant}
                 got[mode] = r
                 results.append(r)
-                print(f"{mode:7s} chunk {chunk}: {r['seconds']:.3f} s ({r['tokens_per_s']:.0f} tokens/s), "
+                print(f"{mode:7s} chunk {chunk} ({variant}): {r['seconds']:.3f} s ({r['tokens_per_s']:.0f} tokens/s), "
                       f"decoder tokens {r['decoder_tokens']}, 40-layer estimate {r['estimate_40_layers_s']:.3f} s",
                       flush=True)
                 print("    per layer ms: " + "  ".join(f"{k}:{v:.1f}" for k, v in r["layer_ms"].items()))
             except Exception as e:
-                failures.append({"mode": mode, "chunk": chunk, "error": f"{type(e).__name__}: {e}"[:2000],
+                failures.append({"mode": mode, "chunk": chunk, "prefill_attention": variant,
+                                 "error": f"{type(e).__name__}: {e}"[:2000],
                                  "oom": fs.is_oom(e)})
                 print(f"!! {mode} chunk {chunk}: {type(e).__name__}: {str(e)[:500]}", flush=True)
                 traceback.print_exc()
@@ -89,7 +107,7 @@ def run(json_path=None, device=None, tiny=False, tokens=None, chunks=None, exper
             if json_path:  # after every mode: a timeout later still leaves this
                 _write(json_path, info, results, comparisons, failures)
         if len(got) == 2:
-            c = {"chunk": chunk, "prompt_tokens": tokens,
+            c = {"chunk": chunk, "prompt_tokens": tokens, "prefill_attention": variant,
                  "speedup_stack": got["full"]["seconds"] / got["replay"]["seconds"],
                  "speedup_40_layer_estimate": got["full"]["estimate_40_layers_s"] / got["replay"]["estimate_40_layers_s"],
                  "target": TARGET}
@@ -98,12 +116,14 @@ def run(json_path=None, device=None, tiny=False, tokens=None, chunks=None, exper
         if json_path:
             _write(json_path, info, results, comparisons, failures)
     print(f"\n== CED replay vs full prefill, {tokens} prompt tokens ({args.name}, {args.n_routed_experts} experts)")
-    print(f"{'chunk':>6s} {'full s':>9s} {'replay s':>9s} {'speedup':>8s} {'40-layer est.':>14s} {'target':>7s}")
+    print(f"{'chunk':>6s} {'attention':>9s} {'full s':>9s} {'replay s':>9s} {'speedup':>8s} {'40-layer est.':>14s} "
+          f"{'target':>7s}")
     for c in comparisons:
-        full = next(r for r in results if r["chunk"] == c["chunk"] and r["mode"] == "full")
-        rep = next(r for r in results if r["chunk"] == c["chunk"] and r["mode"] == "replay")
-        print(f"{c['chunk']:6d} {full['seconds']:9.3f} {rep['seconds']:9.3f} {c['speedup_stack']:8.2f} "
-              f"{c['speedup_40_layer_estimate']:14.2f} {'>= ' + str(TARGET):>7s}")
+        same = [r for r in results if r["chunk"] == c["chunk"] and r["prefill_attention"] == c["prefill_attention"]]
+        full = next(r for r in same if r["mode"] == "full")
+        rep = next(r for r in same if r["mode"] == "replay")
+        print(f"{c['chunk']:6d} {c['prefill_attention']:>9s} {full['seconds']:9.3f} {rep['seconds']:9.3f} "
+              f"{c['speedup_stack']:8.2f} {c['speedup_40_layer_estimate']:14.2f} {'>= ' + str(TARGET):>7s}")
     for f in failures:
         print(f"  FAILED {f['mode']} chunk {f['chunk']}: {f['error'][:200]}")
     return comparisons
@@ -124,5 +144,7 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", type=int, help="prompt tokens (default 32768)")
     ap.add_argument("--chunks", type=int, nargs="*", help="prefill chunk sizes (default 4096)")
     ap.add_argument("--experts", type=int)
+    ap.add_argument("--prefill-variants", nargs="*", choices=("tiles", "split"),
+                    help="sparse attention kernels for the prefill, each timed in turn (default: the model's own)")
     a = ap.parse_args()
-    run(a.json, a.device, a.tiny, a.tokens, a.chunks, a.experts)
+    run(a.json, a.device, a.tiny, a.tokens, a.chunks, a.experts, prefill_variants=a.prefill_variants)

@@ -85,7 +85,7 @@ def cases(quick: bool):
                ("x_ptr", "y_ptr", "K", "stride_x", "stride_y"), 4, 3)
         yield ("split_sum", K.split_sum_kernel, dict(p_ptr="*fp32", y_ptr="*bf16", MN="i32"),
                dict(S=4, BLOCK=1024, INTERPRET=False), ("p_ptr", "y_ptr"), 4, 3)
-        yield ("combine", K.combine_kernel, dict(out_ptr="*bf16", pos_ptr="*i32", y_ptr="*fp32", T="i32", N="i32",
+        yield ("combine", K.expert_combine_kernel, dict(out_ptr="*bf16", pos_ptr="*i32", y_ptr="*fp32", T="i32", N="i32",
                                                  stride_o="i32", stride_y="i32"),
                dict(SLOTS=6, BT=16, BN=128), ("out_ptr", "y_ptr", "N", "stride_o", "stride_y"), 4, 3)
     u_types = dict(xq_ptr="*bf16", tok_ptr="*i32", wts_ptr="*fp32", tile_e_ptr="*i32", tile_r_ptr="*i32",
@@ -94,13 +94,15 @@ def cases(quick: bool):
     d_types = dict(h_ptr="*bf16", tile_e_ptr="*i32", tile_r_ptr="*i32", off_ptr="*i32", base_ptr="*u8",
                    table_ptr="*i64", out_ptr="*bf16", E="i32", K="i32", KP="i32", N="i32", stride_h="i32",
                    stride_o="i32", stride_wn="i32", stride_sn="i32")
-    for BM, w in ((16, 4),) if quick else ((16, 4), (32, 4), (64, 8)):
+    shapes = ((16, 4, False), (16, 4, True)) if quick else (
+        (16, 4, False), (32, 4, False), (64, 8, False), (16, 4, True), (64, 8, True))
+    for BM, w, dec16 in shapes:  # dec16: the FP4 weights decoded to bf16 (bench_experts --sweep)
         yield ("experts up", K.expert_up_kernel, u_types,
                dict(HAS_LIMIT=True, W_FP4=True, QA=32, QW=32, ALIGNED=True, NK=80, BM=BM, BN=64, BK=64,
-                    INTERPRET=False),
+                    INTERPRET=False, DEC16=dec16),
                ("xq_ptr", "base_ptr", "h_ptr", "K", "KP", "N", "stride_x", "stride_h", "stride_wn", "stride_sn"), w, 3)
         yield ("experts down", K.expert_down_kernel, d_types,
-               dict(W_FP4=True, QW=32, ALIGNED=True, NK=36, BM=BM, BN=64, BK=64, INTERPRET=False),
+               dict(W_FP4=True, QW=32, ALIGNED=True, NK=36, BM=BM, BN=64, BK=64, INTERPRET=False, DEC16=dec16),
                ("h_ptr", "base_ptr", "out_ptr", "K", "KP", "N", "stride_h", "stride_o", "stride_wn"), w, 3)
 
 
@@ -126,7 +128,7 @@ def sparse_attention_cases(quick: bool):
             yield ("sparse split" if i == 0 else "sparse split alt", S.split_kernel,
                    dict(split_types, codes_ptr="*bf16", scales_ptr="*bf16") if fmt == sa.DENSE else split_types,
                    dict(D=512, BH=BH, BK=BK, FMT=fmt, INTERPRET=False), split_div, w, st)
-    yield ("sparse combine", S.combine_kernel,
+    yield ("sparse combine", S.split_combine_kernel,
            dict(po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", sink_ptr="*fp32", o_ptr="*bf16", stride_ob="i32",
                 stride_ot="i32", stride_oh="i32", T="i32", H="i32", ROW0="i32"),
            dict(SPLITS=5, D=512, BH=16, BD=128, INTERPRET=False), ("po_ptr", "o_ptr", "stride_ob", "stride_oh"), 4, 3)
@@ -138,7 +140,7 @@ def sparse_attention_cases(quick: bool):
                           stride_qh="i32", T="i32", H="i32", scale="fp32")
         tile_div = tuple(f"{p}_{k}" for p in "ab" for k in ("codes", "scales", "idx", "cr", "sr")) + (
             "q_ptr", "o_ptr", "stride_qb", "stride_qt", "stride_qh")
-        yield ("sparse tiles", S.kernel, tile_types,
+        yield ("sparse tiles", S.tiles_kernel, tile_types,
                dict(D2=256, BH=16, BK=32, FMT_A=sa.FP8, FMT_B=sa.FP4, INTERPRET=False), tile_div, 4, 3)
 
 
@@ -161,7 +163,7 @@ def indexer_mhc_cases(quick: bool):
     cases = ((False, 1, True),) if quick else ((False, 1, True), (False, 1, False), (False, 2, False), (True, 1, False))
     t = ix.TUNE
     for gather, BT, bf16 in cases:
-        yield (("indexer gather" if gather else "indexer dense") + (" bf16 scores" if bf16 else ""), I.kernel,
+        yield (("indexer gather" if gather else "indexer dense") + (" bf16 scores" if bf16 else ""), I.scores_kernel,
                dict(i_types, q_ptr="*bf16" if bf16 else "*fp32"),
                dict(DK2=64, HP=32, BT=BT, BN=t["BN"], GATHER=gather, MASK_VISIBLE=True, BF16_SCORES=bf16,
                     DECODE_BF16=t["decode_bf16"], HIST=BT == 1 and not gather, INTERPRET=False),

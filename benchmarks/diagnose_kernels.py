@@ -42,7 +42,7 @@ def main():
     idx = torch.cat([widx, midx], -1)
     dense = lambda: sa.sparse_attention(q, kv, sink, idx, 0.04)  # noqa: E731
     print(f"sparse attn decode B=64 bf16 rows (no decode): {bench(dense) * 1e6:.1f} us")
-    print("sparse attention kernels (regs, spills):", compiled_info(_triton_sparse_attention.kernel))
+    print("sparse attention kernels (regs, spills):", compiled_info(_triton_sparse_attention.tiles_kernel))
     from dsv41.model import formats
 
     qi = formats.mxfp4_fake_quant(torch.randn(4, 1, 32, 128, device="cuda"))
@@ -51,7 +51,7 @@ def main():
     ks = torch.randint(120, 130, (4, 65536, 4), dtype=torch.uint8, device="cuda")
     f = lambda: indexer_scores(qi, w, kc, ks)  # noqa: E731
     print(f"indexer dense 64K B=4: do_bench {bench(f) * 1e6:.1f} us, graph {graph_time(f) * 1e6:.1f} us")
-    print("indexer kernels (regs, spills):", compiled_info(_triton_indexer.kernel))
+    print("indexer kernels (regs, spills):", compiled_info(_triton_indexer.scores_kernel))
     x = torch.randn(4096, 1, 4, 5120, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(4096, 1, 5120, device="cuda", dtype=torch.bfloat16)
     pre, post, comb = (torch.rand(4096, 1, 4, device="cuda"), torch.rand(4096, 1, 4, device="cuda"),

@@ -49,10 +49,12 @@ def main() -> int:
     bench_gemm.VARIANTS = (("wq_a", 1, dict(split=2)), ("wo_b", 16, dict(fuse=False)))
     bench_experts.DIM, bench_experts.INTER, bench_experts.N_EXPERTS, bench_experts.TOPK = 64, 96, 6, 2
     bench_experts.T_LIST, bench_experts.REF_MAX_T = (1, 20), 1
+    bench_experts.SWEEP_T = (20,)
+    bench_experts.SWEEP = (("dec16", dict(dec16=True)), ("BN32 dec16", dict(BN=32, dec16=True)))
     bench_gemm.run(str(out / "gemm.json"))
-    bench_experts.run(str(out / "experts.json"))
+    bench_experts.run(str(out / "experts.json"), sweep=True)
     every = {}
-    for name, n in (("gemm", 6), ("experts", 2)):
+    for name, n in (("gemm", 6), ("experts", 5)):
         rows = json.loads((out / f"{name}.json").read_text())["rows"]
         assert len(rows) == n, (name, len(rows))
         every[name] = rows

@@ -78,8 +78,34 @@ def test_cpu_subcommand_writes_its_json(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["benchmark"] == "smoke_cpu"
-    assert len(data["rows"]["gemm"]) == 6 and len(data["rows"]["experts"]) == 2
-    assert all(r["us"] > 0 and r["floor_us"] > 0 for rows in data["rows"].values() for r in rows)
+    assert len(data["rows"]["gemm"]) == 6 and len(data["rows"]["experts"]) == 5
+    cases = [r for rows in data["rows"].values() for r in rows if r["kernel"] != "routed_experts_sweep"]
+    assert len(cases) == 8 and all(r["us"] > 0 and r["floor_us"] > 0 for r in cases)
+    sweep = [r for r in data["rows"]["experts"] if r["kernel"] == "routed_experts_sweep"]
+    # the default first, then each configuration against it (the interpreter sums every tile in the same order)
+    assert [r["case"] for r in sweep] == ["T=20 default", "T=20 dec16", "T=20 BN32 dec16"]
+    assert all(r["same_values_as_default"] and r["graph_over_default"] > 0 for r in sweep[1:])
+
+
+def test_profile_prefill_groups_kernels_into_families(tmp_path):
+    """profile_prefill's tiny CPU run writes its table, and the model's Triton kernels are told apart by name."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from profile_prefill import family
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert family("expert_up_kernel") == "experts: up (Triton)"
+    assert family("expert_combine_kernel") == "experts: combine (Triton)"
+    assert family("split_combine_kernel") == family("tiles_kernel") == "sparse attention (Triton)"
+    assert family("scores_kernel") == "indexer (Triton)"
+    assert family("void at::native::index_elementwise_kernel<128, 4>") == "torch gather / scatter / index"
+    assert family("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "cuBLAS / CUTLASS GEMM"
+    out = tmp_path / "p.json"
+    proc = cli("profile-prefill", "--tiny", "--json", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["chunk"] == 64 and data["context_before"] == 64 and data["families"]
+    assert abs(sum(f["share"] for f in data["families"]) - 1) < 1e-6
 
 
 def test_host_kernels_benchmark_compares_in_one_process(tmp_path):

@@ -213,8 +213,9 @@ def test_sparse_attention_split_matches_tiles_interpreted():
 
 @interp
 def test_sparse_attention_prefill_takes_split_in_row_groups_interpreted(monkeypatch):
-    """Prefill (T > 1) with variant "auto" takes the tile kernel by default (PREFILL_VARIANT), and the split path
-    where PREFILL_VARIANT says "split" (the tile kernel still above SPLIT_MAX_HEADS heads). Its query tokens go through in groups of SPLIT_GROUP_ROWS: with groups of 3 over B=2 x T=4 (rows
+    """Prefill (T > 1) with variant "auto" takes the split kernel by default (PREFILL_VARIANT), the tile kernel
+    where PREFILL_VARIANT says "tiles" and above SPLIT_MAX_HEADS heads. The split path's query tokens go through
+    in groups of SPLIT_GROUP_ROWS: with groups of 3 over B=2 x T=4 (rows
     0-2, then 3-5 across the batch rows, then a shorter 6-7) the output is bit for bit the one-group output
     (same split choice, same per-token work) and matches the reference; the empty query stays 0."""
     from dsv41.model.kernels import _triton_sparse_attention as kernels
@@ -226,18 +227,20 @@ def test_sparse_attention_prefill_takes_split_in_row_groups_interpreted(monkeypa
         monkeypatch.setattr(sparse_attention, f"_launch_{kind}",
                             lambda *a, _f=launch, _k=kind: calls.append(_k) or _f(*a))
 
-    class CountedCombine:  # combine_kernel[grid]: one launch per group, grid[0] = the group's rows
-        def __getitem__(self, grid, _kernel=kernels.combine_kernel):
+    class CountedCombine:  # split_combine_kernel[grid]: one launch per group, grid[0] = the group's rows
+        def __getitem__(self, grid, _kernel=kernels.split_combine_kernel):
             combines.append(grid[0])
             return _kernel[grid]
 
-    monkeypatch.setattr(kernels, "combine_kernel", CountedCombine())
+    monkeypatch.setattr(kernels, "split_combine_kernel", CountedCombine())
     q, wc, ws, mc, ms, sink, widx, midx = attention_case(2, 4, 4, 64, 8, 20, 5, 70, seed=21)
     sink = sink * 3
-    sparse_attention.sparse_attention_packed(q, wc, ws, mc, ms, sink, widx, midx, 0.125, force_triton=True)
-    assert calls == ["tiles"] and sparse_attention.PREFILL_VARIANT == "tiles"
+    assert sparse_attention.PREFILL_VARIANT == "split"
+    with monkeypatch.context() as m:
+        m.setattr(sparse_attention, "PREFILL_VARIANT", "tiles")
+        sparse_attention.sparse_attention_packed(q, wc, ws, mc, ms, sink, widx, midx, 0.125, force_triton=True)
+    assert calls == ["tiles"]
     calls.clear()
-    monkeypatch.setattr(sparse_attention, "PREFILL_VARIANT", "split")
     B, T, H, D = q.shape
     assert B * T <= sparse_attention.SPLIT_GROUP_ROWS
     assert split_config(3, [5, 70], D, 132) == split_config(B * T, [5, 70], D, 132)  # what bit for bit needs

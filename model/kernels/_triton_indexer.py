@@ -77,7 +77,7 @@ def score_tile(hist, q_e, q_o, w, t_out, visible, b, tile, codes_ptr, scales_ptr
 # specialize them (divisible by 16 or not) and compile a second variant the first time N crosses a multiple of
 # 16 mid-decode: a 0.5 s stall per kernel variant, seen in the 8K decode row of bench_flash_layers.
 @triton.jit(do_not_specialize=["N", "C", "stride_ob", "stride_ot"])
-def kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, cand_ptr, vis_ptr, out_ptr, hist_ptr,
+def scores_kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, cand_ptr, vis_ptr, out_ptr, hist_ptr,
            T, H, N, C,
            stride_qb, stride_qt, stride_qh, stride_wb, stride_wt,
            stride_cb, stride_cr, stride_sb, stride_sr, stride_ib, stride_it, stride_ob, stride_ot,

@@ -81,7 +81,7 @@ def attend(acc_e, acc_o, m_i, l_i, q_e, q_o, scale, b, t,
 
 
 @triton.jit
-def kernel(q_ptr, o_ptr, sink_ptr, stride_qb, stride_qt, stride_qh, T, H, scale,
+def tiles_kernel(q_ptr, o_ptr, sink_ptr, stride_qb, stride_qt, stride_qh, T, H, scale,
            a_codes, a_scales, a_cb, a_cr, a_sb, a_sr, a_idx, a_ib, a_it, a_K,
            b_codes, b_scales, b_cb, b_cr, b_sb, b_sr, b_idx, b_ib, b_it, b_K,
            D2: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, FMT_A: tl.constexpr, FMT_B: tl.constexpr,
@@ -232,7 +232,7 @@ def split_kernel(q_ptr, sink_ptr, po_ptr, pm_ptr, pl_ptr, stride_qb, stride_qt, 
 
 
 @triton.jit
-def combine_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, o_ptr, stride_ob, stride_ot, stride_oh, T, H, ROW0,
+def split_combine_kernel(po_ptr, pm_ptr, pl_ptr, sink_ptr, o_ptr, stride_ob, stride_ot, stride_oh, T, H, ROW0,
                    SPLITS: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr,
                    INTERPRET: tl.constexpr):
     """Log-sum-exp merge of the splits of one token, for BH heads x BD columns, with the sink:

@@ -86,7 +86,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
 @opaque
 def _launch_scores(q, weights, key_codes, key_scales, visible, candidates, bf16_scores, _hist):
     """indexer_scores on the Triton path."""
-    from dsv41.model.kernels._triton_indexer import kernel
+    from dsv41.model.kernels._triton_indexer import scores_kernel
 
     B, T, H, DK = q.shape
     N = key_codes.size(1)
@@ -108,7 +108,7 @@ def _launch_scores(q, weights, key_codes, key_scales, visible, candidates, bf16_
            else torch.zeros(1, dtype=torch.int32, device=q.device))
     cand = candidates if gather else vis
     hist = _hist is not None and cfg["BT"] == 1
-    kernel[cfg["grid"]](q, weights, key_codes, key_scales, cand, vis, out, _hist if hist else vis, T, H, N, C,
+    scores_kernel[cfg["grid"]](q, weights, key_codes, key_scales, cand, vis, out, _hist if hist else vis, T, H, N, C,
                         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
                         key_codes.stride(0), key_codes.stride(1), key_scales.stride(0), key_scales.stride(1),
                         cand.stride(0) if gather else 0, cand.stride(1) if gather else 0, out.stride(0),

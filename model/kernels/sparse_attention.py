@@ -7,17 +7,17 @@ over j in window_idx[t] (rows of the window store) and main_idx[t] (rows of the 
 by all query heads), so each row is read and dequantized once per block of heads and used for both
 products.
 
-Two kernels. The split kernel runs for decode (T = 1) when H <= 64, and for prefill too where PREFILL_VARIANT
-says so (`variant="split"` forces it): flash-decoding. Each query token's index list, [window ; main] cut into tiles of BK rows (each segment
+Two kernels. The split kernel runs for decode (T = 1) and prefill when H <= 64 (PREFILL_VARIANT; `variant=
+"split"` forces it): flash-decoding. Each query token's index list, [window ; main] cut into tiles of BK rows (each segment
 padded to whole tiles), is split across programs (split_config: about 2 x SMs programs in all, so decode at
 B = 1 gets one split per tile and a long prefill one split per segment); each split_kernel program takes ALL
 heads of its (token, split), so every gathered row is decoded once and used by every head ([H, D] x [D, BK]
 then [H, BK] x [BK, D]), loads each row as contiguous bytes (the FP4 nibbles are decoded apart and
 interleaved with join + reshape), and writes a normalised fp32 partial output with its max and sum; one
-launch per segment (the two loops in one program spill on sm_90). Then combine_kernel merges the splits by
+launch per segment (the two loops in one program spill on sm_90). Then split_combine_kernel merges the splits by
 log-sum-exp with the sink. The B*T query tokens go through in groups of at most SPLIT_GROUP_ROWS (the split
 launches and the combine per group, one partial buffer reused), so a long prefill's partials stay bounded.
-The tile kernel (prefill by default, `variant="tiles"`, and H > 64, more heads than the split kernel's
+The tile kernel (`variant="tiles"`, PREFILL_VARIANT = "tiles", and H > 64, more heads than the split kernel's
 all-heads program holds):
 one program per (token, block of BH heads) walking the window indices and then the compressed indices in
 tiles of BK rows with the online softmax. Both start the running max at the sink (so an empty row ends as 0,
@@ -47,8 +47,8 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
                             scale: float, force_triton: bool = False, variant: str = "auto",
                             window_values: torch.Tensor | None = None) -> torch.Tensor:
     """See reference.sparse_attention_packed (same signature, same result within bf16 rounding). `variant`
-    picks the kernel ("auto": split for decode up to SPLIT_MAX_HEADS heads, PREFILL_VARIANT's for prefill,
-    tiles above; "tiles" or "split" to compare them). The reference also runs for what the kernel does not take unless forced: a head dim that is not a power of
+    picks the kernel ("auto": split up to SPLIT_MAX_HEADS heads, for prefill PREFILL_VARIANT's; tiles above;
+    "tiles" or "split" to compare them). The reference also runs for what the kernel does not take unless forced: a head dim that is not a power of
     two >= 32, a q that is not bf16. window_values: the window rows decoded (the reference's shortcut; the
     kernel decodes the bytes itself)."""
     usable = force_triton or (supported(q, window_codes.size(-1)) and q.dtype == torch.bfloat16)
@@ -90,11 +90,10 @@ SPLIT_PER_SM = 2  # programs aimed at per SM (rows x splits): fewer means fewer 
 # would take 8 GiB. It still gives each launch 1024 programs per segment (~8 per SM on an H200's 132) and costs
 # a 4096-token prefill 4 x 3 launches; every decode batch up to 1024 sequences stays one group, as before.
 SPLIT_GROUP_ROWS = 1024
-# The kernel "auto" takes for prefill (T > 1). The split kernel takes prefill in bounded groups (tested under the
-# interpreter, compiled offline for sm_90 with the decode kernel's registers), but its prefill speed on the GPU
-# has not been measured against the tile kernel's yet (bench_sparse_attention times both; issue #24), so the
-# default stays the measured one until then.
-PREFILL_VARIANT = "tiles"
+# The kernel "auto" takes for prefill (T > 1): the split kernel, in groups of SPLIT_GROUP_ROWS. At T = 4096, N = 4096
+# it took 4.92 ms against the tile kernel's 66.4 ms in the same run (13.5x; 11.2x its floor against 151x), and the
+# 8-layer stack's 32K prefill 3.03 s against 6.53 s (h200-2026-12-02-h). "tiles" stays for comparison and H > 64.
+PREFILL_VARIANT = "split"
 
 
 def _launch(q, sink, scale, segments, variant="auto"):
@@ -148,10 +147,10 @@ def _sm_count(device) -> int:
 @opaque
 def _launch_split(q, sink, scale, segments):
     """Flash-decoding: split_kernel over (token, split) for each segment, all heads per program, then
-    combine_kernel merges the splits with the sink; the B*T query tokens in groups of SPLIT_GROUP_ROWS."""
+    split_combine_kernel merges the splits with the sink; the B*T query tokens in groups of SPLIT_GROUP_ROWS."""
     import triton
 
-    from dsv41.model.kernels._triton_sparse_attention import combine_kernel, split_kernel
+    from dsv41.model.kernels._triton_sparse_attention import split_combine_kernel, split_kernel
 
     B, T, H, D = q.shape
     q = q.contiguous()
@@ -191,7 +190,7 @@ def _launch_split(q, sink, scale, segments):
                                     scales.stride(0), scales.stride(1), idx, idx.stride(0), idx.stride(1),
                                     idx.size(2), D=D, BH=BH, BK=BK, FMT=fmt, INTERPRET=interpreting(),
                                     num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES)
-        combine_kernel[(rows, triton.cdiv(H, BHC), D // BD)](po, pm, pl, sink, o, o.stride(0), o.stride(1),
+        split_combine_kernel[(rows, triton.cdiv(H, BHC), D // BD)](po, pm, pl, sink, o, o.stride(0), o.stride(1),
                                                               o.stride(2), T, H, row0, SPLITS=splits, D=D,
                                                               BH=BHC, BD=BD, INTERPRET=interpreting(), num_warps=4)
     return o
@@ -211,9 +210,9 @@ def _launch_tiles(q, sink, scale, segments):
     BH = min(max(16, triton.next_power_of_2(H)), 16 if D >= 256 else 64)
     BK = 32 if D >= 256 else 64
     grid = (B * T, triton.cdiv(H, BH))
-    from dsv41.model.kernels._triton_sparse_attention import kernel
+    from dsv41.model.kernels._triton_sparse_attention import tiles_kernel
 
-    kernel[grid](q, o, sink, q.stride(0), q.stride(1), q.stride(2), T, H, float(scale), *args,
+    tiles_kernel[grid](q, o, sink, q.stride(0), q.stride(1), q.stride(2), T, H, float(scale), *args,
                  D2=D // 2, BH=BH, BK=BK, FMT_A=fmts[0], FMT_B=fmts[1],
                  INTERPRET=interpreting(), num_warps=4)
     return o
