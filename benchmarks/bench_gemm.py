@@ -29,7 +29,9 @@ SHAPES = (("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 8192), ("s
           ("shared_w2", 5120, 2304))
 M_LIST = (1, 16, 64, 4096)
 VARIANTS = (("wq_a", 1, dict(split=1)), ("wq_a", 1, dict(fuse=False)), ("wq_a", 1, dict(split=4)),
-            ("wq_a", 64, dict(fuse=True)), ("wo_b", 16, dict(split=1)))
+            ("wq_a", 64, dict(fuse=True)), ("wo_b", 16, dict(split=1)),
+            # M >= gemm.CUBLAS_MIN_M: the Triton kernel beside the default cuBLAS product
+            ("wq_b", 4096, dict(cublas=False)), ("wo_b", 4096, dict(cublas=False)))
 
 
 def _weight(N, K):
@@ -55,7 +57,8 @@ def run(json_path=None, quick=False):
             if M <= 64:
                 extra["graph_us"] = graph_bench(lambda: gemm.fp8_block_gemm(x, w, s)) * 1e6
             cfg = gemm.launch_config(M, N, K, 32, 32, x.device)
-            extra["config"] = f"BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} split{cfg['split']} fuse{int(cfg['fuse'])}"
+            extra["config"] = (f"BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} split{cfg['split']} fuse{int(cfg['fuse'])}"
+                               + (" cublas" if cfg.get("cublas") else ""))
             nbytes = N * K + -(-N // 32) * -(-K // 32) + 2 * M * K + 2 * M * N
             rows.append(record("fp8_block_gemm", f"{name} {N}x{K} M={M}", t, nbytes, 2 * M * N * K, **extra))
             print(f"  {rows[-1]['case']}: {t * 1e6:.1f} us", flush=True)
@@ -66,7 +69,8 @@ def run(json_path=None, quick=False):
         cfg = {**gemm.launch_config(M, N, K, 32, 32, x.device), **over}
         nbytes = N * K + -(-N // 32) * -(-K // 32) + 2 * M * K + 2 * M * N
         rows.append(record("fp8_block_gemm", f"variant {name} M={M} {over} (graph)", t, nbytes, 2 * M * N * K,
-                           config=f"BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} split{cfg['split']} fuse{int(cfg['fuse'])}"))
+                           config=f"BM{cfg['BM']} BN{cfg['BN']} BK{cfg['BK']} split{cfg['split']} fuse{int(cfg['fuse'])}"
+                                  f"{' cublas' if cfg.get('cublas') else ''}"))
     print_table(rows, "FP8 block-scaled GEMM (E4M3 weight, UE8M0 per 32x32; bf16 activations quantized per 32)")
     write_json(json_path, "gemm", rows)
     return rows

@@ -370,6 +370,27 @@ def test_gemm_gpu_configs_and_fp32():
             assert_gemm_close(gemm.fp8_block_gemm(x, w, s, config=cfg), ref, bound)
     x = activations(5, 5120, torch.float32, seed=3)
     assert_gemm_close(gemm.fp8_block_gemm(x, w, s), reference.fp8_block_gemm(x, w, s), abs_bound(x, w, s, "fp8"))
+    # from CUBLAS_MIN_M tokens: cuBLAS on the dequantized weight, and the Triton kernel when told (both formats)
+    M = gemm.CUBLAS_MIN_M + 88
+    assert gemm.launch_config(M, 1280, 5120, 32, 32, w.device)["cublas"]
+    for fmt, (wf, sf) in (("fp8", (w, s)), ("fp4", fp4_weight(1280, 5120, seed=2))):
+        fn, ref_fn = (gemm.fp8_block_gemm, reference.fp8_block_gemm) if fmt == "fp8" else (gemm.fp4_gemm,
+                                                                                          reference.fp4_gemm)
+        for dtype in (torch.bfloat16, torch.float32):
+            x = activations(M, 5120, dtype, seed=4)
+            ref, bound = ref_fn(x, wf, sf), abs_bound(x, wf, sf, fmt)
+            for cfg in (None, dict(cublas=False)):
+                out = fn(x, wf, sf, config=cfg)
+                assert out.dtype == dtype
+                assert_gemm_close(out, ref, bound)
+
+
+def test_gemm_launch_config_takes_cublas_only_for_many_tokens_on_cuda():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not gemm.launch_config(4096, 1280, 5120, 32, 32, cpu)["cublas"]  # the interpreter runs the kernel
+    assert not gemm.launch_config(gemm.CUBLAS_MIN_M - 1, 1280, 5120, 32, 32, cuda)["cublas"]
+    assert gemm.launch_config(gemm.CUBLAS_MIN_M, 1280, 5120, 32, 32, cuda)["cublas"]
+    assert not gemm.launch_config(16, 1280, 5120, 32, 32, cpu)["cublas"]  # decode: the kernel
 
 
 @pytest.mark.gpu

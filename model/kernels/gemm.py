@@ -101,21 +101,29 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return p
 
 
+# From this many tokens on CUDA, the weight is dequantized to bf16 for the call (exact) and the product is cuBLAS's
+# bf16 GEMM with fp32 output, rounded as the kernel rounds: at M = 4096 the Triton kernel ran 3.3-4.5x its floor
+# where cuBLAS bf16 on a weight of the same shape ran near 1x (docs/performance.md, FP8 block GEMM). The
+# dequantization reads the weight once per call, small beside a product over this many tokens.
+CUBLAS_MIN_M = 512
+
+
 def launch_config(M: int, N: int, K: int, qa: int, qw: int, device: torch.device) -> dict:
     """Tile sizes, K split, fused activation quantization, warps and stages for an [M, K] x [N, K]^T GEMM.
 
     Decode (M <= 64) is bound by the weight bytes: narrow weight tiles (64 rows), the token tile padded to
     16..64, and K split until about two programs per SM stream the weight (at least two K tiles each).
-    Prefill: 128 x 128 tiles (64 tokens up to M = 128), K whole."""
+    Prefill: 128 x 128 tiles (64 tokens up to M = 128), K whole; from CUBLAS_MIN_M tokens on CUDA, cuBLAS on
+    the dequantized weight instead (`cublas`)."""
     bk_min = max(qa, qw)
     if M <= 64:
         BM, BN, BK = _pow2_at_least(M, 16), 64, max(128, bk_min)
         tiles = -(-N // BN) * -(-M // BM)
         k_tiles = -(-K // BK)
         split = max(1, min(-(-2 * _sm_count(device) // tiles), k_tiles // 2))
-        return dict(BM=BM, BN=BN, BK=BK, split=split, fuse=M <= 16, num_warps=4, num_stages=4)
+        return dict(BM=BM, BN=BN, BK=BK, split=split, fuse=M <= 16, num_warps=4, num_stages=4, cublas=False)
     return dict(BM=64 if M <= 128 else 128, BN=128, BK=max(64, bk_min), split=1, fuse=False, num_warps=8,
-                num_stages=3)
+                num_stages=3, cublas=M >= CUBLAS_MIN_M and device.type == "cuda")
 
 
 @opaque
@@ -153,6 +161,12 @@ def _gemm(x, w, s, N, K, fp4, qa, qw, config):
         return out.view(*lead, N)
     cfg = launch_config(M, N, K, qa, qw, x.device)
     cfg.update(config or {})
+    if cfg.get("cublas") and x2.is_cuda:
+        # the same values as the kernel multiplies (both operands exact in bf16), summed in fp32 by cuBLAS
+        xq = _act_quant(x2, qa, torch.bfloat16)
+        wb = (formats.dequant_fp4_weight(w, s, qw, torch.bfloat16) if fp4
+              else formats.dequant_fp8_weight(w, s, qw, torch.bfloat16))
+        return torch.mm(xq, wb.t(), out_dtype=torch.float32).to(x.dtype).view(*lead, N)
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     if BK % qa or BK % qw:
         raise ValueError(f"BK = {BK} must be a multiple of the blocks ({qa}, {qw})")
