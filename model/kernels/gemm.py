@@ -20,7 +20,9 @@ the weight tile is loaded as bytes and dequantized in registers (each 32-wide bl
 then multiplies the token tile on the matrix units with the weight as the left operand. Small M (decode)
 splits K across programs so that the weight streams from every SM, then adds the fp32 partials in a
 fixed order (deterministic); M <= 16 also quantizes the activation inside the GEMM (one launch). Larger M
-quantizes the activation once in its own kernel (bf16, exact) and runs unsplit 128 x 128 tiles.
+quantizes the activation once in its own kernel (bf16, exact) and runs unsplit 128 x 128 tiles. From
+CUBLAS_MIN_M tokens on CUDA the weight is instead dequantized to bf16 for the call and cuBLAS multiplies
+(fp32 output, rounded as the kernel rounds): the same exact operands, another fp32 summation order.
 """
 
 from __future__ import annotations
