@@ -65,6 +65,14 @@ def make_experts(device=None):
     return ExpertWeights("fp4", 32, DIM, INTER, **lists)
 
 
+def routed_inputs(T: int, g: torch.Generator):
+    """T tokens' activations, routing weights and top-TOPK expert indices (uniform routing)."""
+    x = torch.randn(T, DIM, device=DEVICE, dtype=torch.bfloat16)
+    idx = torch.rand(T, N_EXPERTS, device=DEVICE, generator=g).topk(TOPK, dim=-1).indices
+    w = torch.rand(T, TOPK, device=DEVICE, generator=g)
+    return x, w, idx
+
+
 def run(json_path=None, quick=False, sweep=False):
     from dsv41.model.kernels import experts as ek
     from dsv41.model.kernels import reference
@@ -74,9 +82,7 @@ def run(json_path=None, quick=False, sweep=False):
     rows = []
     g = torch.Generator(device=DEVICE).manual_seed(0)
     for T in T_LIST:
-        x = torch.randn(T, DIM, device=DEVICE, dtype=torch.bfloat16)
-        idx = torch.rand(T, N_EXPERTS, device=DEVICE, generator=g).topk(TOPK, dim=-1).indices
-        w = torch.rand(T, TOPK, device=DEVICE, generator=g)
+        x, w, idx = routed_inputs(T, g)
         active = int(torch.unique(idx).numel())
         call = lambda: ek.routed_experts(x, w, idx, ew, LIMIT)  # noqa: E731
         t = bench(call)
@@ -112,16 +118,13 @@ def run_sweep(ew, g) -> list[dict]:
 
     rows = []
     for T in SWEEP_T:
-        x = torch.randn(T, DIM, device=DEVICE, dtype=torch.bfloat16)
-        idx = torch.rand(T, N_EXPERTS, device=DEVICE, generator=g).topk(TOPK, dim=-1).indices
-        w = torch.rand(T, TOPK, device=DEVICE, generator=g)
-        default = ek.launch_config(T * TOPK, ew.n_experts, ew.block, 32)
+        x, w, idx = routed_inputs(T, g)
         base = None
         for name, over in (("default", {}),) + SWEEP:
-            cfg = {**default, **over}
-            label = " ".join(f"{k}={v}" for k, v in cfg.items())
+            label = str(over)
             try:
                 prep = ek.prepare(x, w, idx, ew, over)
+                label = " ".join(f"{k}={v}" for k, v in prep["cfg"].items())  # the launch it runs
                 h = ek.up(x, prep, ew, LIMIT)
                 out = ek.down(h, prep, ew, x.dtype)
                 y = ek.combine(out, prep)

@@ -182,8 +182,9 @@ def command(
         from dsv41.evals.engine_pool import EnginePool, default_engines
 
         # several engines (worker processes, evals/engine_pool.py) where each can take its share: the CPU, one
-        # process of the command, no token budget across the whole batch, no prefix cache (this process's)
-        spread = not ctx.distributed and max_batch_tokens is None and prefix_cache is None
+        # process of the command, no token budget across the whole batch (the pool itself keeps requests with a
+        # prefix cache, an object of this process, in this process)
+        spread = not ctx.distributed and max_batch_tokens is None
         pool = EnginePool(engine, model_dir, engines or default_engines(ctx.device), max_batch_size) if spread else None
         try:
             with pool or contextlib.nullcontext():

@@ -158,9 +158,8 @@ def _gemm(x, w, s, N, K, fp4, qa, qw, config):
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.size(0)
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
-        return out.view(*lead, N)
+        return torch.empty(*lead, N, dtype=x.dtype, device=x.device)
     cfg = launch_config(M, N, K, qa, qw, x.device)
     cfg.update(config or {})
     if cfg.get("cublas") and x2.is_cuda:
@@ -174,6 +173,7 @@ def _gemm(x, w, s, N, K, fp4, qa, qw, config):
         raise ValueError(f"BK = {BK} must be a multiple of the blocks ({qa}, {qw})")
     if not cfg["fuse"]:
         x2 = _act_quant(x2, qa, torch.bfloat16)  # exact in bf16
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     k_split = -(-K // cfg["split"])
     k_split = -(-k_split // BK) * BK
     split = -(-K // k_split)
