@@ -15,7 +15,7 @@ documents chosen by hash:
                 with the official V4.1 thinking-mode chat encoding; its held-out set ships with the
                 package as the task `tiny-reasoning`; written in the "reverse-check" trace style
     reasoning_<style>   the same conversations (same lists, same efforts) in another trace style
-                (carry, twice, labelled, undo: evals/tasks/tiny_reasoning says why); built only with
+                (carry, twice, labelled, undo, graded: evals/tasks/tiny_reasoning says why); built only with
                 --reasoning-only STYLE, which touches nothing else but the manifest's entry for it
     reasoning_v2        the v2 task (evals/tasks/tiny_reasoning/v2.py: lists of 2-10 numbers, checks that
                 catch and repair injected slips); built only with --reasoning-v2, which also writes

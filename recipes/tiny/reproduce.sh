@@ -12,6 +12,9 @@
 #   14   "undo" again on the CPU, batch 8, the closing sum weighted x5
 #   15-16 the vision tower alone through the frozen language model, on the CPU, with the probe loss added
 #        and padded canvas sizes (16: also larger ones)                    (2026-11-30, 0417a82)
+#   26   the "graded" reasoning traces (a shortcut at effort 20-44, the terse sums at 45-69), 70% of the rows,
+#        then the drafter                                                  (2026-12-02, issue #25; 8.1 min held)
+#   27   the vision tower alone again, as stage 16, on the CPU             (2026-12-02)
 #   bash recipes/tiny/reproduce.sh [OUT_DIR]      (default: model/assets/dsv41-tiny)
 set -euo pipefail
 OUT=${1:-model/assets/dsv41-tiny}
@@ -68,9 +71,19 @@ rm -rf "$OUT.new"
 $PY -m dsv41.recipes.tiny.vision.train --base "$WORK/s14" --out "$WORK/s15" --continue-tower --seconds 840 --batch 16 \
     --lr 5e-4 --tower-lr-scale 1.0 --padded-sides --probe-weight 0.5 --threads 2 --eval-examples 10
 cp "$WORK/s15/vision_train.json" recipes/tiny/logs/stage15_vision_train.json
-$PY -m dsv41.recipes.tiny.vision.train --base "$WORK/s15" --out "$OUT.new" --continue-tower --seconds 780 --batch 16 \
+$PY -m dsv41.recipes.tiny.vision.train --base "$WORK/s15" --out "$WORK/s16" --continue-tower --seconds 780 --batch 16 \
     --lr 3e-4 --tower-lr-scale 1.0 --padded-sides --large-sides --probe-weight 0.5 --threads 2 --eval-examples 10
-mv "$OUT.new/vision_train.json" recipes/tiny/logs/stage16_vision_train.json
+cp "$WORK/s16/vision_train.json" recipes/tiny/logs/stage16_vision_train.json
+# stage 26 ran on one H200 through recipes/tiny/graded_device.sh (literature left out of the mix there only because
+# the carried data had to fit the 64 MiB transfer); the same options:
+$PY -m dsv41.recipes.tiny.build_data --reasoning-only graded
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s16" --out "$WORK/s26" --batch 192 \
+    --mix prose=0.15,code=0.15,reasoning_graded=0.70 --vision-every 2 --vision-batch 256 --vision-workers 12 \
+    --think-start-weight 4 --closing-sum-weight 5 --lr 4e-4 --backbone-seconds 370 --dspark-seconds 100 \
+    --dspark-batch 128 --dspark-lr 1.5e-3 --history recipes/tiny/logs/trials-2026-12-02/stage26_history.json
+$PY -m dsv41.recipes.tiny.vision.train --base "$WORK/s26" --out "$OUT.new" --continue-tower --seconds 780 --batch 16 \
+    --lr 3e-4 --tower-lr-scale 1.0 --padded-sides --large-sides --probe-weight 0.5 --threads 2 --eval-examples 10
+mv "$OUT.new/vision_train.json" recipes/tiny/logs/trials-2026-12-02/stage27_vision_train.json
 rm -rf "$OUT" && mv "$OUT.new" "$OUT"
 $PY -m dsv41.recipes.tiny.plot
 $PY -m dsv41.recipes.tiny.evaluate --model "$OUT" --output recipes/tiny/logs/eval.json

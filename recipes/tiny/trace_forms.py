@@ -4,7 +4,7 @@
 
 The held-out tiny-reasoning items, greedy (`dsv41.recipes.tiny.evaluate.greedy_generate`, 213 new tokens, scored by
 `tiny_reasoning.score`). Per effort: mean reasoning tokens, accuracy, the count and the right answers of each
-trace form (none; terse sums; one equation per line; or the second-pass word "Again", "Undo", "Check", with
+trace form (none; the "graded" style's "Pairs" shortcut; terse sums; one equation per line; or the second-pass word "Again", "Undo", "Check", with
 "+both" when a "Both give" line follows), and how often the first line's last sum is right against the
 final answer (first pass right / answer right), which says whether a two-pass trace loses a right first pass.
 recipes/tiny/README.md quotes its output for the checkpoints of stages 11-14.
@@ -32,6 +32,8 @@ def trace_form(reasoning: str) -> str:
             return word.lower() + ("+both" if "Both give" in reasoning else "")
     if not reasoning:
         return "none"
+    if reasoning.startswith("Pairs"):  # the "graded" style's shortcut
+        return "pairs"
     return "lines" if "\n" in reasoning.strip() else "terse"
 
 

@@ -17,7 +17,8 @@ The trace grows with the effort tier, and each tier adds a more careful way of w
 so mean reasoning tokens rise strictly across efforts 1, 25, 50, 75, 100, and the more explicit
 traces make each step a single table look-up (a+b with b < 10), which is what makes them more often
 right. That is the "reverse-check" style. Four more styles (`TRACE_STYLES`, `reasoning_trace(...,
-style=)`) keep the efforts 1-69 traces and change only the two top tiers. Each is built so that the
+style=)`) keep the efforts 1-69 traces and change only the two top tiers (a sixth, "graded", below, changes
+them all). Each is built so that the
 steps the 64-token attention window of the bundled model must get right read only text inside that
 window:
 
@@ -34,6 +35,19 @@ window:
                (90-100: "Sum:" ... "Check:" ... "Back to 7, so the sum is 26.")
                the labels of "labelled"; the check undoes the first pass from its end, so it reads only
                the pass just written, and starts from the sum it closes with
+
+A sixth style, "graded" (issue #25), keeps "undo"'s top tiers and changes the two below them, so that each
+tier is a different quality of work:
+
+    effort 20-44   Pairs 10 11 5, total 26         a shortcut: the pair sums, then the total at once
+    effort 45-69   7+3=10, +9=19, +2=21, +5=26     the terse running sums (the other styles' effort 20-44)
+
+With "undo" the bundled model was best at effort 25, where it wrote the terse sums, the form it computes best,
+and worse at effort 50, which wrote every step as a full equation: more effort gave less. Here the shortcut
+is cheap on purpose (it names a total of two-digit numbers in one step, as effort 1 names it of one-digit
+numbers), the middle tier computes and the top tiers compute and check. The check does not change the
+answer: a first design whose check could (stage 25, recipes/tiny/README.md "The graded traces") was learnt
+as a form, not as a check.
 
 The bundled model is trained on "undo" since stage 13. Which style was trained when, what each did to
 accuracy and why the next one followed is recorded in recipes/tiny/README.md ("The reasoning task",
@@ -97,7 +111,7 @@ def _running_steps(numbers: list[int]) -> list[tuple[int, int, int]]:
     return steps
 
 
-TRACE_STYLES = ("reverse-check", "carry", "twice", "labelled", "undo")
+TRACE_STYLES = ("reverse-check", "carry", "twice", "labelled", "undo", "graded")
 
 
 def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check") -> str:
@@ -109,7 +123,11 @@ def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check
     steps = _running_steps(numbers)
     if tier == 0:
         return ""
-    if tier == 1:
+    if style == "graded" and tier == 1:  # a shortcut below the terse sums (the v2 task's, v2.py)
+        from .v2 import pairs_shortcut
+
+        return pairs_shortcut(numbers)
+    if tier == 1 or (style == "graded" and tier == 2):
         return _terse_sums(steps)
     if tier == 2:
         return "\n".join(f"{a}+{n}={s}" for a, n, s in steps)
@@ -119,7 +137,7 @@ def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check
         first = first if style == "labelled" else ""
         closing = [f"Both give {sum(numbers)}."] if tier == 4 else []
         return "\n".join([first + terse, f"{second}: {terse}"] + closing)
-    if style == "undo":  # the tier named first; then the sums undone from the end, no look back at the list
+    if style in ("undo", "graded"):  # the tier named first; then the sums undone from the end, no look back at the list
         first, second = ("Sum", "Check") if tier == 4 else ("First", "Undo")
         total = sum(numbers)
         closing = f"Back to {numbers[0]}, so the sum is {total}." if tier == 4 else f"So {total}."

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The "graded" reasoning traces of dsv41-tiny on one H200 (recipes/tiny/README.md, "The graded traces"; issue #25):
+# one stage inside a 10-minute device call, from the shipped checkpoint (stage 16), then the drafter again:
+#
+#   DATA=runs/data-t25-carry RUNS=runs/tiny-t25 bash recipes/tiny/graded_device.sh 26
+#
+# Stage 25 (2026-12-02, not kept) ran the same options on a first design of the traces, whose effort-100 check
+# undid every number down to zero (recipes/tiny/logs/trials-2026-12-02/stage25_graded_zero_check.py); stage 26
+# on the graded traces as evals/tasks/tiny_reasoning has them.
+#
+# DATA holds, built on a CPU machine and carried (the tree travels with a 64 MiB limit, so only the families of the
+# mix, recompressed with xz -9e where that is smaller, checked to decode to the same arrays):
+#   python -m dsv41.recipes.tiny.build_data --out DATA                          # prose, code, token map
+#   python -m dsv41.recipes.tiny.build_data --out DATA --reasoning-only graded  # reasoning_graded
+# (stage 25's data: its generator from the log folder, with the loss mask of its injected slips). The rows: 70% the
+# graded traces (evals/tasks/tiny_reasoning), prose and code (literature left out: the tree and the data must fit
+# the 64 MiB transfer); v1 pictures every other step; the first reasoning token x4 (it names the tier, and tiers
+# 1-2 change from stage 16's), the closing sum x5 (as stage 23).
+set -euo pipefail
+STAGE=${1:-26}
+shift || true
+RUNS=${RUNS:-runs/tiny-t25}
+FROM=${FROM:-model/assets/dsv41-tiny}
+LOGS=${LOGS:-recipes/tiny/logs/trials-2026-12-02}
+mkdir -p "$RUNS" "$LOGS"
+case $STAGE in
+  25|26) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_graded=0.70
+            --vision-every 2 --vision-batch 256 --vision-workers 12 --think-start-weight 4 --closing-sum-weight 5
+            --lr 4e-4 --backbone-seconds 370 --dspark-seconds 100 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
+  *) echo "unknown stage $STAGE (25 or 26)" >&2; exit 2 ;;
+esac
+bash recipes/tiny/device_run.sh --init-from "$FROM" --out "$RUNS/s$STAGE" "${OPTS[@]}" \
+    --history "$LOGS/stage${STAGE}_history.json" --log "$LOGS/stage${STAGE}_train.log" "$@"
