@@ -36,8 +36,12 @@ TEXTS = ["The Nile, the Amazon and the Yangtze are three of the longest rivers i
 # bpb's document against one process: equal within this. Each rank sums its fp32 partial products of
 # wo_b and of the indexer's heads, and gloo adds the two ranks' sums: another order than one process's
 # matmul, so bit equality is not guaranteed in general (a sum can round the other way before the bf16
-# cast). On the bundled model every run so far agreed to the bit.
-BPB_REL = 1e-6
+# cast, and a discrete choice after it, an expert, an indexer entry or an FP8 rounding, can then take the
+# other side). The checkpoint after stage 16 agreed to the bit on this corpus; the one after stage 27 does
+# not: scored position by position (2026-12-02), the first document's tokens 0-8 agree to the bit and every
+# token from 9 on differs (the first by 0.38 nats, then by 0.01-0.17 as later tokens read its cache entries),
+# the corpus by 0.74 of 534 nats, rel 1.4e-3. A wrong split of any layer moves every token.
+BPB_REL = 5e-3
 
 
 def bpb_line(corpus: Path) -> list[str]:

@@ -123,9 +123,7 @@ def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check
     steps = _running_steps(numbers)
     if tier == 0:
         return ""
-    if style == "graded" and tier == 1:  # a shortcut below the terse sums (the v2 task's, v2.py)
-        from .v2 import pairs_shortcut
-
+    if style == "graded" and tier == 1:  # a shortcut below the terse sums (the v2 task's too)
         return pairs_shortcut(numbers)
     if tier == 1 or (style == "graded" and tier == 2):
         return _terse_sums(steps)
@@ -153,6 +151,13 @@ def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check
         lines += [f"{a}+{n}={s}" for a, n, s in backward]
         lines.append(f"Both give {sum(numbers)}.")
     return "\n".join(lines)
+
+
+def pairs_shortcut(numbers: list[int]) -> str:
+    """'Pairs 10 11 5, total 26': the pair sums, then the total named at once (the graded style's effort 20-44
+    and v2's tier 1)."""
+    values = [sum(numbers[i:i + 2]) for i in range(0, len(numbers), 2)]
+    return "Pairs " + " ".join(str(v) for v in values) + f", total {sum(numbers)}"
 
 
 def _terse_sums(steps: list[tuple[int, int, int]]) -> str:
