@@ -65,6 +65,7 @@ def compile_one(fn, types, consts, divisible, num_warps, num_stages, target):
 
 def cases(quick: bool):
     from dsv41.model.kernels import _triton_gemm as K
+    from dsv41.model.kernels import gemm
 
     g_types = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", y_ptr="*bf16", M="i32", N="i32", K="i32", KP="i32",
                    stride_xm="i32", stride_ym="i32", split_stride="i32", stride_wn="i32", stride_sn="i32")
@@ -79,6 +80,13 @@ def cases(quick: bool):
         yield ("gemm fp4" if fp4 else "gemm fp8", K.gemm_kernel, g_types,
                dict(K_SPLIT=1280, W_FP4=fp4, QA=32, QW=32, QUANT_A=fuse, BM=BM, BN=BN, BK=BK, INTERPRET=False),
                g_div, w, st)
+    tile = gemm.DEQUANT_TILE  # the cuBLAS path's weight dequantization, as gemm._dequant_weight launches it
+    for fp4 in (False, True):
+        yield ("dequant fp4" if fp4 else "dequant fp8", K.dequant_weight_kernel,
+               dict(w_ptr="*u8", s_ptr="*u8", y_ptr="*bf16", N="i32", K="i32", KP="i32", stride_wn="i32",
+                    stride_sn="i32", stride_yn="i32"),
+               dict(W_FP4=fp4, QW=32, BN=tile["BN"], BK=tile["BK"], INTERPRET=False),
+               ("w_ptr", "s_ptr", "y_ptr", "K", "KP", "stride_wn", "stride_yn"), tile["num_warps"], 1)
     if not quick:
         yield ("act_quant", K.act_quant_kernel, dict(x_ptr="*bf16", y_ptr="*bf16", M="i32", K="i32", stride_x="i32",
                                                      stride_y="i32"), dict(QA=32, BM=8, BK=512),

@@ -47,6 +47,7 @@ def main() -> int:
     bench_gemm.SHAPES = (("wq_a", 40, 64), ("wo_b", 48, 96))
     bench_gemm.M_LIST = (1, 65)
     bench_gemm.VARIANTS = (("wq_a", 1, dict(split=2)), ("wo_b", 16, dict(fuse=False)))
+    bench_gemm.DEQUANT_VARIANTS = (dict(BN=16, BK=64, num_warps=2),)
     bench_experts.DIM, bench_experts.INTER, bench_experts.N_EXPERTS, bench_experts.TOPK = 64, 96, 6, 2
     bench_experts.T_LIST, bench_experts.REF_MAX_T = (1, 20), 1
     bench_experts.SWEEP_T = (20,)
@@ -54,7 +55,7 @@ def main() -> int:
     bench_gemm.run(str(out / "gemm.json"))
     bench_experts.run(str(out / "experts.json"), sweep=True)
     every = {}
-    for name, n in (("gemm", 6), ("experts", 5)):
+    for name, n in (("gemm", 10), ("experts", 5)):  # gemm: 4 cases, 2 variants, 4 dequant rows (wo_b)
         rows = json.loads((out / f"{name}.json").read_text())["rows"]
         assert len(rows) == n, (name, len(rows))
         every[name] = rows

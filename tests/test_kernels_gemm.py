@@ -239,6 +239,93 @@ def test_gemm_leading_dims_and_empty_interpreted():
     assert gemm.fp8_block_gemm(empty, w, s, force_triton=True).shape == (0, 40)
 
 
+# weight dequantization (the cuBLAS path's operand): bit for bit, NaN where the reference has NaN
+def assert_same_bits(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """bf16 outputs equal bit for bit (so -0.0 apart from 0.0); NaN exactly where the reference has NaN,
+    whatever the payload (torch's CPU and CUDA conversions to bf16 already write different ones)."""
+    assert out.dtype == ref.dtype == torch.bfloat16 and out.shape == ref.shape
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(out), nan)
+    if not bool(nan.any()):
+        assert torch.equal(out, ref)
+    assert torch.equal(out.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+
+
+def every_byte_fp8(block, device=DEV):
+    """An FP8 weight [16 block, 16 block] whose 256 scale blocks hold the 256 UE8M0 bytes (0: 2^-127, 255: NaN)
+    and each of whose blocks holds all 256 E4M3 bytes (NaN codes, subnormals, -0): every pair of the two."""
+    n = 16 * block
+    i = torch.arange(n)
+    w = ((i[:, None] % 16) * 16 + i[None, :] % 16).to(torch.uint8)
+    s = torch.arange(256).view(16, 16).to(torch.uint8)
+    return w.to(device), s.view(torch.float8_e8m0fnu).to(device)
+
+
+def every_byte_fp4(device=DEV):
+    """A packed FP4 weight [256, 64] (two 32-wide blocks) whose row r has scale bytes r and 255 - r, and each
+    of whose blocks holds all 16 E2M1 codes in one nibble (low in the first block, high in the second)."""
+    r = torch.arange(256)[:, None]
+    i = torch.arange(16)[None, :]
+    packed = torch.cat([(r % 16) * 16 + i, i * 16 + r % 16], dim=1).to(torch.uint8)
+    s = torch.cat([r, 255 - r], dim=1).to(torch.uint8)
+    return packed.to(device), s.to(device)
+
+
+DEQUANT_CONFIGS = [None, dict(BN=16, BK=64, num_warps=2)]  # the launch default; several K tiles
+
+
+@interp
+@pytest.mark.parametrize("cfg", DEQUANT_CONFIGS)
+def test_dequant_weight_every_byte_interpreted(cfg):
+    """All 256 x 256 (E4M3 byte, scale byte) pairs and all 16 x 256 (E2M1 code, scale byte) pairs. The E4M3
+    NaN codes (0x7F, 0xFF) are left to the GPU test: the interpreter's fp8 cast decodes them as numbers."""
+    w, s = every_byte_fp8(32)
+    number = (w & 0x7F) != 0x7F
+    assert_same_bits(gemm.dequant_weight(w, s, 32, False, force_triton=True, config=cfg)[number],
+                     reference.dequant_weight(w, s, 32, False)[number])
+    w, s = every_byte_fp4()
+    assert_same_bits(gemm.dequant_weight(w, s, 32, True, force_triton=True, config=cfg),
+                     reference.dequant_weight(w, s, 32, True))
+
+
+@interp
+@pytest.mark.parametrize("cfg", DEQUANT_CONFIGS)
+def test_dequant_weight_ragged_shapes_and_dtypes_interpreted(cfg):
+    """Shapes that are not multiples of the scale block (FP8) or of the tile, and every byte dtype the formats
+    functions take."""
+    w, s = fp8_weight(72, 200, seed=5)  # scale [3, 7]: partial row and column blocks; K = 200 < one 256 tile
+    ref = reference.dequant_weight(w, s, 32, False)
+    for wv, sv in ((w, s), (w.view(torch.uint8), s.view(torch.uint8)), (w.view(torch.int8), s)):
+        assert_same_bits(gemm.dequant_weight(wv, sv, 32, False, force_triton=True, config=cfg), ref)
+    w, s = fp4_weight(40, 288, seed=6)  # nine 32-wide scale blocks: a partial K tile
+    ref = reference.dequant_weight(w, s, 32, True)
+    for wv, sv in ((w, s), (w.view(torch.uint8), s.view(torch.uint8)), (w.view(torch.float4_e2m1fn_x2), s)):
+        assert_same_bits(gemm.dequant_weight(wv, sv, 32, True, force_triton=True, config=cfg), ref)
+    with pytest.raises(ValueError):
+        gemm.dequant_weight(w, s[:, :-1], 32, True, force_triton=True)
+    assert gemm.dequant_weight(w[:0], s[:0], 32, True, force_triton=True).shape == (0, 288)
+
+
+@interp
+def test_dequant_weight_known_values_interpreted():
+    """Values worked out by hand, so that a decoding error shared with model/formats.py would show too."""
+    w8 = torch.tensor([[0x38, 0xB9, 0x01, 0x00, 0x80, 0x7E]], dtype=torch.uint8)  # 1, -1.125, 2^-9, 0, -0, 448
+    s8 = torch.tensor([[128]], dtype=torch.uint8)  # 2
+    want8 = torch.tensor([[2.0, -2.25, 2.0**-8, 0.0, -0.0, 896.0]], dtype=torch.bfloat16)
+    # FP4 row 0: byte 0x7A = codes 10 (-1, low nibble first) and 7 (6), scale 4; row 1: byte 0x02 = codes 2 (1)
+    # and 0, scale byte 0 = 2^-127 (a bf16 subnormal, bits 0x0040)
+    w4 = torch.zeros(2, 16, dtype=torch.uint8)
+    w4[0, 0], w4[1, 0] = 0x7A, 0x02
+    s4 = torch.tensor([[129], [0]], dtype=torch.uint8)
+    want4 = torch.zeros(2, 32, dtype=torch.bfloat16)
+    want4[0, :2] = torch.tensor([-4.0, 24.0])
+    want4[1, 0] = 2.0**-127
+    for cfg in DEQUANT_CONFIGS:
+        assert_same_bits(gemm.dequant_weight(w8.to(DEV), s8.to(DEV), 32, False, force_triton=True, config=cfg), want8)
+        assert_same_bits(gemm.dequant_weight(w4.to(DEV), s4.to(DEV), 32, True, force_triton=True, config=cfg), want4)
+    assert int(want4[1, 0].view(torch.int16)) == 0x0040 and int(want8[0, 4].view(torch.int16)) == -0x8000
+
+
 @interp
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_routed_experts_interpreted(fmt):
@@ -383,6 +470,29 @@ def test_gemm_gpu_configs_and_fp32():
                 out = fn(x, wf, sf, config=cfg)
                 assert out.dtype == dtype
                 assert_gemm_close(out, ref, bound)
+
+
+@pytest.mark.gpu
+def test_dequant_weight_gpu():
+    """Every byte pair, then V4.1-Flash shapes of random bytes (FP8 wq_b 32768 x 1280 and wo_b 5120 x 8192, FP4
+    expert w1 2304 x 5120) in both launch configurations; and the cuBLAS path's output unchanged from the
+    torch dequantization's."""
+    for cfg in DEQUANT_CONFIGS:
+        for (w, s), fp4 in ((every_byte_fp8(32), False), (every_byte_fp4(), True)):
+            assert_same_bits(gemm.dequant_weight(w, s, 32, fp4, config=cfg), reference.dequant_weight(w, s, 32, fp4))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for N, K, fp4 in ((32768, 1280, False), (5120, 8192, False), (2304, 5120, True)):
+        w = torch.randint(0, 256, (N, K // 2 if fp4 else K), generator=g, device="cuda", dtype=torch.uint8)
+        s_shape = (N, K // 32) if fp4 else (-(-N // 32), -(-K // 32))
+        s = torch.randint(0, 256, s_shape, generator=g, device="cuda", dtype=torch.uint8)
+        ref = reference.dequant_weight(w, s, 32, fp4)
+        for cfg in DEQUANT_CONFIGS:
+            assert_same_bits(gemm.dequant_weight(w, s, 32, fp4, config=cfg), ref)
+    w, s = fp8_weight(1280, 5120, seed=7)
+    x = activations(gemm.CUBLAS_MIN_M + 8, 5120, torch.bfloat16, seed=8)
+    was = torch.mm(gemm.fp8_act_quant(x).to(torch.bfloat16), formats.dequant_fp8_weight(w, s, 32, torch.bfloat16).t(),
+                   out_dtype=torch.float32).to(x.dtype)
+    assert torch.equal(gemm.fp8_block_gemm(x, w, s), was)
 
 
 def test_gemm_launch_config_takes_cublas_only_for_many_tokens_on_cuda():

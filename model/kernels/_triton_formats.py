@@ -36,12 +36,30 @@ def e8m0_to_f32(b):
 
 
 @triton.jit
+def e8m0_to_f32_every_byte(b):
+    """UE8M0 bytes (int32 0..255) -> fp32 as formats.e8m0_to_float decodes all 256: 2^(b-127), byte 0 the
+    fp32 subnormal 2^-127, byte 255 NaN. (e8m0_to_f32 reads 0 as 0 and 255 as inf, which the GEMM tiles can
+    afford; a weight dequantized for another library's GEMM must equal the torch dequantization everywhere.)"""
+    bits = tl.where(b == 0, 0x400000, tl.where(b == 255, 0x7FC00000, b << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def e2m1_to_f32(c):
     """4-bit E2M1 codes (int32 0..15, bit 3 = sign) -> fp32: 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives."""
     e = (c >> 1) & 3
     m = (c & 1).to(tl.float32)
     mag = tl.where(e == 0, 0.5 * m, (2.0 + m) * pow2(tl.maximum(e, 1) - 2))
     return tl.where(((c >> 3) & 1) == 1, -mag, mag)
+
+
+@triton.jit
+def e2m1_to_f32_bits(c):
+    """4-bit E2M1 codes (int32 0..15, bit 3 = sign) -> fp32 from bits, exact, the sign bit copied, so code 8 is
+    -0.0 as formats.e2m1_decode gives it (e2m1_to_f32's negation gives +0.0): e2m1_to_bf16's patterns, 16 bits up."""
+    k = c & 7
+    mag = tl.where(k >= 2, 0x3F000000 + k * 0x400000, k * 0x3F000000)
+    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -98,12 +116,13 @@ def as_mma(x, INTERPRET: tl.constexpr):
 
 @triton.jit
 def round_cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 x -> dtype, rounding to nearest even. The CPU interpreter casts fp32 -> bf16 by truncation
-    (Triton 3.6), so there the rounding is done on the bits first (finite values), which makes the cast exact."""
+    """fp32 x -> dtype, rounding to nearest even. The CPU interpreter casts fp32 -> bf16 by truncation and
+    flushes subnormals (Triton 3.6), so there the rounding is done on the bits (finite values) and the bf16 is
+    their upper half, taken by a bitcast."""
     if INTERPRET and dtype == tl.bfloat16:
         bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        return bits.to(tl.float32, bitcast=True).to(dtype)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.int16).to(dtype, bitcast=True)
     else:
         return x.to(dtype)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv41.model.kernels._triton_formats import (as_mma, e2m1_to_bf16, e2m1_to_f32, e8m0_to_f32, f32_to_e4m3_value,
-                                                 mul_exact, round_cast)
+from dsv41.model.kernels._triton_formats import (as_mma, e2m1_to_bf16, e2m1_to_f32, e2m1_to_f32_bits, e8m0_to_f32,
+                                                 e8m0_to_f32_every_byte, f32_to_e4m3_value, mul_exact, round_cast)
 
 
 @triton.jit
@@ -36,13 +36,15 @@ def fp8_fake_quant(x, BM: tl.constexpr, BK: tl.constexpr, QA: tl.constexpr):
 
 @triton.jit
 def weight_scales(s_ptr, rows, rmask, k0, K, stride_sn,
-                  W_FP4: tl.constexpr, QW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                  W_FP4: tl.constexpr, QW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  EVERY_BYTE: tl.constexpr = False):
     """The UE8M0 scales of rows `rows` [BN] x columns k0 .. k0+BK, as fp32 [BN, BK/QW].
 
     FP8 weights have one per QW x QW block ([ceil(N/QW), ceil(K/QW)]), FP4 weights one per row and QW
     columns ([N, K/QW]). Columns past K read as 1. The GEMM loops load these one K step ahead: they are
     byte gathers, which the software pipeliner does not stage through shared memory, so a load issued in
-    the step that uses it would stall that step on its latency."""
+    the step that uses it would stall that step on its latency. EVERY_BYTE: bytes 0 and 255 decoded as
+    formats.e8m0_to_float decodes them (2^-127 and NaN; e8m0_to_f32_every_byte)."""
     KB: tl.constexpr = BK // QW
     col_blocks = k0 // QW + tl.arange(0, KB)
     mask = rmask[:, None] & (col_blocks[None, :] * QW < K)
@@ -50,8 +52,11 @@ def weight_scales(s_ptr, rows, rmask, k0, K, stride_sn,
         srow = rows.to(tl.int64)
     else:
         srow = (rows // QW).to(tl.int64)
-    return e8m0_to_f32(tl.load(s_ptr + srow[:, None] * stride_sn + col_blocks[None, :], mask=mask,
-                               other=127).to(tl.int32))
+    b = tl.load(s_ptr + srow[:, None] * stride_sn + col_blocks[None, :], mask=mask, other=127).to(tl.int32)
+    if EVERY_BYTE:
+        return e8m0_to_f32_every_byte(b)
+    else:
+        return e8m0_to_f32(b)
 
 
 @triton.jit
@@ -147,6 +152,37 @@ def split_sum_kernel(p_ptr, y_ptr, MN, S: tl.constexpr, BLOCK: tl.constexpr, INT
     for s in tl.static_range(1, S):
         acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
     tl.store(y_ptr + offs, round_cast(acc, y_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+@triton.jit
+def dequant_weight_kernel(w_ptr, s_ptr, y_ptr, N, K, KP, stride_wn, stride_sn, stride_yn,
+                          W_FP4: tl.constexpr, QW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          INTERPRET: tl.constexpr):
+    """Program (BN rows, BK columns): y = the stored weight times its UE8M0 scales, bf16, equal bit for bit to
+    formats.dequant_fp8_weight / dequant_fp4_weight(..., torch.bfloat16) (gemm.dequant_weight).
+
+    As there, the element and the scale (every byte decoded as formats does, 0 and 255 included) are exact
+    fp32 values whose fp32 product is rounded once to bf16: E4M3 / E2M1 times a power of two is a bf16 value
+    unless it falls below bf16's normal range or past its largest value, where both round alike. FP4 codes
+    are decoded from their bits with the sign copied (e2m1_to_f32_bits: code 8 is -0.0, as in formats).
+    One pass, memory-bound: the weight bytes and the scales are read once, the bf16 weight written once."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rmask = rows < N
+    k0 = tl.program_id(1) * BK
+    s = weight_scales(s_ptr, rows, rmask, k0, K, stride_sn, W_FP4, QW, BN, BK, EVERY_BYTE=True)
+    if W_FP4:  # weight_tile's FP4 load, [BN, BK/QW, QW/2] bytes
+        kb = tl.arange(0, BK // QW)
+        cols = k0 // 2 + kb[:, None] * (QW // 2) + tl.arange(0, QW // 2)[None, :]
+        mask = rmask[:, None, None] & (cols[None, :, :] < KP)
+        b = tl.load(w_ptr + rows.to(tl.int64)[:, None, None] * stride_wn + cols[None, :, :], mask=mask,
+                    other=0).to(tl.int32)
+        v = tl.join(e2m1_to_f32_bits(b & 15), e2m1_to_f32_bits(b >> 4))  # elements 2i, 2i+1
+        w = tl.reshape(v * s[:, :, None, None], (BN, BK))
+    else:
+        w = weight_tile(w_ptr, s, rows, rmask, k0, KP, stride_wn, W_FP4, QW, BN, BK)
+    cols = k0 + tl.arange(0, BK)
+    out = y_ptr + rows.to(tl.int64)[:, None] * stride_yn + cols[None, :]
+    tl.store(out, round_cast(w, tl.bfloat16, INTERPRET), mask=rmask[:, None] & (cols[None, :] < K))
 
 
 # ------------------------------------------------------------------------------------------ experts

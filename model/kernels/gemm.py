@@ -6,6 +6,7 @@
     fp4_gemm         W: E2M1 pairs [N, K/2] (element 2i in the low nibble) with one UE8M0 per row and 32
                      columns ([N, K/32]); the activation block is the layer's `block`
     fp8_act_quant    the activation rounding alone (E4M3 with one power-of-two scale per block along K)
+    dequant_weight   the weight alone, FP8 or FP4 times its scales, as bf16 [N, K] (the cuBLAS path's operand)
 
 Which gemm mode this serves. GEMM_MODE (below; model/layers.py's Linear reads it) has two: "fast" (the activation fake-quantized, both operands
 dequantized exactly, one fp32 matmul) and "exact" (REF's kernel order, each 32-wide K block's product
@@ -21,7 +22,8 @@ then multiplies the token tile on the matrix units with the weight as the left o
 splits K across programs so that the weight streams from every SM, then adds the fp32 partials in a
 fixed order (deterministic); M <= 16 also quantizes the activation inside the GEMM (one launch). Larger M
 quantizes the activation once in its own kernel (bf16, exact) and runs unsplit 128 x 128 tiles. From
-CUBLAS_MIN_M tokens on CUDA the weight is instead dequantized to bf16 for the call and cuBLAS multiplies
+CUBLAS_MIN_M tokens on CUDA the weight is instead dequantized to bf16 for the call (dequant_weight: one
+Triton pass over the stored bytes, equal bit for bit to formats.dequant_*_weight) and cuBLAS multiplies
 (fp32 output, rounded as the kernel rounds): the same exact operands, another fp32 summation order.
 """
 
@@ -83,6 +85,26 @@ def fp4_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_blo
     return _gemm(x, _bytes(weight), _bytes(scale), N, K, True, act_block, wb, config)
 
 
+def dequant_weight(weight: torch.Tensor, scale: torch.Tensor, block: int, fp4: bool, force_triton: bool = False,
+                   config: dict | None = None) -> torch.Tensor:
+    """See reference.dequant_weight: an FP8 weight [N, K] (UE8M0 per block x block tile) or a packed FP4 weight
+    [N, K/2] (UE8M0 per row and `block` columns) times its scales, as bf16 [N, K], equal bit for bit to
+    formats.dequant_fp8_weight / dequant_fp4_weight in bf16. Weight and scale bytes in any one-byte dtype the
+    formats functions take (float8_e4m3fn, float4_e2m1fn_x2, float8_e8m0fnu, uint8, int8). `config` overrides
+    DEQUANT_TILE (benchmarks and tests)."""
+    if not use_triton(weight, scale, force=force_triton):
+        return reference.dequant_weight(weight, scale, block, fp4)
+    if weight.element_size() != 1 or scale.element_size() != 1:
+        raise TypeError(f"expected one-byte weight and scale tensors, got {weight.dtype} and {scale.dtype}")
+    N = weight.size(0)
+    K = 2 * weight.size(1) if fp4 else weight.size(1)
+    expected = (N, K // block) if fp4 else (-(-N // block), -(-K // block))
+    if tuple(scale.shape) != expected or (fp4 and K % block):
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not match an {'FP4' if fp4 else 'FP8'} weight "
+                         f"[{N}, {K}] with block {block}")
+    return _dequant_weight(_bytes(weight), _bytes(scale), N, K, block, fp4, config)
+
+
 # ------------------------------------------------------------------------------------------ launch
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.view(torch.uint8)
@@ -101,6 +123,29 @@ def _pow2_at_least(n: int, lo: int) -> int:
     while p < n:
         p *= 2
     return p
+
+
+# dequant_weight's launch: memory-bound (reads 1 or 1/2 byte per element, writes 2), so wide row-major tiles of
+# 8K elements, each thread storing 16-byte vectors, and enough programs to cover every SM many times over.
+DEQUANT_TILE = dict(BN=32, BK=256, num_warps=4)
+
+
+@opaque
+def _dequant_weight(w: torch.Tensor, s: torch.Tensor, N: int, K: int, qw: int, fp4: bool,
+                    config: dict | None = None) -> torch.Tensor:
+    """Weight bytes w ([N, K] or [N, K/2]) and scale bytes s -> bf16 [N, K] (dequant_weight_kernel)."""
+    import triton
+
+    from dsv41.model.kernels._triton_gemm import dequant_weight_kernel
+
+    cfg = {**DEQUANT_TILE, **(config or {})}
+    BN, BK = cfg["BN"], max(cfg["BK"], qw)  # a tile holds whole scale blocks along K
+    y = torch.empty(N, K, dtype=torch.bfloat16, device=w.device)
+    if N and K:
+        dequant_weight_kernel[(triton.cdiv(N, BN), triton.cdiv(K, BK))](
+            w, s, y, N, K, w.size(1), w.stride(0), s.stride(0), y.stride(0), W_FP4=fp4, QW=qw, BN=BN, BK=BK,
+            INTERPRET=interpreting(), num_warps=cfg["num_warps"])
+    return y
 
 
 # From this many tokens on CUDA, the weight is dequantized to bf16 for the call (exact) and the product is cuBLAS's
@@ -165,8 +210,7 @@ def _gemm(x, w, s, N, K, fp4, qa, qw, config):
     if cfg.get("cublas") and x2.is_cuda:
         # the same values as the kernel multiplies (both operands exact in bf16), summed in fp32 by cuBLAS
         xq = _act_quant(x2, qa, torch.bfloat16)
-        wb = (formats.dequant_fp4_weight(w, s, qw, torch.bfloat16) if fp4
-              else formats.dequant_fp8_weight(w, s, qw, torch.bfloat16))
+        wb = _dequant_weight(w, s, N, K, qw, fp4)  # = formats.dequant_*_weight(w, s, qw, torch.bfloat16)
         return torch.mm(xq, wb.t(), out_dtype=torch.float32).to(x.dtype).view(*lead, N)
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     if BK % qa or BK % qw:

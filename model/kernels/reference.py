@@ -348,6 +348,15 @@ def fp4_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return F.linear(xq, formats.dequant_fp4_weight(weight, scale, formats.FP4_WEIGHT_BLOCK)).to(x.dtype)
 
 
+def dequant_weight(weight: torch.Tensor, scale: torch.Tensor, block: int, fp4: bool) -> torch.Tensor:
+    """A stored FP8 weight [N, K] (E4M3, one UE8M0 per block x block tile) or packed FP4 weight [N, K/2] (E2M1
+    pairs, one UE8M0 per row and `block` columns) times its scales, as bf16 [N, K]: the weight operand of
+    the GEMMs above, exact in bf16 (E4M3 / E2M1 times a power of two)."""
+    if fp4:
+        return formats.dequant_fp4_weight(weight, scale, block, torch.bfloat16)
+    return formats.dequant_fp8_weight(weight, scale, block, torch.bfloat16)
+
+
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts,
                    swiglu_limit: float) -> torch.Tensor:
     """sum over each token's selected experts of the routing weight times the SwiGLU expert, fp32 [T, dim].
