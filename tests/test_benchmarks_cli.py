@@ -78,9 +78,9 @@ def test_cpu_subcommand_writes_its_json(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["benchmark"] == "smoke_cpu"
-    assert len(data["rows"]["gemm"]) == 6 and len(data["rows"]["experts"]) == 5
+    assert len(data["rows"]["gemm"]) == 10 and len(data["rows"]["experts"]) == 5  # gemm: 4 cases, 2 variants, 4 dequant rows
     cases = [r for rows in data["rows"].values() for r in rows if r["kernel"] != "routed_experts_sweep"]
-    assert len(cases) == 8 and all(r["us"] > 0 and r["floor_us"] > 0 for r in cases)
+    assert len(cases) == 12 and all(r["us"] > 0 and r["floor_us"] > 0 for r in cases)
     sweep = [r for r in data["rows"]["experts"] if r["kernel"] == "routed_experts_sweep"]
     # the default first, then each configuration against it (the interpreter sums every tile in the same order)
     assert [r["case"] for r in sweep] == ["T=20 default", "T=20 dec16", "T=20 BN32 dec16"]
