@@ -116,7 +116,7 @@ TRACE_STYLES = ("reverse-check", "carry", "twice", "labelled", "undo", "graded")
 
 def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check") -> str:
     """The gold reasoning (the text between <think> and </think>) for `numbers` at `effort`, in one
-    of the TRACE_STYLES (they differ at efforts 70-100 only)."""
+    of the TRACE_STYLES (they differ at efforts 70-100 only, but for "graded", which differs at 20-69)."""
     if style not in TRACE_STYLES:
         raise ValueError(f"trace style must be one of {TRACE_STYLES}, got {style!r}")
     tier = effort_tier(effort)
