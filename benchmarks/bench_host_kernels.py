@@ -1,10 +1,12 @@
 """The host kernels (model/kernels/host.py) against the torch references they replace, in one process.
 
 The bundled model, greedy, on the CPU. Each round runs the same work twice, once with the C library loaded and
-once with it switched off (`host.library` answering None, so every caller takes its torch reference: the code
-the previous commit ran), the two alternating so that drifting load hits both. Reports median decode tokens/s
-of one sequence, aggregate tokens/s of concurrent mixed-length requests through the continuous batch, and
-whether the greedy tokens of the two runs are identical (they must be: the kernels give the references' bits).
+once with it switched off (`host.library` answering None, so every caller takes its torch reference), the two
+alternating so that drifting load hits both. Reports median decode tokens/s of one sequence, aggregate tokens/s
+of concurrent mixed-length requests through the continuous batch, and in how many sequences the greedy tokens of
+the two runs are identical. Every kernel gives its reference's bits except the GEMMs: with the library they are
+summed in a fixed order, without it they are MKL's (and the decode step pads its rows), so since 2026-12-03 the
+two arms' tokens may part at a near-tie (docs/generation.md, "Batch invariance").
 
     python benchmarks/bench_host_kernels.py --rounds 5 --json benchmarks/results/cpu-host-kernels/ab.json
     python -m benchmarks host-kernels --json ...      (--quick: 2 rounds, 8 requests, shorter outputs)

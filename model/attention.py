@@ -26,7 +26,7 @@ from dsv41.model import formats
 from dsv41.model.cache import FP4_E4M3, INDEX_KEY_CODEC, WINDOW_CODEC
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.indexer import Indexer
-from dsv41.model.kernels import reference
+from dsv41.model.kernels import host, reference
 from dsv41.model.kernels import sparse_attention as kernels_attention
 from dsv41.model.layers import Linear, RMSNorm, qat, rope_frequencies_on, rope_tail, storage_dtype
 
@@ -173,8 +173,14 @@ class Attention(nn.Module):
         o = rope_tail(o, freqs, self.rope_dim, inverse=True)
         B, T = o.shape[:2]
         o = o.reshape(B, T, self.n_groups, -1)
-        wo_a = self.wo_a.dequantized_weight(o.dtype).view(self.n_groups, self.o_lora_rank, -1)
-        o = torch.einsum("btgd,grd->btgr", o, wo_a)  # block-diagonal: each group projects only its heads
+        if not self.wo_a.trainable and host.fixed_order_applies(o, self.wo_a.weight):
+            # CPU inference: each group's product summed in a fixed order (a row's numbers do not depend on
+            # the rows beside it, model/batch_cache.py), from the cached fp32 weight
+            w = self.wo_a.weight if self.wo_a.kind == "dense" else self.wo_a.dequantized_weight()
+            o = host.fixed_order_grouped_linear(o, w, self.n_groups).to(o.dtype)
+        else:
+            wo_a = self.wo_a.dequantized_weight(o.dtype).view(self.n_groups, self.o_lora_rank, -1)
+            o = torch.einsum("btgd,grd->btgr", o, wo_a)  # block-diagonal: each group projects only its heads
         return self.wo_b(o.flatten(2))
 
     def block_attention(self, x: torch.Tensor, positions: torch.Tensor, context_kv: torch.Tensor,

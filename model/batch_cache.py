@@ -30,6 +30,7 @@ import torch
 
 from dsv41.model.cache import FP4_E4M3, INDEX_KEY_CODEC, WINDOW_CODEC, KVCache
 from dsv41.model.config import ModelArgs
+from dsv41.model.kernels import host
 
 
 class RowsFull(ValueError):
@@ -39,8 +40,9 @@ class RowsFull(ValueError):
 class BatchCache:
     def __init__(self, args: ModelArgs, n_rows: int, max_len: int, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        # the padding rows serve the CPU's GEMMs (below); on CUDA a step computes the rows in use only
-        self.min_rows = self.MIN_ROWS if self.device.type == "cpu" else 1
+        # padding rows serve MKL's GEMMs on a CPU without the host library (below); with it, and on CUDA, a
+        # step computes the rows in use only
+        self.min_rows = self.MIN_ROWS if self.device.type == "cpu" and not host.available() else 1
         n_rows = max(n_rows, self.min_rows)
         self.args, self.n_rows, self.max_len = args, n_rows, max_len
         self.window_size = W = args.window_size
@@ -226,11 +228,13 @@ class BatchCache:
             n[row] = 0
 
     # ------------------------------------------------------------------ one decode step
-    # A step computes `rows` >= `active` rows: the rows in use, 0..B-1, padded with free rows up to
-    # MIN_ROWS on the CPU. There MKL's fp32 GEMM sums a row differently when the matrix has few rows (one
-    # row is a GEMV); from about 9 rows on, every row comes out the same whatever the row count. Computing
-    # at least MIN_ROWS rows makes a row's numbers independent of how many others are in the batch. (On
-    # CUDA the GEMM kernels pick tiles and K splits by row count: no padding there, and no such guarantee.)
+    # A step computes `rows` >= `active` rows: the rows in use, 0..B-1. On the CPU every GEMM of inference sums
+    # each output in a fixed order (host.fixed_order_linear, the head's order), so a row's numbers do not
+    # depend on the rows beside it and the step computes the rows in use only. Without the C library the
+    # GEMMs are MKL's, whose fp32 GEMM sums a row differently when the matrix has few rows (one row is a
+    # GEMV) and from about 9 rows on the same whatever the row count: there the step pads to MIN_ROWS rows
+    # with free ones. (On CUDA the GEMM kernels pick tiles and K splits by row count: no padding there, and
+    # no such guarantee.)
     MIN_ROWS = 16
     MIN_ENTRIES = 16  # the indexer scores at least this many entries (the same reason, for its GEMM's width)
 

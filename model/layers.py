@@ -152,7 +152,10 @@ class Linear(nn.Module):
         if cached is None or cached[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # cached: an ordinary tensor, usable anywhere
                 weight = self._dequantize()
-            cached = self._dequantized = (key, weight, weight.device.type == "cpu")
+                on_cpu = weight.device.type == "cpu"
+                # the host GEMM's operand, transposed once ([in, out]: host.fixed_order_matmul walks outputs)
+                wt = weight.t().contiguous() if on_cpu and host.available() else None
+            cached = self._dequantized = (key, weight, on_cpu, wt, None if wt is None else wt.data_ptr())
         return cached[1]
 
     def _dequantize(self) -> torch.Tensor:
@@ -192,8 +195,14 @@ class Linear(nn.Module):
         return y
 
     def _host_forward(self, xq: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """forward's last branch given the fp32 activation grid xq and the cached weight."""
-        y = F.linear(xq, w).to(dtype)
+        """forward's last branch given the fp32 activation grid xq and the cached weight, each output summed
+        in a fixed order (host.fixed_order_linear: a row's outputs do not depend on the rows beside it) from
+        the transposed copy kept with it; MKL's F.linear without the C library."""
+        _, _, _, wt, wt_ptr = self._dequantized
+        if wt is not None and host.available() and xq.is_contiguous():
+            y = host.fixed_order_rows(xq, wt, wt_ptr).to(dtype)
+        else:
+            y = F.linear(xq, w).to(dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -16,6 +16,7 @@ from torch import nn
 from dsv41.model import formats
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.kernels import experts as expert_kernels
+from dsv41.model.kernels.host import fixed_order_linear
 from dsv41.model.layers import FP4, Linear, linear_pair, qat, storage_dtype, weight_grid
 
 
@@ -33,7 +34,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
         """x [N, d] -> (weights [N, k] fp32, indices [N, k])."""
-        scores = F.linear(x.float(), self.weight.float())
+        scores = fixed_order_linear(x, self.weight)  # F.linear in fp32 (in a fixed order on the CPU)
         if self.gate_temp != 1.0:  # (x / 1.0 is x, bit for bit)
             scores = scores / self.gate_temp
         if self.score_func == "softmax":

@@ -280,8 +280,9 @@ class Transformer(nn.Module):
     def decode(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """One token for each of the rows in use 0..B-1 of a continuous batch, each at its own position:
         ids [B] -> logits [B, V] (fp32). `cache` is a `BatchCache` (model/batch_cache.py); those rows advance
-        by one. The step computes at least BatchCache.MIN_ROWS rows (free rows as padding, see there); the
-        head, whose rows are independent on the CPU (Head), only the B rows in use."""
+        by one. The step computes the rows BatchCache.prepare_step says (the rows in use, padded with free
+        rows where the CPU's GEMMs are MKL's, see there); the head, whose rows are independent on the CPU
+        (Head), only the B rows in use."""
         B = ids.size(0)
         R = cache.prepare_step(B)
         if R > B:
@@ -294,7 +295,7 @@ class Transformer(nn.Module):
         """The device work of `decode` on all the step's rows (ids [R] -> logits [R, V]), no host reads: the
         part a CUDA graph captures (model/engine.py). The same layers as `forward`, their attention in its
         per-row form (`Block.decode`). head_rows: compute the logits of the first head_rows rows only, where
-        the head's rows are independent (else every row: a GEMM's row count stays >= MIN_ROWS, batch_cache.py)."""
+        the head's rows are independent (else every row: the GEMMs' row count is the cache's, batch_cache.py)."""
         ids = ids.view(-1, 1)
         R = ids.size(0)
         rows = None

@@ -7,12 +7,16 @@ same order as their references (reference._sinkhorn_normalize_, formats.fp8_fake
 reference.collapse and expand, layers.rope_tail, reference.head_logits), so they give the same bits
 (tests/test_host_kernels.py, on every CPU flavour CI runs).
 
-The output head is the one kernel here that is about arithmetic, not operator counts: the vocabulary-sized
-GEMM was a third of a one-sequence decode step, computed on 16 rows (the padding that kept MKL's GEMM
-batch-invariant, model/batch_cache.py). Summed in a fixed order per logit, a row's logits are the same
-whatever rows are computed with it, so the step computes the head on its rows in use only; the function has
-AVX-512, AVX2 and baseline versions (the lanes never meet: the same bits), the widest the CPU runs picked at
-the first call (`head_isa`).
+The GEMMs of inference are the kernels here that are about arithmetic, not operator counts. The output head
+(the vocabulary-sized GEMM was a third of a one-sequence decode step) and every other GEMM of CPU inference
+(`fixed_order_linear`: the linear layers, the router, the mHC projection, the grouped `wo_a`) sum each
+output in a fixed order, so a row's outputs are the same whatever rows are computed with it: a decode step
+computes its rows in use only, where MKL's GEMM needed the step padded to 16 rows to give a row the same bits
+in any batch (model/batch_cache.py). One function, `fixed_order_matmul`, with AVX-512, AVX2 and baseline
+versions (the lanes never meet: the same bits), the widest the CPU runs picked at the first call
+(`head_isa`). Unlike the other kernels, `fixed_order_linear` has no torch fallback of the same bits where the
+library is missing: the torch loop of its reference (`reference.fixed_order_matmul`) is K operators per
+GEMM, so without the library the model keeps MKL's GEMMs (and the padding rows).
 
 The C file is compiled on first use with the system's C compiler (`cc`, or $CC) into a per-user cache
 (`$DSV41_CACHE_DIR`, default ~/.cache/dsv41) under a name that hashes the source and the flags, and loaded
@@ -29,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -37,6 +42,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from dsv41.model import formats
 
@@ -99,6 +106,8 @@ def library() -> ctypes.CDLL | None:
     lib.dsv41_mhc_expand.restype = None
     lib.dsv41_rope_tail.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.dsv41_rope_tail.restype = None
+    lib.dsv41_fixed_order_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64]
+    lib.dsv41_fixed_order_matmul.restype = None
     for name in ("dsv41_head_logits", *HEAD_VERSIONS.values()):
         if hasattr(lib, name):  # the AVX versions exist on x86-64 only
             getattr(lib, name).argtypes = [ptr, i64, i64, ptr, i64, ptr]
@@ -211,3 +220,81 @@ def head_logits(x: torch.Tensor, wt: torch.Tensor, version: str | None = None) -
     fn = getattr(library(), f"dsv41_head_logits_{version}" if version else "dsv41_head_logits")
     fn(x.data_ptr(), R, K, wt.data_ptr(), V, out.data_ptr())
     return out
+
+
+def fixed_order_matmul(x: torch.Tensor, wt: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.fixed_order_matmul: x [M, K] fp32 CPU, each row contiguous (rows may be strided: a group's
+    columns of a wider tensor), wt [K, N] fp32 contiguous -> [M, N] fp32, written into `out` when given (rows
+    contiguous, possibly strided: a group's columns of the output)."""
+    M, K = x.shape
+    N = wt.size(1)
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.float32)
+    library().dsv41_fixed_order_matmul(x.data_ptr(), M, K, x.stride(0), wt.data_ptr(), N, out.data_ptr(),
+                                       out.stride(0))
+    return out
+
+
+def fixed_order_rows(x: torch.Tensor, wt: torch.Tensor, wt_ptr: int | None = None) -> torch.Tensor:
+    """fixed_order_matmul of a contiguous fp32 CPU x [..., K] -> [..., N] fp32, with the fewest torch calls (the
+    decode step's linear layers, about 180 a step on the bundled model, which keep wt's address)."""
+    shape = x.shape
+    K, N = shape[-1], wt.size(1)
+    out = torch.empty(*shape[:-1], N, dtype=torch.float32)
+    library().dsv41_fixed_order_matmul(x.data_ptr(), math.prod(shape[:-1]), K, K,
+                                       wt.data_ptr() if wt_ptr is None else wt_ptr, N, out.data_ptr(), N)
+    return out
+
+
+_TRANSPOSED = WeakTensorKeyDictionary()
+
+
+def transposed(w: torch.Tensor, groups: int | None = None) -> torch.Tensor:
+    """w [N, K] (any float dtype, CPU) widened to fp32 and transposed, contiguous [K, N]: fixed_order_matmul's
+    wt; with `groups`, each group of N / groups rows transposed apart, [groups, K, N / groups]. Kept while w
+    lives and is unchanged (its version and address), so a layer's weight is transposed once, not per call."""
+    # (an inference tensor keeps no version: a weight made under inference_mode is taken as fixed)
+    key = (-1 if w.is_inference() else w._version, w.data_ptr(), tuple(w.shape), groups)
+    hit = _TRANSPOSED.get(w)
+    if hit is None or hit[0] != key:
+        with torch.inference_mode(False), torch.no_grad():  # an ordinary tensor, usable in and out of inference
+            wt = w.detach().float().reshape(groups or 1, -1, w.size(-1)).transpose(1, 2).contiguous()
+            hit = (key, wt if groups else wt[0])
+        _TRANSPOSED[w] = hit
+    return hit[1]
+
+
+def fixed_order_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether fixed_order_linear sums x w^T in its fixed order: a CPU x, the C library loaded, and no graph to
+    record through x or w (inference)."""
+    return (x.device.type == "cpu" and available()
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+
+
+def fixed_order_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) in fp32, for inference on the CPU with each output summed over the input in a fixed order
+    (reference.fixed_order_matmul; fixed_order_matmul above in C): a row's outputs depend neither on how many
+    rows are computed with it nor on the CPU's vector width, where MKL's fp32 GEMM changes its summation
+    order with the row count (one row is a GEMV). So a decode step computes only its rows in use and each row
+    gets the numbers it gets alone (model/batch_cache.py). w [N, K] in any float dtype (widened and transposed
+    once: `transposed`). Elsewhere (CUDA, a graph to record, no C library) it is F.linear in fp32."""
+    if not fixed_order_applies(x, w):
+        return F.linear(x.float(), w.float())
+    lead, K = x.shape[:-1], x.size(-1)
+    x2 = x.reshape(-1, K).float()
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return fixed_order_matmul(x2, transposed(w)).view(*lead, w.size(0))
+
+
+def fixed_order_grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: int) -> torch.Tensor:
+    """The block-diagonal projection einsum("...gd,grd->...gr", x, w.view(groups, -1, d)) in fp32 with
+    fixed_order_linear's order: x [..., groups, d] on the CPU (fixed_order_applies), w [groups * r, d] ->
+    [..., groups, r] fp32. Each group's rows are read and its outputs written in place (strided rows)."""
+    *lead, G, D = x.shape
+    x2 = x.reshape(-1, G * D).float().contiguous()
+    wt = transposed(w, groups)
+    out = torch.empty(x2.size(0), G, wt.size(-1), dtype=torch.float32)
+    for g in range(G):
+        fixed_order_matmul(x2[:, g * D:(g + 1) * D], wt[g], out[:, g])
+    return out.view(*lead, G, wt.size(-1))

@@ -190,41 +190,45 @@ typedef float f32x8u __attribute__((vector_size(32), aligned(4), may_alias));
 typedef float f32x4u __attribute__((vector_size(16), aligned(4), may_alias));
 
 #define HEAD_KERNEL(NAME, TARGET, VT, VU, VW, RB, CB)                                                            \
-TARGET void NAME(const float *x, int64_t R, int64_t K, const float *wt, int64_t V, float *out) {            \
-    const int64_t vb = (VW) * (CB), full = V / vb * vb;                                                     \
-    for (int64_t v0 = 0; v0 < full; v0 += vb) {                                                              \
-        int64_t r = 0;                                                                                       \
-        for (; r + (RB) <= R; r += (RB)) { /* RB rows: each weight vector loaded once for RB rows */         \
-            VT a[RB][CB], w[CB];                                                                             \
-            for (int c = 0; c < (CB); c++) w[c] = *(const VU *)(wt + v0 + (VW) * c);                         \
-            for (int i = 0; i < (RB); i++)                                                                   \
-                for (int c = 0; c < (CB); c++) a[i][c] = x[(r + i) * K] * w[c];                              \
-            for (int64_t k = 1; k < K; k++) {                                                                \
-                for (int c = 0; c < (CB); c++) w[c] = *(const VU *)(wt + k * V + v0 + (VW) * c);             \
-                for (int i = 0; i < (RB); i++) {                                                             \
-                    const float xk = x[(r + i) * K + k];                                                     \
-                    for (int c = 0; c < (CB); c++) a[i][c] = a[i][c] + xk * w[c];                            \
-                }                                                                                            \
-            }                                                                                                \
-            for (int i = 0; i < (RB); i++)                                                                   \
-                for (int c = 0; c < (CB); c++) *(VU *)(out + (r + i) * V + v0 + (VW) * c) = a[i][c];         \
-        }                                                                                                    \
-        for (; r < R; r++) { /* the rows left, one at a time (one sequence's decode step is one row) */     \
-            VT a[CB];                                                                                        \
-            for (int c = 0; c < (CB); c++) a[c] = x[r * K] * *(const VU *)(wt + v0 + (VW) * c);              \
-            for (int64_t k = 1; k < K; k++) {                                                                \
-                const float xk = x[r * K + k];                                                               \
-                for (int c = 0; c < (CB); c++) a[c] = a[c] + xk * *(const VU *)(wt + k * V + v0 + (VW) * c); \
-            }                                                                                                \
-            for (int c = 0; c < (CB); c++) *(VU *)(out + r * V + v0 + (VW) * c) = a[c];                      \
-        }                                                                                                    \
-    }                                                                                                        \
-    for (int64_t r = 0; r < R; r++) { /* the last, partial block of columns */                               \
-        float *o = out + r * V;                                                                              \
-        for (int64_t j = full; j < V; j++) o[j] = x[r * K] * wt[j];                                          \
-        for (int64_t k = 1; k < K; k++)                                                                      \
-            for (int64_t j = full; j < V; j++) o[j] = o[j] + x[r * K + k] * wt[k * V + j];                   \
-    }                                                                                                        \
+TARGET void NAME##_strided(const float *x, int64_t R, int64_t K, int64_t ldx, const float *wt, int64_t V,        \
+                           float *out, int64_t ldo) {                                                            \
+    const int64_t vb = (VW) * (CB), full = V / vb * vb;                                                          \
+    for (int64_t v0 = 0; v0 < full; v0 += vb) {                                                                  \
+        int64_t r = 0;                                                                                           \
+        for (; r + (RB) <= R; r += (RB)) { /* RB rows: each weight vector loaded once for RB rows */             \
+            VT a[RB][CB], w[CB];                                                                                 \
+            for (int c = 0; c < (CB); c++) w[c] = *(const VU *)(wt + v0 + (VW) * c);                             \
+            for (int i = 0; i < (RB); i++)                                                                       \
+                for (int c = 0; c < (CB); c++) a[i][c] = x[(r + i) * ldx] * w[c];                                \
+            for (int64_t k = 1; k < K; k++) {                                                                    \
+                for (int c = 0; c < (CB); c++) w[c] = *(const VU *)(wt + k * V + v0 + (VW) * c);                 \
+                for (int i = 0; i < (RB); i++) {                                                                 \
+                    const float xk = x[(r + i) * ldx + k];                                                       \
+                    for (int c = 0; c < (CB); c++) a[i][c] = a[i][c] + xk * w[c];                                \
+                }                                                                                                \
+            }                                                                                                    \
+            for (int i = 0; i < (RB); i++)                                                                       \
+                for (int c = 0; c < (CB); c++) *(VU *)(out + (r + i) * ldo + v0 + (VW) * c) = a[i][c];           \
+        }                                                                                                        \
+        for (; r < R; r++) { /* the rows left, one at a time (one sequence's decode step is one row) */          \
+            VT a[CB];                                                                                            \
+            for (int c = 0; c < (CB); c++) a[c] = x[r * ldx] * *(const VU *)(wt + v0 + (VW) * c);                \
+            for (int64_t k = 1; k < K; k++) {                                                                    \
+                const float xk = x[r * ldx + k];                                                                 \
+                for (int c = 0; c < (CB); c++) a[c] = a[c] + xk * *(const VU *)(wt + k * V + v0 + (VW) * c);     \
+            }                                                                                                    \
+            for (int c = 0; c < (CB); c++) *(VU *)(out + r * ldo + v0 + (VW) * c) = a[c];                        \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int64_t r = 0; r < R; r++) { /* the last, partial block of columns */                                   \
+        float *o = out + r * ldo;                                                                                \
+        for (int64_t j = full; j < V; j++) o[j] = x[r * ldx] * wt[j];                                            \
+        for (int64_t k = 1; k < K; k++)                                                                          \
+            for (int64_t j = full; j < V; j++) o[j] = o[j] + x[r * ldx + k] * wt[k * V + j];                     \
+    }                                                                                                            \
+}                                                                                                                \
+TARGET void NAME(const float *x, int64_t R, int64_t K, const float *wt, int64_t V, float *out) {                 \
+    NAME##_strided(x, R, K, K, wt, V, out, V);                                                                   \
 }
 
 #define HEAD_OPT __attribute__((optimize("O3")))
@@ -243,12 +247,21 @@ int dsv41_head_isa(void) {
     return 0;
 }
 
-void dsv41_head_logits(const float *x, int64_t R, int64_t K, const float *wt, int64_t V, float *out) {
+/* out[r, n] = sum_k x[r, k] wt[k, n] in the head's fixed order, for any GEMM of the decode step (the model's
+ * linear layers, the MoE gate, the mHC projection, the grouped wo_a): rows x[r * ldx ..] (K contiguous floats
+ * each), outputs out[r * ldo ..] (N contiguous floats each), so a group's columns of a wider tensor are read
+ * and written in place. */
+void dsv41_fixed_order_matmul(const float *x, int64_t R, int64_t K, int64_t ldx, const float *wt, int64_t N,
+                              float *out, int64_t ldo) {
     static int isa = -1;
     if (isa < 0) isa = dsv41_head_isa();
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (isa == 2) { dsv41_head_logits_avx512(x, R, K, wt, V, out); return; }
-    if (isa == 1) { dsv41_head_logits_avx2(x, R, K, wt, V, out); return; }
+    if (isa == 2) { dsv41_head_logits_avx512_strided(x, R, K, ldx, wt, N, out, ldo); return; }
+    if (isa == 1) { dsv41_head_logits_avx2_strided(x, R, K, ldx, wt, N, out, ldo); return; }
 #endif
-    dsv41_head_logits_base(x, R, K, wt, V, out);
+    dsv41_head_logits_base_strided(x, R, K, ldx, wt, N, out, ldo);
+}
+
+void dsv41_head_logits(const float *x, int64_t R, int64_t K, const float *wt, int64_t V, float *out) {
+    dsv41_fixed_order_matmul(x, R, K, K, wt, V, out, V);
 }

@@ -234,24 +234,36 @@ def hc_coefficients(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
 
 def _hc_coefficients(xf: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
                      hc_eps: float, norm_eps: float,
-                     normalize=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hc_coefficients of x already in fp32 (x.float().flatten(-2) is x.flatten(-2).float(), value for value)."""
+                     normalize=None, project=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hc_coefficients of x already in fp32 (x.float().flatten(-2) is x.flatten(-2).float(), value for value).
+    project(flat, fn): the projection W_fn flat in fp32 (default F.linear; the host step sums it in a fixed
+    order, layers.fixed_order_linear)."""
     *_, n, d = xf.shape
     flat = xf.flatten(-2)
     rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    mixes = F.linear(flat, fn.float()) * rstd
+    mixes = (project(flat, fn) if project is not None else F.linear(flat, fn.float())) * rstd
     return _sinkhorn_split(mixes, scale, base, n, iters, hc_eps, normalize)  # mixes are fp32 already
 
 
-def head_logits(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """The output head on the host: x [R, K] fp32, wt [K, V] fp32 (the head's weight transposed) -> [R, V] fp32,
-    each logit summed over k in the fixed order 0, 1, ..., K-1 from the first product, ((x_0 w_0 + x_1 w_1) +
-    x_2 w_2) + ...: elementwise products and additions, whose bits no CPU, vector width or row count changes
-    (an fp32 GEMM's order depends on all three). host.head_logits is this loop in C."""
+def fixed_order_matmul(x: torch.Tensor, wt: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 times wt [K, N] fp32 -> [M, N] fp32 (into `out` when given), each output summed over k in
+    the fixed order 0, 1, ..., K-1 from the first product, ((x_0 w_0 + x_1 w_1) + x_2 w_2) + ...: elementwise
+    products and additions, whose bits no CPU, vector width or row count changes (an fp32 GEMM's order
+    depends on all three). The CPU's GEMMs of inference (the output head, and on few rows the linear layers,
+    the MoE gate, the mHC projection: layers.fixed_order_linear) are this loop; host.fixed_order_matmul is
+    it in C."""
     acc = x[:, :1] * wt[0]
     for k in range(1, x.size(1)):
         acc.add_(x[:, k:k + 1] * wt[k])
+    if out is not None:
+        return out.copy_(acc)
     return acc
+
+
+def head_logits(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+    """The output head on the host: x [R, K] fp32, wt [K, V] fp32 (the head's weight transposed) -> [R, V]
+    fp32, as fixed_order_matmul. host.head_logits is this loop in C."""
+    return fixed_order_matmul(x, wt)
 
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
