@@ -132,10 +132,12 @@ def test_the_check_can_fail(gen, tiny_model):
         check_guarantee(t, BOUND)
 
 
-# the bundled model on the README's main prompt: max |difference| 1.89 over its 64 greedy tokens, the
-# first divergence at generated token 40 (plain's margin there 0.034, the difference 0.195), the same
-# under the AVX-512, AVX2 and default (SSE4.1) CPU kernels (measured 2026-12-01)
-BUNDLED_BOUND = 2.5
+# the bundled model on the README's main prompt, 48 greedy tokens: max |difference| 2.31 (at token 15; 2.01 at
+# token 17, at most 1.65 elsewhere), no divergence, the same under the AVX-512, AVX2 and default (SSE4.1) CPU
+# kernels (measured 2026-12-03 on the checkpoint after stage 29, every GEMM of CPU inference in the fixed order).
+# Where the difference spikes moves with the weights and the arithmetic (docs/generation.md): the checkpoint
+# before (stage 27) measured 6.15 at its last token with these GEMMs and 1.58 with MKL's, so the bound leaves room
+BUNDLED_BOUND = 8.0
 
 
 @pytest.mark.slow

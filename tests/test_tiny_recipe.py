@@ -507,7 +507,7 @@ def test_bundled_checkpoint_loads_strictly_and_answers():
     assert out["content"] == "Answer: 26" and out["finish_reason"] == "stop"
 
 
-@pytest.mark.parametrize("mode,reasoning", [("thinking", "The shape is green."), ("chat", "")])
+@pytest.mark.parametrize("mode,reasoning", [("thinking", "I see a green square."), ("chat", "")])
 def test_bundled_model_names_the_colour_of_the_readme_picture(mode, reasoning):
     """docs/img/green-square.png is a held-out picture of the recipe's evaluation set (112 x 224 px)."""
     out = _generate_json("--image", str(REPO / "docs/img/green-square.png"), "--mode", mode,

@@ -124,6 +124,22 @@ def test_variety_batches_share_one_canvas_and_encode():
         assert plan_image_grid(side, side, args).n_tokens <= args.vision_max_n_token
 
 
+def test_variety_share_mixes_batches_and_replays_the_pure_stages():
+    """A share strictly between 0 and 1 draws each batch's kind from its own generator, about that share of
+    them v2; shares 0 and 1 draw nothing, so the stages trained before the mix replay step for step."""
+    from dsv41.recipes.tiny.vision.train import variety_step
+
+    for share, expected in ((0.0, False), (False, False), (1.0, True), (True, True)):
+        rng = random.Random(9)
+        assert all(variety_step(rng, share) is expected for _ in range(50))
+        assert rng.random() == random.Random(9).random()  # nothing drawn
+    rng = random.Random(9)
+    kinds = [variety_step(rng, 0.3) for _ in range(2000)]
+    assert 0.26 < sum(kinds) / len(kinds) < 0.34
+    rng = random.Random(9)
+    assert kinds[:20] == [variety_step(rng, 0.3) for _ in range(20)]
+
+
 def test_independent_evaluation_runs_the_bundled_model_through_the_engine():
     from dsv41.recipes.tiny.vision import accuracy as A
     from dsv41.recipes.tiny.vision.independent_eval import evaluate

@@ -27,7 +27,13 @@ case $STAGE in
   25|26) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_graded=0.70
             --vision-every 2 --vision-batch 256 --vision-workers 12 --think-start-weight 4 --closing-sum-weight 5
             --lr 4e-4 --backbone-seconds 370 --dspark-seconds 100 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
-  *) echo "unknown stage $STAGE (25 or 26)" >&2; exit 2 ;;
+  # stage 29 (2026-12-03, #25's pictures): from the shipped checkpoint, every step an image batch, 60% of them
+  # the v2 pictures (--vision-variety-share), the text rows as stage 26's at a lower rate
+  29) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_graded=0.70
+            --vision-every 1 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.6
+            --think-start-weight 4 --closing-sum-weight 5
+            --lr 2.5e-4 --backbone-seconds 330 --dspark-seconds 90 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
+  *) echo "unknown stage $STAGE (25, 26 or 29)" >&2; exit 2 ;;
 esac
 bash recipes/tiny/device_run.sh --init-from "$FROM" --out "$RUNS/s$STAGE" "${OPTS[@]}" \
     --history "$LOGS/stage${STAGE}_history.json" --log "$LOGS/stage${STAGE}_train.log" "$@"

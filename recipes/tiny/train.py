@@ -128,20 +128,23 @@ class WindowSampler:
 class ImageBatches(torch.utils.data.IterableDataset):
     """Endless batches of synthetic picture questions (recipes/tiny/vision/data.py) in both V4.1 chat
     formats, as (ids [B, T], image inputs, reply mask [B, T]); each DataLoader worker draws with its own
-    seed, so drawing and preprocessing (CPU) overlap the GPU step."""
+    seed, so drawing and preprocessing (CPU) overlap the GPU step. `variety`: the share of batches of v2
+    pictures (True: all; vision/train.py variety_step)."""
 
-    def __init__(self, tokenizer_dir: Path, args, batch: int, seed: int = 0, variety: bool = False):
+    def __init__(self, tokenizer_dir: Path, args, batch: int, seed: int = 0, variety: float = 0.0):
         self.tokenizer_dir, self.args, self.batch, self.seed, self.variety = tokenizer_dir, args, batch, seed, variety
 
     def __iter__(self):
         from dsv41.model.tokenizer import load_tokenizer
-        from dsv41.recipes.tiny.vision.train import make_batch
+        from dsv41.recipes.tiny.vision.train import make_batch, variety_step
 
         info = torch.utils.data.get_worker_info()
         rng = random.Random(1000 * self.seed + 1 + (info.id if info else 0))
+        mix_rng = random.Random(1000 * self.seed + 501 + (info.id if info else 0))
         tokenizer = load_tokenizer(self.tokenizer_dir)
         while True:
-            yield make_batch(rng, self.batch, tokenizer, self.args, tokenizer.eos_id, variety=self.variety)
+            yield make_batch(rng, self.batch, tokenizer, self.args, tokenizer.eos_id,
+                             variety=variety_step(mix_rng, self.variety))
 
 
 class VisionJob:
@@ -150,7 +153,7 @@ class VisionJob:
     image positions only (recipes/tiny/vision/train.py, ImageLoad)."""
 
     def __init__(self, tokenizer_dir: Path, args, batch: int, every: int, weight: float, seed: int = 0,
-                 workers: int = 4, variety: bool = False):
+                 workers: int = 4, variety: float = 0.0):
         self.every, self.weight = every, weight
         loader = torch.utils.data.DataLoader(ImageBatches(tokenizer_dir, args, batch, seed, variety), batch_size=None,
                                              num_workers=workers, prefetch_factor=4 if workers else None,
@@ -715,6 +718,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vision-variety", action="store_true",
                     help="v2 pictures and questions (recipes/tiny/vision/data.py variety_example: shades, backgrounds, "
                          "32-1024 px canvases, many phrasings, one answer form); stages 1-16 ran without it")
+    ap.add_argument("--vision-variety-share", type=float, default=None,
+                    help="the share of image batches of v2 pictures, the others v1 (--vision-variety is 1)")
     ap.add_argument("--tower-seconds", type=float, default=30.0,
                     help="a new tower first learns to see through linear probes (recipes/tiny/vision/train.py)")
     ap.add_argument("--think-start-weight", type=float, default=1.0,
@@ -730,6 +735,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--log", type=Path, default=None, help="also append log lines to this file")
     ap.add_argument("--history", type=Path, default=None, help="write the loss history (JSON) here")
     a = ap.parse_args(argv)
+    variety = a.vision_variety_share if a.vision_variety_share is not None else float(a.vision_variety)
+    if not 0 <= variety <= 1:
+        ap.error(f"--vision-variety-share must be in [0, 1], not {variety}")
     from dsv41.recipes.tiny.config import tiny_config
 
     torch.manual_seed(a.seed)
@@ -759,12 +767,12 @@ def main(argv: list[str] | None = None) -> dict:
     vision = None
     if args.vision_enabled:
         vision = VisionJob(tokenizer_files, args, a.vision_batch, a.vision_every, a.vision_weight, a.seed,
-                           a.vision_workers, a.vision_variety)
+                           a.vision_workers, variety)
         if fresh_tower and a.tower_seconds > 0:
             from dsv41.recipes.tiny.vision.train import pretrain_tower
 
             pretrain_tower(model, args, a.tower_seconds if a.max_steps is None else 1.0, 64, 3e-3, a.seed, log=log,
-                           variety=a.vision_variety)
+                           variety=variety >= 1)
     n_params = sum(p.numel() for p in model.parameters())
     log(json.dumps({"event": "start", "device": a.device, "params": n_params, "mix": weights,
                     "init_from": str(a.init_from) if a.init_from else None,

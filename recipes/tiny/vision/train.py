@@ -235,6 +235,14 @@ class ImageLoad:
             load.zero_()
 
 
+def variety_step(rng: random.Random, share: float) -> bool:
+    """Whether this step's batch is v2 pictures; draws from `rng` only for a share strictly between 0 and 1."""
+    share = float(share)
+    if share <= 0 or share >= 1:
+        return share >= 1
+    return rng.random() < share
+
+
 def lr_at(frac: float, peak: float, warmup: float = 0.05, floor: float = 0.05) -> float:
     if frac < warmup:
         return peak * frac / warmup
@@ -244,13 +252,16 @@ def lr_at(frac: float, peak: float, warmup: float = 0.05, floor: float = 0.05) -
 
 def train(model, args, tokenizer, seconds: float, batch: int, lr: float, gamma: float, seed: int,
           max_steps: int | None = None, tower_lr_scale: float = 0.3, sides=D.SIDES, probe_weight: float = 0.0,
-          probe_batch: int = 64, log=print, variety: bool = False) -> list[dict]:
+          probe_batch: int = 64, log=print, variety: float = 0.0) -> list[dict]:
     """Stage 2: the aligner (and, more slowly, the tower) learn to say what the tower sees, through the
     frozen language model. With probe_weight > 0 every step also adds the linear probes' loss on a batch of
     pictures (stage 1's objective), which keeps pushing the tower to tell the shapes apart while the
-    aligner follows it."""
+    aligner follows it. `variety` is the share of steps whose batches are v2 pictures (True: all of them);
+    between 0 and 1 each step draws its kind from a generator of its own, so that 0 and 1 replay the
+    stages trained before the mix existed step for step."""
     rng = random.Random(seed)
     probe_rng = random.Random(seed + 2)
+    mix_rng = random.Random(seed + 3)
     head = model.head
     picked = PickedHead(head)
     model.head = picked
@@ -272,13 +283,14 @@ def train(model, args, tokenizer, seconds: float, batch: int, lr: float, gamma: 
                 break
             for group in opt.param_groups:
                 group["lr"] = lr_at(frac, lr) * group["scale"]
-            ids, images, target = make_batch(rng, batch, tokenizer, args, tokenizer.eos_id, sides, variety)
+            v2 = variety_step(mix_rng, variety)
+            ids, images, target = make_batch(rng, batch, tokenizer, args, tokenizer.eos_id, sides, v2)
             picked.where = target
             logits = model(ids, all_logits=True, images=images)
             loss = F.cross_entropy(logits.float(), ids[:, 1:][target[:, :-1]])
             total = loss
             if probe is not None:
-                total = loss + probe_weight * probe_loss(model, probe, args, probe_rng, probe_batch, sides, variety)[0]
+                total = loss + probe_weight * probe_loss(model, probe, args, probe_rng, probe_batch, sides, v2)[0]
             opt.zero_grad(set_to_none=True)
             total.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -355,10 +367,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--variety", action="store_true",
                     help="v2 pictures and questions: shades, backgrounds, 32-1024 px canvases, many phrasings, one "
                          "answer form (data.variety_example); overrides the side options")
+    ap.add_argument("--variety-share", type=float, default=None,
+                    help="stage 2: the share of steps on v2 pictures, the others on the v1 sides the side options "
+                         "give (--variety is 1)")
     ap.add_argument("--install", action="store_true", help="replace --base with the result")
     ap.add_argument("--continue-tower", action="store_true",
                     help="train the tower --base already has further (stage 1 only if --tower-seconds is given)")
     a = ap.parse_args(argv)
+    share = a.variety_share if a.variety_share is not None else float(a.variety)
+    if not 0 <= share <= 1:
+        ap.error(f"--variety-share must be in [0, 1], not {share}")
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.out.exists():
@@ -367,11 +385,11 @@ def main(argv: list[str] | None = None) -> dict:
     n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(json.dumps({"trained_parameters": n_trained, "vision": VISION}), flush=True)
     tower_seconds = a.tower_seconds if a.tower_seconds is not None else (0.0 if a.continue_tower else 300.0)
-    history = (pretrain_tower(model, args, tower_seconds, a.tower_batch, a.tower_lr, a.seed, variety=a.variety)
+    history = (pretrain_tower(model, args, tower_seconds, a.tower_batch, a.tower_lr, a.seed, variety=share >= 1)
                if tower_seconds else [])
     sides = D.SIDES + (D.PADDED_SIDES if a.padded_sides else ()) + (D.LARGE_SIDES if a.large_sides else ())
     history += train(model, args, tokenizer, a.seconds, a.batch, a.lr, a.gamma, a.seed, a.max_steps,
-                     tower_lr_scale=a.tower_lr_scale, sides=sides, probe_weight=a.probe_weight, variety=a.variety)
+                     tower_lr_scale=a.tower_lr_scale, sides=sides, probe_weight=a.probe_weight, variety=share)
     files = export(model, args, a.base, a.out)
     from dsv41.recipes.tiny.vision.accuracy import evaluate
 
