@@ -140,6 +140,17 @@ def test_variety_share_mixes_batches_and_replays_the_pure_stages():
     assert kinds[:20] == [variety_step(rng, 0.3) for _ in range(20)]
 
 
+@pytest.mark.parametrize("module,flag", [("dsv41.recipes.tiny.train", "--vision-variety-share"),
+                                         ("dsv41.recipes.tiny.vision.train", "--variety-share")])
+def test_a_share_outside_0_1_is_a_usage_error(module, flag, tmp_path, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).main([flag, "1.5", "--out", str(tmp_path / "x")])
+    assert exit_.value.code == 2 and "must be in [0, 1]" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_independent_evaluation_runs_the_bundled_model_through_the_engine():
     from dsv41.recipes.tiny.vision import accuracy as A
     from dsv41.recipes.tiny.vision.independent_eval import evaluate
