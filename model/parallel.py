@@ -61,6 +61,7 @@ from dsv41.model.checkpoint import check_mp, check_state_matches, load_rank_mode
 from dsv41.model.dspark import MarkovHead
 from dsv41.model.engram import EngramEmbedding
 from dsv41.model.indexer import Indexer
+from dsv41.model.kernels.host import fixed_order_linear
 from dsv41.model.layers import FP4, GEMM_MODE, Linear, qat
 from dsv41.model.moe import MoE
 from dsv41.model.transformer import Head
@@ -325,7 +326,9 @@ class VocabParallelHead(Head):
         self.world, self.group = world, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _all_gather_last(F.linear(x.float(), self.weight.float()), self.world, self.group)
+        # summed in the fixed order of the one-process head on the CPU (host.fixed_order_linear), so a decode
+        # step's rows do not depend on each other here either (model/batch_cache.py)
+        return _all_gather_last(fixed_order_linear(x, self.weight), self.world, self.group)
 
 
 class RowParallelLinear(Linear):
@@ -339,11 +342,12 @@ class RowParallelLinear(Linear):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "dense":
-            return F.linear(x.to(self.weight.dtype).float(), self.weight.float())
+            return fixed_order_linear(x.to(self.weight.dtype), self.weight)
         if GEMM_MODE["mode"] == "exact" and not self.trainable:  # REF's kernel order, rounded per rank as REF does
             return Linear.forward(self, x).float()
         xq = qat(formats.fp8_fake_quant, x, self.block).float()
-        return F.linear(xq, self.dequantized_weight(torch.float32))
+        # the partial product in the one-process Linear's fixed order on the CPU (F.linear elsewhere)
+        return fixed_order_linear(xq, self.dequantized_weight(torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _all_reduce(self.partial(x), self.group).to(x.dtype)
