@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The "graded" reasoning traces of dsv41-tiny on one H200 (recipes/tiny/README.md, "The graded traces"; issue #25):
-# one stage inside a 10-minute device call, from the shipped checkpoint (stage 16), then the drafter again:
+# one stage inside a 10-minute device call, from the checkpoint FROM (default: the bundled one), then the drafter
+# again:
 #
-#   DATA=runs/data-t25-carry RUNS=runs/tiny-t25 bash recipes/tiny/graded_device.sh 26
+#   DATA=runs/data-t25-carry RUNS=runs/tiny-t25 FROM=<stage 16> bash recipes/tiny/graded_device.sh 26
+#   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs FROM=<stage 27> bash recipes/tiny/graded_device.sh 29
+#
+# (The 2026-12-03 call of stage 29 wrote into the machine's /tmp and sent the shards back split into 15 MiB parts,
+# the device returning at most 16 MiB a file.)
 #
 # Stage 25 (2026-12-02, not kept) ran the same options on a first design of the traces, whose effort-100 check
 # undid every number down to zero (recipes/tiny/logs/trials-2026-12-02/stage25_graded_zero_check.py); stage 26
@@ -15,7 +20,8 @@
 # (stage 25's data: its generator from the log folder, with the loss mask of its injected slips). The rows: 70% the
 # graded traces (evals/tasks/tiny_reasoning), prose and code (literature left out: the tree and the data must fit
 # the 64 MiB transfer); v1 pictures every other step; the first reasoning token x4 (it names the tier, and tiers
-# 1-2 change from stage 16's), the closing sum x5 (as stage 23).
+# 1-2 change from stage 16's), the closing sum x5 (as stage 23). Stage 29 keeps those rows and adds an image batch
+# to every step, 60% of them the v2 pictures (recipes/tiny/README.md, "Stage 29").
 set -euo pipefail
 STAGE=${1:-26}
 shift || true
