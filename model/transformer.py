@@ -39,7 +39,6 @@ class Head(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(vocab_size, dim, dtype=torch.bfloat16))
         self._fp32: tuple | None = None
-        self._host: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.row_independent(x):
@@ -64,9 +63,8 @@ class Head(nn.Module):
 
     def host_weight(self) -> torch.Tensor:
         """The weight widened to fp32 and transposed, [dim, vocab] (host.head_logits walks the vocabulary
-        contiguously), kept like fp32_weight's."""
-        self._host = self._kept(self._host, lambda: self.weight.detach().float().t().contiguous())
-        return self._host[1]
+        contiguously), kept until the weight changes: host.transposed, the cache every fixed-order GEMM uses."""
+        return host.transposed(self.weight)
 
     def _kept(self, cached: tuple | None, make) -> tuple:
         w = self.weight

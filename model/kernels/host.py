@@ -108,7 +108,7 @@ def library() -> ctypes.CDLL | None:
     lib.dsv41_rope_tail.restype = None
     lib.dsv41_fixed_order_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64]
     lib.dsv41_fixed_order_matmul.restype = None
-    for name in ("dsv41_head_logits", *HEAD_VERSIONS.values()):
+    for name in HEAD_VERSIONS.values():
         if hasattr(lib, name):  # the AVX versions exist on x86-64 only
             getattr(lib, name).argtypes = [ptr, i64, i64, ptr, i64, ptr]
             getattr(lib, name).restype = None
@@ -214,10 +214,12 @@ def head_isa() -> str:
 def head_logits(x: torch.Tensor, wt: torch.Tensor, version: str | None = None) -> torch.Tensor:
     """reference.head_logits: x [R, K] fp32 contiguous, wt [K, V] fp32 contiguous (CPU) -> [R, V] fp32.
     version: "base", "avx2" or "avx512" to run that one (the tests; the CPU must have it), else the CPU's."""
+    if version is None:
+        return fixed_order_matmul(x, wt)
     R, K = x.shape
     V = wt.size(1)
     out = torch.empty(R, V, dtype=torch.float32)
-    fn = getattr(library(), f"dsv41_head_logits_{version}" if version else "dsv41_head_logits")
+    fn = getattr(library(), f"dsv41_head_logits_{version}")
     fn(x.data_ptr(), R, K, wt.data_ptr(), V, out.data_ptr())
     return out
 

@@ -180,7 +180,7 @@ void dsv41_rope_tail(const void *x, void *out, const float *freqs, int64_t B, in
  * invariance without padding rows), nor on the CPU: the lanes of a vector never meet, so the AVX-512, AVX2
  * and baseline versions below give the same bits (no fused multiply-add: -ffp-contract=off); they differ only
  * in their register tiles (RB rows x CB vectors of accumulators, sized to the ISA's register file).
- * dsv41_head_logits picks the widest one the CPU runs; each is exported for the tests. */
+ * dsv41_fixed_order_matmul (below) picks the widest one the CPU runs; each is exported for the tests. */
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
@@ -238,7 +238,7 @@ HEAD_KERNEL(dsv41_head_logits_avx2, HEAD_OPT __attribute__((target("avx2"))), f3
 HEAD_KERNEL(dsv41_head_logits_avx512, HEAD_OPT __attribute__((target("avx512f"))), f32x16, f32x16u, 16, 4, 4)
 #endif
 
-/* 2: AVX-512, 1: AVX2, 0: the baseline (what dsv41_head_logits runs; host.head_isa() reports it). */
+/* 2: AVX-512, 1: AVX2, 0: the baseline (what dsv41_fixed_order_matmul runs; host.head_isa() reports it). */
 int dsv41_head_isa(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (__builtin_cpu_supports("avx512f")) return 2;
@@ -262,6 +262,3 @@ void dsv41_fixed_order_matmul(const float *x, int64_t R, int64_t K, int64_t ldx,
     dsv41_head_logits_base_strided(x, R, K, ldx, wt, N, out, ldo);
 }
 
-void dsv41_head_logits(const float *x, int64_t R, int64_t K, const float *wt, int64_t V, float *out) {
-    dsv41_fixed_order_matmul(x, R, K, K, wt, V, out, V);
-}

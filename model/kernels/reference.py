@@ -237,7 +237,7 @@ def _hc_coefficients(xf: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, ba
                      normalize=None, project=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hc_coefficients of x already in fp32 (x.float().flatten(-2) is x.flatten(-2).float(), value for value).
     project(flat, fn): the projection W_fn flat in fp32 (default F.linear; the host step sums it in a fixed
-    order, layers.fixed_order_linear)."""
+    order, host.fixed_order_linear)."""
     *_, n, d = xf.shape
     flat = xf.flatten(-2)
     rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
@@ -249,8 +249,8 @@ def fixed_order_matmul(x: torch.Tensor, wt: torch.Tensor, out: torch.Tensor | No
     """x [M, K] fp32 times wt [K, N] fp32 -> [M, N] fp32 (into `out` when given), each output summed over k in
     the fixed order 0, 1, ..., K-1 from the first product, ((x_0 w_0 + x_1 w_1) + x_2 w_2) + ...: elementwise
     products and additions, whose bits no CPU, vector width or row count changes (an fp32 GEMM's order
-    depends on all three). The CPU's GEMMs of inference (the output head, and on few rows the linear layers,
-    the MoE gate, the mHC projection: layers.fixed_order_linear) are this loop; host.fixed_order_matmul is
+    depends on all three). The CPU's GEMMs of inference (the output head, the linear layers, the MoE gate,
+    the mHC projection, the grouped wo_a: host.fixed_order_linear) are this loop; host.fixed_order_matmul is
     it in C."""
     acc = x[:, :1] * wt[0]
     for k in range(1, x.size(1)):
