@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rev", default="HEAD")
     ap.add_argument("--runs", type=int, default=3, help="single-sequence runs per tree (median)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate the trees this many times (single: --runs each; the batched pair: one run each), "
+                         "medians over all; on a shared machine, whose speed drifts, 3 or more")
     ap.add_argument("--only", nargs="+", choices=["single", "concurrent", "concurrency", "commands"])
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--plot", metavar="PATH", help="the concurrency curve as a PNG")
@@ -188,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cuda: the current tree only, the decode step from CUDA "
                     "graphs against eager (one sequence, 32 concurrent requests)")
     a = ap.parse_args(argv)
+    if a.rounds < 1 or a.runs < 1:
+        ap.error("--rounds and --runs must be at least 1")
     if a.device != "cpu":
         return gpu_main(a)
     parts = a.only or (["single", "concurrent", "concurrency"] + ([] if a.quick else ["commands"]))
@@ -202,7 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         for tree in trees.values():
             probe(tree)
         if "single" in parts:
-            single = {label: worker(tree, "single", a.runs, scale=scale) for label, tree in trees.items()}
+            # --rounds: the trees alternate round by round (and which goes first), so that a slow spell of a shared
+            # machine does not fall on one tree's runs only
+            single = {label: {"decode_tokens_per_s": []} for label in trees}
+            for r in range(a.rounds):
+                for label, tree in (list(trees.items()) if r % 2 == 0 else list(trees.items())[::-1]):
+                    single[label]["decode_tokens_per_s"] += worker(tree, "single", a.runs,
+                                                                   scale=scale)["decode_tokens_per_s"]
             med = {k: statistics.median(v["decode_tokens_per_s"]) for k, v in single.items()}
             doc["single"] = {**{f"{k}_decode_tokens_per_s": v["decode_tokens_per_s"] for k, v in single.items()},
                              "ratio": med["current"] / med["revision"]}
@@ -219,6 +230,15 @@ def main(argv: list[str] | None = None) -> int:
                 batched_rev = worker(rev_tree, "batched", n_req=n_req, scale=scale)
             except SystemExit:
                 batched_rev = None
+            if batched_rev is not None and a.rounds > 1:  # more rounds of the like-for-like pair, alternating
+                walls = {"current": [batched["wall_s"]], "revision": [batched_rev["wall_s"]]}
+                for r in range(1, a.rounds):
+                    for label, tree in ((("revision", rev_tree), ("current", REPO)) if r % 2
+                                        else (("current", REPO), ("revision", rev_tree))):
+                        walls[label].append(worker(tree, "batched", n_req=n_req, scale=scale)["wall_s"])
+                batched["wall_s"] = statistics.median(walls["current"])
+                batched_rev["wall_s"] = statistics.median(walls["revision"])
+                batched["walls_s"], batched_rev["walls_s"] = walls["current"], walls["revision"]
             same = [x == y for x, y in zip(batched["output_ids"], alone["output_ids"])]
             rate = {k: v["tokens"] / v["wall_s"] for k, v in (("revision_sequential", seq_rev),
                                                               ("current_batched", batched),
@@ -234,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                                               alone["output_ids"]))}
             if batched_rev is not None:
                 rate_rev = batched_rev["tokens"] / batched_rev["wall_s"]
+                if "walls_s" in batched:
+                    doc["concurrent"].update(current_batched_walls_s=batched["walls_s"],
+                                             revision_batched_walls_s=batched_rev["walls_s"])
                 doc["concurrent"].update(revision_batched_tokens_per_s=round(rate_rev, 2),
                                          revision_batched_wall_s=round(batched_rev["wall_s"], 2),
                                          ratio_batched_vs_revision_batched=rate["current_batched"] / rate_rev,

@@ -173,6 +173,9 @@ class Linear(nn.Module):
         w = self._host_weight(x)
         if w is not None:
             dtype = x.dtype
+            if self._fused_host(x):
+                # the quantization, the GEMM and the cast back in one C call: the bits of the steps below
+                return host.fp8_linear(x, self.block, self._dequantized[3], self._dequantized[4])
             return self._host_forward(_host_act_quant(x, self.block, dtype), w, dtype)
         if self.kind == "dense":
             y = F.linear(x.to(self.weight.dtype), self.weight)
@@ -207,6 +210,13 @@ class Linear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y
 
+    def _fused_host(self, x: torch.Tensor) -> bool:
+        """Whether host.fp8_linear can take the host path (given _host_weight): the transposed weight kept, no
+        bias, a contiguous bf16 or fp32 x whose width is whole blocks, the C library loaded."""
+        return (self._dequantized[3] is not None and self.bias is None
+                and (x.dtype == torch.bfloat16 or x.dtype == torch.float32)
+                and x.shape[-1] % self.block == 0 and x.is_contiguous() and host.available())
+
     def _host_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         """The cached fp32 weight when forward's last branch is certain to run on the host with no graph
         through x, else None. This is the decode step's common case, answered from the cache without
@@ -240,6 +250,9 @@ def linear_pair(a: Linear, b: Linear, x: torch.Tensor) -> tuple[torch.Tensor, to
     wb = b._host_weight(x) if wa is not None and a.block == b.block else None
     if wb is None:
         return a(x), b(x)
+    if a._fused_host(x) and b._fused_host(x):  # one C call: x quantized once, both products, both casts
+        return host.fp8_linear(x, a.block, a._dequantized[3], a._dequantized[4], None, b._dequantized[3],
+                               b._dequantized[4])
     dtype = x.dtype
     xq = _host_act_quant(x, a.block, dtype)
     return a._host_forward(xq, wa, dtype), b._host_forward(xq, wb, dtype)

@@ -18,7 +18,7 @@ import torch
 
 from dsv41.model import formats, layers
 from dsv41.model.kernels import host, reference
-from test_host_overhead import assert_same, edge_values
+from test_host_overhead import assert_same, assert_same_values, edge_values
 
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc") or os.environ.get("CC")),
                                 reason="no C compiler: the torch references run (tested everywhere else)")
@@ -84,8 +84,8 @@ def test_fp8_fake_quant_edges(block):
 
 
 def test_linear_takes_the_host_path_with_the_same_bits(monkeypatch):
-    """Linear's decode path: the C quantizer (layers._host_act_quant) and the fixed-order product, the bits of
-    their torch references composed; without the library, MKL's GEMM on the same grid (close, not the bits)."""
+    """Linear's decode path: the C quantizer and the fixed-order product in one call (host.fp8_linear), the bits
+    of their torch references composed; without the library, MKL's GEMM on the same grid (close, not the bits)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set by the kernel tests: the Triton path's checks
     lin = layers.Linear(64, 96, torch.float8_e4m3fn, 32)
     w = torch.randn(96, 64, generator=torch.Generator().manual_seed(1))
@@ -95,21 +95,43 @@ def test_linear_takes_the_host_path_with_the_same_bits(monkeypatch):
         lin.scale.copy_(s.view(lin.scale.dtype))
     x = edge_values((3, 5, 64), 4, nonfinite=False).bfloat16()
     calls = []
-    real = host.fp8_fake_quant_f32
-    monkeypatch.setattr(host, "fp8_fake_quant_f32", lambda *a: calls.append(1) or real(*a))
+    real = host.fp8_linear
+    monkeypatch.setattr(host, "fp8_linear", lambda *a: calls.append(1) or real(*a))
     with torch.inference_mode():
         lin(x)  # fills the weight cache
         got = lin(x)
         wt = lin.dequantized_weight().t().contiguous()
         expected = reference.fixed_order_matmul(formats.fp8_fake_quant_f32(x, 32).view(-1, 64), wt)
     assert calls, "the host kernel was not used"
-    assert_same(got, expected.view(3, 5, 96).bfloat16())
+    # NaN (inf - inf in the sums) compared by place: torch's cast writes its payload one way on its vector path
+    # and another on its scalar tail, the C cast one way
+    assert_same_values(got, expected.view(3, 5, 96).bfloat16())
     without_host(monkeypatch)
     with torch.inference_mode():
         plain = lin(x).float()
     finite = plain.isfinite() & got.float().isfinite()  # the edge values overflow in either order
     assert finite.float().mean() > 0.5
     torch.testing.assert_close(plain[finite], got.float()[finite], rtol=8e-3, atol=1e-5)  # bf16 outputs
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("R,K,N,Nb", [(1, 64, 96, 0), (5, 128, 24, 40), (3, 32, 7, 7)])
+def test_fp8_linear_is_the_three_steps_in_one_call(in_dtype, out_dtype, R, K, N, Nb):
+    """host.fp8_linear (a linear layer's host path, and linear_pair's w1 / w3 from one quantization): the bits
+    of x.float() -> formats.fp8_fake_quant_f32 -> reference.fixed_order_matmul -> .to(dtype), on edge values
+    with infinities and NaN (whose payload IEEE leaves open: compared by place)."""
+    x = edge_values((R, K), R * K + N).to(in_dtype)
+    g = torch.Generator().manual_seed(N)
+    wt, wt_b = torch.randn(K, N, generator=g), torch.randn(K, Nb, generator=g) if Nb else None
+    xq = formats.fp8_fake_quant_f32(x.float(), 32)
+    got = host.fp8_linear(x, 32, wt, None, out_dtype, wt_b)
+    expected = [reference.fixed_order_matmul(xq, w).to(out_dtype) for w in ([wt, wt_b] if Nb else [wt])]
+    for a, b in zip(got if Nb else [got], expected):
+        assert_same_values(a, b)
+    assert_same_values(host.fp8_linear(x.view(R, 1, K), 32, wt, None, out_dtype, None).view(R, N), expected[0])
+    for r in range(R):  # a row alone: the same bits
+        assert_same_values(host.fp8_linear(x[r:r + 1], 32, wt, None, out_dtype), expected[0][r:r + 1])
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 64, 128), (3, 256, 24), (5, 64, 7), (9, 128, 300)])

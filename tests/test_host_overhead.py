@@ -483,10 +483,10 @@ def test_linear_pair_bits():
     a, b = _fp8_linear(0, kind="fp4"), _fp8_linear(1, kind="fp4")
     x = edge_values((5, 64), 3).bfloat16()
     with torch.inference_mode():
-        for _ in range(2):
+        for _ in range(2):  # NaN by place: the C cast to bf16 writes one payload, torch's two (assert_same_values)
             ya, yb = layers.linear_pair(a, b, x)
-            assert_same(ya, old_linear(a, x))
-            assert_same(yb, old_linear(b, x))
+            assert_same_values(ya, old_linear(a, x))
+            assert_same_values(yb, old_linear(b, x))
 
 
 def test_rmsnorm_and_rope_bits():
@@ -601,9 +601,9 @@ def test_decode_step_torch_calls():
 
 
 # The engine's decode step (Transformer.decode over a BatchCache row, one sequence): 10,560 torch calls
-# measured 2026-12-02, 6,837 with the host kernels, 8,549 with the fixed-order GEMMs (2026-12-03, above); the
-# bound is that plus 10%.
-MAX_ENGINE_DECODE_CALLS = 9_400 if _with_host_kernels() else 11_600
+# measured 2026-12-02, 6,837 with the host kernels, 8,549 with the fixed-order GEMMs (2026-12-03, above), 8,084
+# with a linear layer's quantization, GEMM and cast in one C call (host.fp8_linear); the bound is that plus 10%.
+MAX_ENGINE_DECODE_CALLS = 8_900 if _with_host_kernels() else 11_600
 
 
 def test_engine_decode_step_torch_calls():

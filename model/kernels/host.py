@@ -108,6 +108,9 @@ def library() -> ctypes.CDLL | None:
     lib.dsv41_rope_tail.restype = None
     lib.dsv41_fixed_order_matmul.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64]
     lib.dsv41_fixed_order_matmul.restype = None
+    lib.dsv41_fp8_linear.argtypes = [ptr, ctypes.c_int, i64, i64, i64, f32, f32, ptr, i64, ptr, ptr, i64, ptr,
+                                     ctypes.c_int]
+    lib.dsv41_fp8_linear.restype = ctypes.c_int
     for name in HEAD_VERSIONS.values():
         if hasattr(lib, name):  # the AVX versions exist on x86-64 only
             getattr(lib, name).argtypes = [ptr, i64, i64, ptr, i64, ptr]
@@ -246,6 +249,27 @@ def fixed_order_rows(x: torch.Tensor, wt: torch.Tensor, wt_ptr: int | None = Non
     library().dsv41_fixed_order_matmul(x.data_ptr(), math.prod(shape[:-1]), K, K,
                                        wt.data_ptr() if wt_ptr is None else wt_ptr, N, out.data_ptr(), N)
     return out
+
+
+def fp8_linear(x: torch.Tensor, block: int, wt: torch.Tensor, wt_ptr: int | None = None,
+               dtype: torch.dtype | None = None, wt_b: torch.Tensor | None = None, wt_b_ptr: int | None = None):
+    """fixed_order_rows(fp8_fake_quant_f32(x, block), wt).to(dtype) in one C call: a contiguous bf16 or fp32 CPU
+    x [..., K] (K a multiple of block) -> [..., N] in `dtype` (bf16 or fp32; default x's), the same bits (a
+    NaN's payload aside). The decode step's linear layers (Linear.forward's host path). With wt_b, the pair
+    (x wt, x wt_b) from one quantization of x (layers.linear_pair)."""
+    shape = x.shape
+    lead, K, N = shape[:-1], shape[-1], wt.size(1)
+    dtype = dtype or x.dtype
+    out = torch.empty(*lead, N, dtype=dtype)
+    Nb = 0 if wt_b is None else wt_b.size(1)
+    out_b = None if wt_b is None else torch.empty(*lead, Nb, dtype=dtype)
+    if library().dsv41_fp8_linear(x.data_ptr(), x.dtype == torch.bfloat16, math.prod(lead), K, block,
+                                  formats.FP8_AMAX_FLOOR, formats._FP8_RATIO,
+                                  wt.data_ptr() if wt_ptr is None else wt_ptr, N, out.data_ptr(),
+                                  None if wt_b is None else (wt_b.data_ptr() if wt_b_ptr is None else wt_b_ptr), Nb,
+                                  None if out_b is None else out_b.data_ptr(), dtype == torch.bfloat16):
+        raise MemoryError(f"fp8_linear: no scratch memory for {tuple(shape)} x [{K}, {N}]")
+    return out if wt_b is None else (out, out_b)
 
 
 _TRANSPOSED = WeakTensorKeyDictionary()

@@ -13,6 +13,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -262,3 +263,36 @@ void dsv41_fixed_order_matmul(const float *x, int64_t R, int64_t K, int64_t ldx,
     dsv41_head_logits_base_strided(x, R, K, ldx, wt, N, out, ldo);
 }
 
+
+/* A quantized linear layer's whole host path in one call (Linear.forward on the CPU: layers.py): x [R, K]
+ * (bf16 or fp32, contiguous) widened to fp32, quantized to the FP8 activation grid per block of `block`
+ * (dsv41_fp8_fake_quant), times wt [K, N] in the fixed order (dsv41_fixed_order_matmul), into out [R, N]
+ * (bf16, rounded to nearest even, or fp32): the same bits as those steps taken apart, without the
+ * intermediate tensors (two dtype conversions and three allocations a layer). With wt_b (not NULL) the same
+ * quantized x also goes through wt_b [K, Nb] into out_b (a SwiGLU's w1 and w3: layers.linear_pair).
+ * Returns 0, or -1 when the scratch memory cannot be had (nothing is written then). */
+int dsv41_fp8_linear(const void *x, int x_bf16, int64_t R, int64_t K, int64_t block, float amax_floor,
+                     float ratio, const float *wt, int64_t N, void *out, const float *wt_b, int64_t Nb,
+                     void *out_b, int out_bf16) {
+    int64_t widest = wt_b && Nb > N ? Nb : N;
+    float *xq = malloc((size_t)(R * K) * sizeof(float));
+    float *y = out_bf16 ? malloc((size_t)(R * widest) * sizeof(float)) : NULL;
+    if (!xq || (out_bf16 && !y)) {
+        free(xq);
+        free(y);
+        return -1;
+    }
+    for (int64_t i = 0; i < R * K; i++) xq[i] = load(x, i, x_bf16);
+    dsv41_fp8_fake_quant(xq, xq, R * K, block, amax_floor, ratio);  /* in place: each value read, then written */
+    for (int pass = 0; pass < (wt_b ? 2 : 1); pass++) {
+        const float *w = pass ? wt_b : wt;
+        int64_t n = pass ? Nb : N;
+        void *o = pass ? out_b : out;
+        dsv41_fixed_order_matmul(xq, R, K, K, w, n, out_bf16 ? y : (float *)o, n);
+        if (out_bf16)
+            for (int64_t i = 0; i < R * n; i++) ((uint16_t *)o)[i] = to_bf16(y[i]);
+    }
+    free(y);
+    free(xq);
+    return 0;
+}

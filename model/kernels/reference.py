@@ -97,6 +97,11 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
 
 
 # --------------------------------------------------------------------------------- indexer
+def entry_bucket(n: int) -> int:
+    """The padded entry count of a by-entry score GEMM on the CPU: 64, or the next power of two."""
+    return max(64, 1 << (n - 1).bit_length())
+
+
 def weighted_relu_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, bf16: bool,
                          by_entry: bool = False) -> torch.Tensor:
     """score = sum_h w_h ReLU(q_h . k), fp32. q [B, T, H, D], weights [B, T, H]; keys [B, N, D] (every entry:
@@ -109,7 +114,14 @@ def weighted_relu_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Ten
     where q @ keys^T sums a column differently for some widths. Same terms, fp32 sums in another order."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     if by_entry and keys.dim() == 3 and q.size(1) == 1:
-        scores = torch.bmm(keys.to(dtype), q[:, 0].to(dtype).transpose(1, 2)).relu_()  # [B, N, H]
+        n, k = keys.size(1), keys.to(dtype)
+        rows = entry_bucket(n) if bf16 and keys.device.type == "cpu" else n
+        if rows != n:
+            # On the CPU a bf16 GEMM of a shape not seen before builds a oneDNN primitive, about 0.5 ms, where the
+            # product itself takes ~20 us; a decode step scores one more entry every step or few, so it would pay
+            # that at every step. Zero rows pad the entries to a few sizes; a row's score does not depend on them.
+            k = F.pad(k, (0, 0, 0, rows - n))
+        scores = torch.bmm(k, q[:, 0].to(dtype).transpose(1, 2))[:, :n].relu_()  # [B, N, H]
         return (scores * weights.to(dtype)).sum(dim=-1).float().unsqueeze(1)
     pattern = "bthd,bnd->bthn" if keys.dim() == 3 else "bthd,btcd->bthc"
     scores = torch.einsum(pattern, q.to(dtype), keys.to(dtype)).relu_()
