@@ -393,6 +393,53 @@ def test_joint_image_steps_train_the_tower_and_balance_bias_vl(trainable_tiny):
     assert moved.abs().sum() > 0 and torch.allclose(moved, moved.round(), atol=1e-3) and moved.abs().max() <= 2 + 1e-3
 
 
+def test_probe_stage_and_probe_loss_in_the_joint_steps(trainable_tiny):
+    """--retrain-tower / --probe-weight: probe batches carry each picture's labels; the probe stage trains the
+    probes it is given (kept for the joint steps); the joint steps then log the probes' loss and keep training
+    both the probes and the tower."""
+    from dsv41.model.engram import build_compressed_token_map
+    from dsv41.model.fixtures import TINY_VISION
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.recipes.tiny.config import VISION
+    from dsv41.recipes.tiny.train import VisionJob, WindowSampler, build_trainable, train_backbone
+    from dsv41.recipes.tiny.vision.train import Probe, pretrain_tower, probe_batches
+
+    args = trainable_tiny.args.replace(**{**VISION, **TINY_VISION})
+    pixels, _, labels = next(probe_batches(args, 3, seed=1, variety=0.5, workers=0, style=2))
+    assert pixels.shape[0] == 3 and set(labels) == set(Probe.LABELS)
+    assert all(v.shape == (3,) and v.dtype == torch.long for v in labels.values())
+    assert labels["kind"].max() < 3 and labels["shape"].max() <= len(Probe.LABELS["shape"]) - 1
+    token_map, _ = build_compressed_token_map(load_tokenizer())
+    model = build_trainable(args, token_map, "cpu", seed=7)
+    vision = VisionJob(None, args, batch=2, every=1, weight=1.0, seed=3, workers=0, variety=0.5, style=2)
+    vision.add_probe(model, args, batch=2, weight=0.5, lr=1e-2, seed=3, workers=0, variety=0.5)
+    probe_before = vision.probe.heads["shape"].weight.detach().clone()
+    history = pretrain_tower(model, args, 1.0, 2, 1e-2, seed=3, log=lambda _: None, variety=0.5,
+                             probe=vision.probe, style=2)
+    assert isinstance(history, list)
+    after_stage = vision.probe.heads["shape"].weight.detach().clone()
+    assert not torch.equal(after_stage, probe_before)  # the stage trained the probes the joint steps keep
+    tower = model.vision.patch_embed.proj.weight.detach().clone()
+    real = vision.batches
+    vision.batches = ((ids % args.vocab_size, images, target) for ids, images, target in real)
+    sampler = WindowSampler({"prose": torch.arange(2000) % 97 + 3}, {"prose": 1.0})
+    history = train_backbone(model, sampler, "cpu", seconds=1e9, batch=2, context=32, lr=1e-2, max_steps=2,
+                             gamma=1e-3, log=lambda _: None, vision=vision)
+    assert history[0]["probe_loss"] > 0 and set(history[0]["probe_batch_accuracy"]) == {"colour", "shape"}
+    assert not torch.equal(vision.probe.heads["shape"].weight, after_stage)
+    assert not torch.equal(model.vision.patch_embed.proj.weight, tower)
+
+
+@pytest.mark.parametrize("flags", [["--probe-weight", "-1"], ["--tower-batch", "0"], ["--probe-batch", "0"]])
+def test_bad_probe_options_are_usage_errors(flags, tmp_path, capsys):
+    from dsv41.recipes.tiny import train
+
+    with pytest.raises(SystemExit) as exit_:
+        train.main([*flags, "--out", str(tmp_path / "x")])
+    assert exit_.value.code == 2 and "--probe-weight must be" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_export_is_the_official_layout_and_computes_what_training_computed(trainable_tiny, tmp_path):
     from dsv41.model.checkpoint import load_model
     from dsv41.recipes.tiny.train import official_state_dict, round_dense_to_bf16_, write_official

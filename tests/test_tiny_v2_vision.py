@@ -109,6 +109,38 @@ def test_without_variety_the_generator_draws_what_stages_1_to_16_drew():
     assert h.hexdigest()[:16] == "cca1f202e530d304" and rng.random() == 0.5028295801565243
 
 
+def _tilts(variety, monkeypatch, n=300):
+    """(shape, tilt) of every polygon the generator draws for n shape pictures, and the random stream after."""
+    seen = []
+    polygon = D._polygon
+
+    def record(shape, cx, cy, r, angle):
+        seen.append((shape, angle))
+        return polygon(shape, cx, cy, r, angle)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(D, "_polygon", record)
+        rng = random.Random(41)
+        texts = [D.make_example(rng, kind="shape", size=(64, 48), variety=variety) for _ in range(n)]
+    return seen, [(e.question, e.answer) for e in texts], rng.random()
+
+
+def test_any_turn_draws_every_orientation_and_changes_nothing_else(monkeypatch):
+    """variety=2 turns squares, triangles and stars anywhere within their symmetry; variety=True keeps stages
+    17-30's small tilts; the questions, answers and the random stream are the same (one draw either way)."""
+    import math
+
+    small, qa_small, after_small = _tilts(True, monkeypatch)
+    any_, qa_any, after_any = _tilts(2, monkeypatch)
+    assert qa_small == qa_any and after_small == after_any
+    for shape, limit in D.ANY_TURN.items():
+        old = [abs(t) for s, t in small if s == shape]
+        new = [abs(t) for s, t in any_ if s == shape]
+        assert old and new and max(old) <= (0.2 if shape == "star" else 0.3)
+        assert max(new) <= limit and max(new) > 0.8 * limit  # reaches near the symmetry's edge
+    assert math.isclose(D.ANY_TURN["square"], math.pi / 4)
+
+
 def test_variety_batches_share_one_canvas_and_encode():
     from dsv41.model.config import ModelArgs
     from dsv41.model.image_processor import plan_image_grid

@@ -5,6 +5,8 @@
 #
 #   DATA=runs/data-t25-carry RUNS=runs/tiny-t25 FROM=<stage 16> bash recipes/tiny/graded_device.sh 26
 #   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs FROM=<stage 27> bash recipes/tiny/graded_device.sh 29
+#   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs FROM=<stage 29> bash recipes/tiny/graded_device.sh 30
+#   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs FROM=<stage 30> bash recipes/tiny/graded_device.sh 31
 #
 # (The 2026-12-03 call of stage 29 wrote into the machine's /tmp and sent the shards back split into 15 MiB parts,
 # the device returning at most 16 MiB a file.)
@@ -39,7 +41,22 @@ case $STAGE in
             --vision-every 1 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.6
             --think-start-weight 4 --closing-sum-weight 5
             --lr 2.5e-4 --backbone-seconds 330 --dspark-seconds 90 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
-  *) echo "unknown stage $STAGE (25, 26 or 29)" >&2; exit 2 ;;
+  # stage 30 (2026-12-03, #25's pictures): from stage 29, the tower first relearns through the linear probes on
+  # both picture sets (75 s), then stage 29's joint steps with 75% v2 batches, the probes' loss kept in every
+  # image step (--probe-weight)
+  30) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_graded=0.70
+            --vision-every 1 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.75
+            --retrain-tower --tower-seconds 75 --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
+            --think-start-weight 4 --closing-sum-weight 5
+            --lr 2.5e-4 --backbone-seconds 290 --dspark-seconds 90 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
+  # stage 31 (2026-12-03): from stage 30, the same with the v2 shapes turned to any orientation (--vision-any-turn)
+  # and 80% v2 batches
+  31) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_graded=0.70
+            --vision-every 1 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-any-turn
+            --retrain-tower --tower-seconds 60 --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
+            --think-start-weight 4 --closing-sum-weight 5
+            --lr 2.5e-4 --backbone-seconds 300 --dspark-seconds 90 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
+  *) echo "unknown stage $STAGE (25, 26, 29, 30 or 31)" >&2; exit 2 ;;
 esac
 bash recipes/tiny/device_run.sh --init-from "$FROM" --out "$RUNS/s$STAGE" "${OPTS[@]}" \
     --history "$LOGS/stage${STAGE}_history.json" --log "$LOGS/stage${STAGE}_train.log" "$@"

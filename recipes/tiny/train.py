@@ -131,8 +131,9 @@ class ImageBatches(torch.utils.data.IterableDataset):
     seed, so drawing and preprocessing (CPU) overlap the GPU step. `variety`: the share of batches of v2
     pictures (True: all; vision/train.py variety_step)."""
 
-    def __init__(self, tokenizer_dir: Path, args, batch: int, seed: int = 0, variety: float = 0.0):
+    def __init__(self, tokenizer_dir: Path, args, batch: int, seed: int = 0, variety: float = 0.0, style: int = 1):
         self.tokenizer_dir, self.args, self.batch, self.seed, self.variety = tokenizer_dir, args, batch, seed, variety
+        self.style = style  # what a v2 batch draws: data.make_example's variety (2: shapes at any orientation)
 
     def __iter__(self):
         from dsv41.model.tokenizer import load_tokenizer
@@ -144,7 +145,7 @@ class ImageBatches(torch.utils.data.IterableDataset):
         tokenizer = load_tokenizer(self.tokenizer_dir)
         while True:
             yield make_batch(rng, self.batch, tokenizer, self.args, tokenizer.eos_id,
-                             variety=variety_step(mix_rng, self.variety))
+                             variety=variety_step(mix_rng, self.variety) and self.style)
 
 
 class VisionJob:
@@ -153,12 +154,27 @@ class VisionJob:
     image positions only (recipes/tiny/vision/train.py, ImageLoad)."""
 
     def __init__(self, tokenizer_dir: Path, args, batch: int, every: int, weight: float, seed: int = 0,
-                 workers: int = 4, variety: float = 0.0):
-        self.every, self.weight = every, weight
-        loader = torch.utils.data.DataLoader(ImageBatches(tokenizer_dir, args, batch, seed, variety), batch_size=None,
+                 workers: int = 4, variety: float = 0.0, style: int = 1):
+        self.every, self.weight, self.style = every, weight, style
+        loader = torch.utils.data.DataLoader(ImageBatches(tokenizer_dir, args, batch, seed, variety, style),
+                                             batch_size=None,
                                              num_workers=workers, prefetch_factor=4 if workers else None,
                                              persistent_workers=bool(workers))
         self.batches = iter(loader)
+        self.probe = None
+
+    def add_probe(self, model, args, batch: int, weight: float, lr: float, seed: int = 0, workers: int = 4,
+                  variety: float = 0.0) -> None:
+        """Every image step also adds `weight` x the linear probes' loss on a batch of pictures (colour, shape,
+        count, word read straight off the tower's features: recipes/tiny/vision/train.py), which keeps pushing
+        the tower to tell the pictures apart while the language model learns to name them. The probes have an
+        AdamW of their own at `lr` and are never saved."""
+        from dsv41.recipes.tiny.vision.train import Probe, probe_batches
+
+        self.probe = Probe(args.vision_dim).to(model.vision.patch_embed.proj.weight.device)
+        self.probe_weight = weight
+        self.probe_opt = torch.optim.AdamW(self.probe.parameters(), lr=lr, weight_decay=0.01)
+        self.probe_batches = probe_batches(args, batch, seed + 11, variety, workers, self.style)
 
 
 # ------------------------------------------------------------------------------------ model
@@ -372,6 +388,14 @@ def image_step_loss(model, vision: VisionJob, device) -> torch.Tensor:
     return chunked_ce(hidden[target], model.head.weight, ids[:, 1:][target[:, :-1]])
 
 
+def probe_step_loss(model, vision: VisionJob) -> tuple[torch.Tensor, dict]:
+    """The linear probes' loss on one probe batch (VisionJob.add_probe), and their accuracy on it."""
+    from dsv41.recipes.tiny.vision.train import probe_loss_on
+
+    loss, logits, labels = probe_loss_on(model, vision.probe, *next(vision.probe_batches))
+    return loss, {k: (logits[k].argmax(-1) == labels[k]).float().mean() for k in ("colour", "shape")}
+
+
 def train_backbone(model, sampler, device, seconds: float, batch: int, context: int, lr: float,
                    kl_weight: float = 0.1, gamma: float = 5e-3, max_steps: int | None = None, log=print,
                    vision: VisionJob | None = None, token_weights=None):
@@ -386,7 +410,7 @@ def train_backbone(model, sampler, device, seconds: float, batch: int, context: 
         from dsv41.recipes.tiny.vision.train import ImageLoad
 
         image_load = ImageLoad(model)
-    image_loss = None
+    image_loss = probe = None
     history = []
     start, step, tokens = time.time(), 0, 0
     model.train()
@@ -402,6 +426,12 @@ def train_backbone(model, sampler, device, seconds: float, batch: int, context: 
                 (vision.weight * image_loss).backward()
                 image_loss = image_loss.detach()
                 image_load.update(gamma)
+                if vision.probe is not None:
+                    vision.probe_opt.zero_grad(set_to_none=True)
+                    probe, probe_right = probe_step_loss(model, vision)
+                    (vision.probe_weight * probe).backward()
+                    vision.probe_opt.step()
+                    probe = probe.detach()
             aux: dict = {}
             hidden = model(ids[:, :-1], all_logits=True, aux=aux)
             weights = token_weights(ids) if token_weights is not None else None
@@ -437,6 +467,9 @@ def train_backbone(model, sampler, device, seconds: float, batch: int, context: 
                    "max_over_mean_expert_load": round(imbalance, 3)}
             if image_loss is not None:
                 rec["image_reply_loss"] = round(float(image_loss), 4)
+            if probe is not None:
+                rec["probe_loss"] = round(float(probe), 4)
+                rec["probe_batch_accuracy"] = {k: round(float(v), 2) for k, v in probe_right.items()}
             history.append(rec)
             log(json.dumps(rec))
     return history
@@ -720,8 +753,20 @@ def main(argv: list[str] | None = None) -> dict:
                          "32-1024 px canvases, many phrasings, one answer form); stages 1-16 ran without it")
     ap.add_argument("--vision-variety-share", type=float, default=None,
                     help="the share of image batches of v2 pictures, the others v1 (--vision-variety is 1)")
+    ap.add_argument("--vision-any-turn", action="store_true",
+                    help="v2 pictures turn their shapes to any orientation (data.ANY_TURN), not the small tilts of "
+                         "stages 1-30")
     ap.add_argument("--tower-seconds", type=float, default=30.0,
                     help="a new tower first learns to see through linear probes (recipes/tiny/vision/train.py)")
+    ap.add_argument("--retrain-tower", action="store_true",
+                    help="the probe stage also for a tower that came with --init-from (its pictures: the "
+                         "--vision-variety share, drawn by --vision-workers processes)")
+    ap.add_argument("--tower-lr", type=float, default=3e-3, help="the probe stage's peak lr")
+    ap.add_argument("--tower-batch", type=int, default=64, help="the probe stage's pictures per step")
+    ap.add_argument("--probe-weight", type=float, default=0.0,
+                    help="every image step also adds this x the linear probes' loss on a batch of pictures "
+                         "(VisionJob.add_probe); 0 = off")
+    ap.add_argument("--probe-batch", type=int, default=128, help="pictures per probe batch of --probe-weight")
     ap.add_argument("--think-start-weight", type=float, default=1.0,
                     help="loss weight of the first reasoning token (the one the effort line decides); 1 = off")
     ap.add_argument("--think-end-weight", type=float, default=1.0,
@@ -738,6 +783,8 @@ def main(argv: list[str] | None = None) -> dict:
     variety = a.vision_variety_share if a.vision_variety_share is not None else float(a.vision_variety)
     if not 0 <= variety <= 1:
         ap.error(f"--vision-variety-share must be in [0, 1], not {variety}")
+    if a.probe_weight < 0 or a.tower_batch < 1 or a.probe_batch < 1:
+        ap.error("--probe-weight must be >= 0 and --tower-batch, --probe-batch >= 1")
     from dsv41.recipes.tiny.config import tiny_config
 
     torch.manual_seed(a.seed)
@@ -767,12 +814,22 @@ def main(argv: list[str] | None = None) -> dict:
     vision = None
     if args.vision_enabled:
         vision = VisionJob(tokenizer_files, args, a.vision_batch, a.vision_every, a.vision_weight, a.seed,
-                           a.vision_workers, variety)
+                           a.vision_workers, variety, style=2 if a.vision_any_turn else 1)
         if fresh_tower and a.tower_seconds > 0:
             from dsv41.recipes.tiny.vision.train import pretrain_tower
 
             pretrain_tower(model, args, a.tower_seconds if a.max_steps is None else 1.0, 64, 3e-3, a.seed, log=log,
-                           variety=variety >= 1)
+                           variety=float(variety >= 1))
+        if a.probe_weight > 0:
+            vision.add_probe(model, args, a.probe_batch, a.probe_weight, a.tower_lr, a.seed, a.vision_workers,
+                             variety)
+        if a.retrain_tower and not fresh_tower and a.tower_seconds > 0:
+            from dsv41.recipes.tiny.vision.train import pretrain_tower
+
+            # the probes trained here are the ones --probe-weight keeps using
+            pretrain_tower(model, args, a.tower_seconds if a.max_steps is None else 1.0, a.tower_batch, a.tower_lr,
+                           a.seed, log=log, variety=variety, workers=a.vision_workers, probe=vision.probe,
+                           style=vision.style)
     n_params = sum(p.numel() for p in model.parameters())
     log(json.dumps({"event": "start", "device": a.device, "params": n_params, "mix": weights,
                     "init_from": str(a.init_from) if a.init_from else None,

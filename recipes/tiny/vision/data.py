@@ -87,11 +87,18 @@ def _polygon(shape: str, cx: float, cy: float, r: float, angle: float) -> list[t
     raise ValueError(shape)
 
 
-def draw_shape(draw, shape: str, cx: float, cy: float, r: float, colour, rng: random.Random) -> None:
+# any_turn: a turn anywhere within the shape's symmetry (a square repeats every quarter turn, a triangle every
+# third, a five-pointed star every fifth), so every orientation is drawn; otherwise the small tilts of stages 1-30
+ANY_TURN = {"square": math.pi / 4, "triangle": math.pi / 3, "star": math.pi / 5}
+
+
+def draw_shape(draw, shape: str, cx: float, cy: float, r: float, colour, rng: random.Random,
+               any_turn: bool = False) -> None:
     if shape == "circle":
         draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=colour)
     else:
-        tilt = rng.uniform(-0.3, 0.3) if shape != "star" else rng.uniform(-0.2, 0.2)
+        limit = ANY_TURN[shape] if any_turn else (0.3 if shape != "star" else 0.2)
+        tilt = rng.uniform(-limit, limit)  # one draw either way: the rest of the picture is drawn as before
         draw.polygon(_polygon(shape, cx, cy, r, tilt), fill=colour)
 
 
@@ -161,11 +168,12 @@ def a(word: str) -> str:
 
 
 def make_example(rng: random.Random, kind: str | None = None, question_type: str | None = None,
-                 size: tuple[int, int] | None = None, variety: bool = False) -> Example:
+                 size: tuple[int, int] | None = None, variety: int = False) -> Example:
     """One example; `kind` and `question_type` are drawn when not given, `size` is (width, height).
-    variety=True: the v2 pictures and questions (`variety_example`, below; stages 1-16 never drew them)."""
+    variety=True (1): the v2 pictures and questions (`variety_example`, below; stages 1-16 never drew them);
+    variety=2: the same with the shapes turned to any orientation (stage 31 on)."""
     if variety:
-        return variety_example(rng, kind, question_type, size)
+        return variety_example(rng, kind, question_type, size, any_turn=variety == 2)
     w, h = size or (rng.choice(SIDES), rng.choice(SIDES))
     kind = kind or rng.choices(("shape", "count", "text"), weights=(0.6, 0.2, 0.2))[0]
     colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
@@ -296,7 +304,7 @@ def _finish(image, w: int, h: int):
 
 
 def variety_example(rng: random.Random, kind: str | None = None, question_type: str | None = None,
-                    size: tuple[int, int] | None = None) -> Example:
+                    size: tuple[int, int] | None = None, any_turn: bool = False) -> Example:
     from PIL import ImageDraw, ImageFont
 
     w, h = size or variety_size(rng)
@@ -311,7 +319,7 @@ def variety_example(rng: random.Random, kind: str | None = None, question_type: 
         r = (rng.uniform(0.12, 0.45) if n == 1 else {2: 0.2, 3: 0.17, 4: 0.15}[n] * rng.uniform(0.8, 1.1)) * min(W, H)
         placed, r = _place(n, r, W, H, rng)
         for cx, cy in placed:
-            draw_shape(draw, shape, cx, cy, r, fill, rng)
+            draw_shape(draw, shape, cx, cy, r, fill, rng, any_turn)
         image = _finish(image, w, h)
         seen = f"{a(colour)} {shape}" if n == 1 else f"{NUMBER_WORDS[n]} {colour} {plural(shape)}"
         facts = {"colour": colour, "shape": shape, "count": n}

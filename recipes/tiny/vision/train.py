@@ -164,36 +164,80 @@ class Probe(nn.Module):
         return {k: head(pooled) for k, head in self.heads.items()}
 
 
-def probe_loss(model, probe: Probe, args, rng: random.Random, batch: int, sides=D.SIDES, variety: bool = False):
-    """(loss, logits, labels) of the linear probes on one batch of pictures of one canvas size."""
+def probe_inputs(rng: random.Random, batch: int, args, sides=D.SIDES, variety: bool = False):
+    """One probe batch drawn and preprocessed on the CPU: (pixels [B, ...], patch grid, labels {name: [B]}),
+    the pictures of one canvas size."""
     from dsv41.model.image_processor import preprocess
 
-    device = model.vision.patch_embed.proj.weight.device
     size = batch_size_px(rng, sides, variety)
     examples = [D.make_example(rng, size=size, variety=variety) for _ in range(batch)]
     prepared = [preprocess(e.image, args) for e in examples]
-    grid = prepared[0][1]
-    features = model.vision(torch.stack([p for p, _ in prepared]).to(device), grid.vit_h, grid.vit_w)
-    logits = probe(features)
     targets = [Probe.targets(e) for e in examples]
-    labels = {k: torch.tensor([t[k] for t in targets], device=device) for k in Probe.LABELS}
+    labels = {k: torch.tensor([t[k] for t in targets]) for k in Probe.LABELS}
+    return torch.stack([p for p, _ in prepared]), prepared[0][1], labels
+
+
+def probe_loss_on(model, probe: Probe, pixels: torch.Tensor, grid, labels: dict):
+    """(loss, logits, labels) of the linear probes on prepared pictures (`probe_inputs`)."""
+    device = model.vision.patch_embed.proj.weight.device
+    features = model.vision(pixels.to(device, non_blocking=True), grid.vit_h, grid.vit_w)
+    logits = probe(features)
+    labels = {k: v.to(device, non_blocking=True) for k, v in labels.items()}
     return sum(F.cross_entropy(logits[k], labels[k]) for k in Probe.LABELS), logits, labels
 
 
+def probe_loss(model, probe: Probe, args, rng: random.Random, batch: int, sides=D.SIDES, variety: bool = False):
+    """(loss, logits, labels) of the linear probes on one batch of pictures of one canvas size."""
+    return probe_loss_on(model, probe, *probe_inputs(rng, batch, args, sides, variety))
+
+
+class ProbeBatches(torch.utils.data.IterableDataset):
+    """Endless probe batches (`probe_inputs`) drawn in DataLoader workers, each with a seed of its own, so
+    that drawing overlaps the GPU step; `variety` is the share of v2 batches (`variety_step`)."""
+
+    def __init__(self, args, batch: int, seed: int = 0, variety: float = 0.0, style: int = 1):
+        self.args, self.batch, self.seed, self.variety, self.style = args, batch, seed, variety, style
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info else 0
+        rng, mix_rng = random.Random(1000 * self.seed + 7 + worker), random.Random(1000 * self.seed + 707 + worker)
+        while True:
+            yield probe_inputs(rng, self.batch, self.args, variety=variety_step(mix_rng, self.variety) and self.style)
+
+
+def probe_batches(args, batch: int, seed: int, variety: float, workers: int, style: int = 1):
+    """An endless iterator of probe batches: drawn in `workers` processes (0: in this one); `style`: what a v2
+    batch draws (data.make_example's variety, 1 or 2)."""
+    dataset = ProbeBatches(args, batch, seed, variety, style)
+    if not workers:
+        return iter(dataset)
+    return iter(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, prefetch_factor=4,
+                                            persistent_workers=True))
+
+
 def pretrain_tower(model, args, seconds: float, batch: int, lr: float, seed: int, log=print,
-                   variety: bool = False) -> list[dict]:
+                   variety: float = 0.0, workers: int = 0, probe: Probe | None = None, style: int = 1) -> list[dict]:
     """Stage 1: the ViT learns to see (colour, shape, count, word) through linear probes, cheaply,
-    before stage 2 teaches the aligner to say it through the frozen language model."""
+    before stage 2 teaches the aligner to say it through the frozen language model. `variety`: the share of
+    v2 batches (True: all); `workers` > 0 draws the pictures in that many processes (the GPU stages);
+    `probe`: probes to train and keep using afterwards (default: new ones, dropped)."""
     rng = random.Random(seed + 1)
+    mix_rng = random.Random(seed + 4)
+    batches = probe_batches(args, batch, seed, variety, workers, style) if workers else None
     device = model.vision.patch_embed.proj.weight.device
-    probe = Probe(args.vision_dim).to(device)
+    probe = probe if probe is not None else Probe(args.vision_dim).to(device)
     params = list(model.vision.parameters()) + list(probe.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     history, start, step, smoothed = [], time.time(), 0, None
     while (frac := (time.time() - start) / seconds) < 1:
         for group in opt.param_groups:
             group["lr"] = lr_at(frac, lr)
-        loss, logits, labels = probe_loss(model, probe, args, rng, batch, variety=variety)
+        if batches is not None:
+            loss, logits, labels = probe_loss_on(model, probe, *next(batches))
+        else:  # shares 0 and 1 draw nothing from mix_rng: the stages before the mix replay step for step
+            loss, logits, labels = probe_loss(model, probe, args, rng, batch,
+                                              variety=variety_step(mix_rng, variety) and style)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -385,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict:
     n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(json.dumps({"trained_parameters": n_trained, "vision": VISION}), flush=True)
     tower_seconds = a.tower_seconds if a.tower_seconds is not None else (0.0 if a.continue_tower else 300.0)
-    history = (pretrain_tower(model, args, tower_seconds, a.tower_batch, a.tower_lr, a.seed, variety=share >= 1)
+    history = (pretrain_tower(model, args, tower_seconds, a.tower_batch, a.tower_lr, a.seed, variety=float(share >= 1))
                if tower_seconds else [])
     sides = D.SIDES + (D.PADDED_SIDES if a.padded_sides else ()) + (D.LARGE_SIDES if a.large_sides else ())
     history += train(model, args, tokenizer, a.seconds, a.batch, a.lr, a.gamma, a.seed, a.max_steps,
