@@ -17,6 +17,8 @@
 #   27   the vision tower alone again, as stage 16, on the CPU             (2026-12-02)
 #   29   stage 26's text rows, an image batch in every step, 60% of them the v2 pictures (shades, backgrounds,
 #        32-1024 px, other phrasings), then the drafter                     (2026-12-03, issue #25; 7.3 min held)
+#   30   the tower through linear probes first (both picture sets), then stage 29's steps with 75% v2 batches
+#        and the probes' loss kept, then the drafter                         (2026-12-03, issue #25; 9.4 min held)
 #   bash recipes/tiny/reproduce.sh [OUT_DIR]      (default: model/assets/dsv41-tiny)
 set -euo pipefail
 OUT=${1:-model/assets/dsv41-tiny}
@@ -87,11 +89,18 @@ $PY -m dsv41.recipes.tiny.vision.train --base "$WORK/s26" --out "$WORK/s27" --co
     --lr 3e-4 --tower-lr-scale 1.0 --padded-sides --large-sides --probe-weight 0.5 --threads 2 --eval-examples 10
 cp "$WORK/s27/vision_train.json" recipes/tiny/logs/trials-2026-12-02/stage27_vision_train.json
 # stage 29 ran on one H200 through recipes/tiny/graded_device.sh 29 (the data as for stage 26); the same options:
-$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s27" --out "$OUT.new" --batch 192 \
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s27" --out "$WORK/s29" --batch 192 \
     --mix prose=0.15,code=0.15,reasoning_graded=0.70 --vision-every 1 --vision-batch 256 --vision-workers 14 \
     --vision-variety-share 0.6 --think-start-weight 4 --closing-sum-weight 5 --lr 2.5e-4 --backbone-seconds 330 \
     --dspark-seconds 90 --dspark-batch 128 --dspark-lr 1.5e-3 \
     --history recipes/tiny/logs/trials-2026-12-03/stage29_history.json
+# stage 30 likewise (graded_device.sh 30):
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s29" --out "$OUT.new" --batch 192 \
+    --mix prose=0.15,code=0.15,reasoning_graded=0.70 --vision-every 1 --vision-batch 256 --vision-workers 14 \
+    --vision-variety-share 0.75 --retrain-tower --tower-seconds 75 --tower-batch 256 --tower-lr 1e-3 \
+    --probe-weight 0.5 --probe-batch 128 --think-start-weight 4 --closing-sum-weight 5 --lr 2.5e-4 \
+    --backbone-seconds 290 --dspark-seconds 90 --dspark-batch 128 --dspark-lr 1.5e-3 \
+    --history recipes/tiny/logs/trials-2026-12-03/stage30_history.json
 rm -rf "$OUT" && mv "$OUT.new" "$OUT"
 $PY -m dsv41.recipes.tiny.plot
 $PY -m dsv41.recipes.tiny.evaluate --model "$OUT" --output recipes/tiny/logs/eval.json
