@@ -45,8 +45,11 @@ lm-eval is imported here at module level: import this module only where lm-eval 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,27 @@ from lm_eval.api.model import TemplateLM, hash_args
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Ctrl-C held back until the block ends, then raised. The request cache (a SqliteDict) hands each read and
+    write to its own thread through queues; a KeyboardInterrupt raised inside one of those queue operations
+    could leave a request the thread never served, and the final commit then waited for it forever (seen
+    2026-12-03: `dsv41 eval` interrupted at the wrong moment hung in `close`). Outside the main thread, or
+    with a handler other than Python's default, nothing changes."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught: list = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 from dsv41.evals.bpb import DEFAULT_LOGITS_BYTES, plan_batches, score_sequences
 from dsv41.evals.batch_generate import GenRequest, generate
@@ -225,8 +249,9 @@ class DSV41LM(TemplateLM):
         sampled = [kind == "generate_until" and bool(r.args[1].get("do_sample")) for r in requests]
         cached: dict[int, Any] = {}
         if self._caching:
-            cached = self.ctx.on_main(lambda: {i: self._cache[k] for i, k in enumerate(keys)
-                                               if not sampled[i] and k in self._cache})
+            with sigint_deferred():
+                cached = self.ctx.on_main(lambda: {i: self._cache[k] for i, k in enumerate(keys)
+                                                   if not sampled[i] and k in self._cache})
         for i, a in cached.items():
             answers[i] = a
         self.asked += len(requests)
@@ -237,12 +262,15 @@ class DSV41LM(TemplateLM):
             for i, a in zip(todo, run([requests[i] for i in todo])):
                 answers[i] = a
                 if self._cache is not None and not sampled[i]:
-                    self._cache[keys[i]] = a
+                    with sigint_deferred():
+                        self._cache[keys[i]] = a
             if self._cache is not None:
-                self._cache.commit()
+                with sigint_deferred():
+                    self._cache.commit()
         return answers
 
     # ------------------------------------------------------------------ the request cache
+    # (every call into the SqliteDict runs under sigint_deferred: see there)
     def open_request_cache(self, path: str | None) -> None:
         """Answer requests from, and record every answer in, the sqlite file `path`_rank0.db (the file
         and keys lm-eval's own `use_cache` writes in one process, so either reads the other's), so that
@@ -258,7 +286,8 @@ class DSV41LM(TemplateLM):
 
     def close_request_cache(self) -> None:
         if self._cache is not None:
-            self._cache.close()
+            with sigint_deferred():
+                self._cache.close()
         self._cache, self._caching = None, False
 
     def _remember(self, kind: str, args: tuple, answer) -> None:
@@ -266,7 +295,8 @@ class DSV41LM(TemplateLM):
         self.cache_hook.add_partial(kind, args, answer)
         self.answered += 1
         if self._cache is not None:
-            self._cache[hash_args(kind, args)] = answer
+            with sigint_deferred():
+                self._cache[hash_args(kind, args)] = answer
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         sequences, n_scored = [], []

@@ -341,3 +341,23 @@ def test_an_interrupt_between_the_row_file_and_the_report_still_leaves_the_parti
     assert stop.value.exit_code == 130 and len(calls) == 2
     partial = json.loads((out / "report.json").read_text())
     assert [r["status"] for r in partial["rows"]] == ["ok", "pending"] and partial["config"] == {"limit": 3}
+
+
+def test_ctrl_c_waits_for_a_request_cache_operation_to_finish():
+    """sigint_deferred (the request cache's reads and writes): a Ctrl-C inside the block is raised after it, once
+    the block's work is done; the default handler is back afterwards."""
+    import os
+
+    from dsv41.evals.lm_eval_model import sigint_deferred
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the signal is delivered here and held back
+            done.append("written")
+    assert done == ["written"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with sigint_deferred():  # no signal: nothing raised
+        done.append("again")
+    assert done == ["written", "again"]
