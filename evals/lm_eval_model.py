@@ -80,6 +80,33 @@ def sigint_deferred():
     if caught:
         raise KeyboardInterrupt
 
+
+class InterruptSafeCache:
+    """The request cache's SqliteDict with each call under sigint_deferred (the operations DSV41LM uses)."""
+
+    def __init__(self, db):
+        self.db = db
+
+    def __getitem__(self, key):
+        with sigint_deferred():
+            return self.db[key]
+
+    def __setitem__(self, key, value) -> None:
+        with sigint_deferred():
+            self.db[key] = value
+
+    def __contains__(self, key) -> bool:
+        with sigint_deferred():
+            return key in self.db
+
+    def commit(self) -> None:
+        with sigint_deferred():
+            self.db.commit()
+
+    def close(self) -> None:
+        with sigint_deferred():
+            self.db.close()
+
 from dsv41.evals.bpb import DEFAULT_LOGITS_BYTES, plan_batches, score_sequences
 from dsv41.evals.batch_generate import GenRequest, generate
 from dsv41.model import encoding
@@ -249,9 +276,8 @@ class DSV41LM(TemplateLM):
         sampled = [kind == "generate_until" and bool(r.args[1].get("do_sample")) for r in requests]
         cached: dict[int, Any] = {}
         if self._caching:
-            with sigint_deferred():
-                cached = self.ctx.on_main(lambda: {i: self._cache[k] for i, k in enumerate(keys)
-                                                   if not sampled[i] and k in self._cache})
+            cached = self.ctx.on_main(lambda: {i: self._cache[k] for i, k in enumerate(keys)
+                                               if not sampled[i] and k in self._cache})
         for i, a in cached.items():
             answers[i] = a
         self.asked += len(requests)
@@ -262,15 +288,12 @@ class DSV41LM(TemplateLM):
             for i, a in zip(todo, run([requests[i] for i in todo])):
                 answers[i] = a
                 if self._cache is not None and not sampled[i]:
-                    with sigint_deferred():
-                        self._cache[keys[i]] = a
+                    self._cache[keys[i]] = a
             if self._cache is not None:
-                with sigint_deferred():
-                    self._cache.commit()
+                self._cache.commit()
         return answers
 
     # ------------------------------------------------------------------ the request cache
-    # (every call into the SqliteDict runs under sigint_deferred: see there)
     def open_request_cache(self, path: str | None) -> None:
         """Answer requests from, and record every answer in, the sqlite file `path`_rank0.db (the file
         and keys lm-eval's own `use_cache` writes in one process, so either reads the other's), so that
@@ -282,12 +305,11 @@ class DSV41LM(TemplateLM):
             from sqlitedict import SqliteDict
 
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._cache = SqliteDict(f"{path}_rank0.db", autocommit=True)
+            self._cache = InterruptSafeCache(SqliteDict(f"{path}_rank0.db", autocommit=True))
 
     def close_request_cache(self) -> None:
         if self._cache is not None:
-            with sigint_deferred():
-                self._cache.close()
+            self._cache.close()
         self._cache, self._caching = None, False
 
     def _remember(self, kind: str, args: tuple, answer) -> None:
@@ -295,8 +317,7 @@ class DSV41LM(TemplateLM):
         self.cache_hook.add_partial(kind, args, answer)
         self.answered += 1
         if self._cache is not None:
-            with sigint_deferred():
-                self._cache[hash_args(kind, args)] = answer
+            self._cache[hash_args(kind, args)] = answer
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         sequences, n_scored = [], []
