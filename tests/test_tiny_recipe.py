@@ -440,6 +440,22 @@ def test_bad_probe_options_are_usage_errors(flags, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_vision_style_flags(tmp_path, capsys):
+    """--vision-any-turn draws style 2, --vision-robust style 3, neither style 1; both at once is a usage error."""
+    import argparse
+
+    from dsv41.recipes.tiny import train
+
+    def style(**flags):
+        return train.vision_style(argparse.Namespace(**{"vision_any_turn": False, "vision_robust": False, **flags}))
+
+    assert (style(), style(vision_any_turn=True), style(vision_robust=True)) == (1, 2, 3)
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--vision-any-turn", "--vision-robust", "--out", str(tmp_path / "x")])
+    assert exit_.value.code == 2 and "two picture styles" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_export_is_the_official_layout_and_computes_what_training_computed(trainable_tiny, tmp_path):
     from dsv41.model.checkpoint import load_model
     from dsv41.recipes.tiny.train import official_state_dict, round_dense_to_bf16_, write_official

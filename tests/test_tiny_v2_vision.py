@@ -141,6 +141,56 @@ def test_any_turn_draws_every_orientation_and_changes_nothing_else(monkeypatch):
     assert math.isclose(D.ANY_TURN["square"], math.pi / 4)
 
 
+def test_robust_pictures_vary_how_they_are_drawn_and_keep_the_facts(monkeypatch):
+    """variety=3 (stage 32): the same kinds of picture and question as variety=1, drawn at any scale of 1-3
+    (within ROBUST's cap), a share of them blurred, and the dark and mid-grey canvases twice as likely."""
+    import collections
+
+    scales, kinds = collections.Counter(), collections.Counter()
+    real_canvas, real_background = D._variety_canvas, D.variety_background
+
+    def canvas(w, h, rng, robust=False):
+        image, scale, dark = real_canvas(w, h, rng, robust)
+        scales[scale] += 1
+        assert max(w, h) * scale <= D.ROBUST["max_drawn_side"] or scale == 1
+        return image, scale, dark
+
+    def background(kind, w, h, rng):
+        kinds[kind] += 1
+        return real_background(kind, w, h, rng)
+
+    rng = random.Random(3)
+    with monkeypatch.context() as patch:
+        patch.setattr(D, "_variety_canvas", canvas)
+        patch.setattr(D, "variety_background", background)
+        examples = [D.make_example(rng, kind="shape", size=(48, 40), variety=3) for _ in range(420)]
+    assert set(scales) == {1, 2, 3}
+    assert kinds["dark"] > 1.5 * kinds["white"] and kinds["mid grey"] > 1.5 * kinds["light grey"]
+    for e in examples:
+        assert e.image.size == (48, 40) and e.facts["shape"] in D.SHAPES and e.facts["colour"] in D.COLOURS
+        assert e.answer in ({f"{e.facts['colour'].capitalize()}.", f"{D.a(e.facts['shape']).capitalize()}."}
+                            | {f"{D.a(e.facts['colour']).capitalize()} {e.facts['shape']}."})
+    big = D.make_example(random.Random(4), kind="shape", size=(1024, 900), variety=3)
+    assert big.image.size == (1024, 900)  # drawn at scale 1: the cap is 1024 px drawn
+
+
+def test_robust_blur_applies_to_its_share_and_softens_edges(monkeypatch):
+    import numpy as np
+    from PIL import Image
+
+    sharp = Image.new("RGB", (40, 40), (255, 255, 255))
+    sharp.paste((200, 0, 0), (10, 10, 30, 30))
+    def edge(im) -> int:
+        return int(np.abs(np.diff(np.asarray(im, dtype=np.int16), axis=1)).max())
+
+    rng = random.Random(0)
+    out = [D._finish(sharp, 40, 40, rng) for _ in range(400)]
+    soft = [o for o in out if edge(o) < edge(sharp)]
+    assert 0.2 < len(soft) / len(out) < 0.4  # ROBUST's blur share, 0.3
+    assert all(np.array_equal(np.asarray(o), np.asarray(sharp)) for o in out if edge(o) == edge(sharp))
+    assert D._finish(sharp, 40, 40) is sharp  # without an rng (styles 1 and 2) nothing is blurred
+
+
 def test_variety_batches_share_one_canvas_and_encode():
     from dsv41.model.config import ModelArgs
     from dsv41.model.image_processor import plan_image_grid

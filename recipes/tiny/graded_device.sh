@@ -7,6 +7,7 @@
 #   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs FROM=<stage 27> bash recipes/tiny/graded_device.sh 29
 #   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs FROM=<stage 29> bash recipes/tiny/graded_device.sh 30
 #   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs FROM=<stage 30> bash recipes/tiny/graded_device.sh 31
+#   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs FROM=<stage 30> bash recipes/tiny/graded_device.sh 32
 #
 # (The 2026-12-03 call of stage 29 wrote into the machine's /tmp and sent the shards back split into 15 MiB parts,
 # the device returning at most 16 MiB a file. For stages 30 and 31 the tracked tree had grown to 61 MB, so with the
@@ -58,7 +59,15 @@ case $STAGE in
             --retrain-tower --tower-seconds 60 --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
             --think-start-weight 4 --closing-sum-weight 5
             --lr 2.5e-4 --backbone-seconds 300 --dspark-seconds 90 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
-  *) echo "unknown stage $STAGE (25, 26, 29, 30 or 31)" >&2; exit 2 ;;
+  # stage 32 (2026-12-03): from stage 30, stage 30's options with the v2 pictures drawn less uniformly
+  # (--vision-robust: any drawing scale, some blurred, dark and mid-grey canvases twice as often), 80% v2 batches and
+  # a longer probe stage
+  32) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_graded=0.70
+            --vision-every 1 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
+            --retrain-tower --tower-seconds 110 --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
+            --think-start-weight 4 --closing-sum-weight 5
+            --lr 2.5e-4 --backbone-seconds 270 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
+  *) echo "unknown stage $STAGE (25, 26, 29, 30, 31 or 32)" >&2; exit 2 ;;
 esac
 bash recipes/tiny/device_run.sh --init-from "$FROM" --out "$RUNS/s$STAGE" "${OPTS[@]}" \
     --history "$LOGS/stage${STAGE}_history.json" --log "$LOGS/stage${STAGE}_train.log" "$@"

@@ -380,6 +380,11 @@ def _backbone_trains(name: str) -> bool:
     return not name.startswith("mtp.") and not name.endswith(("gate.bias", "gate.bias_vl"))
 
 
+def vision_style(a) -> int:
+    """What a v2 image batch draws (data.make_example's variety): 1 as stages 17-30, 2 any turn, 3 robust."""
+    return 2 if a.vision_any_turn else 3 if a.vision_robust else 1
+
+
 def image_step_loss(model, vision: VisionJob, device) -> torch.Tensor:
     """Cross-entropy on the replies of one batch of image questions (the prompt is context only)."""
     ids, images, target = next(vision.batches)
@@ -756,6 +761,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vision-any-turn", action="store_true",
                     help="v2 pictures turn their shapes to any orientation (data.ANY_TURN), not the small tilts of "
                          "stages 1-30")
+    ap.add_argument("--vision-robust", action="store_true",
+                    help="v2 pictures drawn less uniformly (data.ROBUST: any drawing scale, some blurred, more dark "
+                         "and mid-grey canvases)")
     ap.add_argument("--tower-seconds", type=float, default=30.0,
                     help="a new tower first learns to see through linear probes (recipes/tiny/vision/train.py)")
     ap.add_argument("--retrain-tower", action="store_true",
@@ -785,6 +793,8 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--vision-variety-share must be in [0, 1], not {variety}")
     if a.probe_weight < 0 or a.tower_batch < 1 or a.probe_batch < 1:
         ap.error("--probe-weight must be >= 0 and --tower-batch, --probe-batch >= 1")
+    if a.vision_any_turn and a.vision_robust:
+        ap.error("--vision-any-turn and --vision-robust are two picture styles: give one")
     from dsv41.recipes.tiny.config import tiny_config
 
     torch.manual_seed(a.seed)
@@ -814,7 +824,7 @@ def main(argv: list[str] | None = None) -> dict:
     vision = None
     if args.vision_enabled:
         vision = VisionJob(tokenizer_files, args, a.vision_batch, a.vision_every, a.vision_weight, a.seed,
-                           a.vision_workers, variety, style=2 if a.vision_any_turn else 1)
+                           a.vision_workers, variety, style=vision_style(a))
         if fresh_tower and a.tower_seconds > 0:
             from dsv41.recipes.tiny.vision.train import pretrain_tower
 
