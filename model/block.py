@@ -80,7 +80,7 @@ class Block(nn.Module):
 
     def decode(self, x: torch.Tensor, pre: torch.Tensor, cache, shared: SharedState):
         """One token per row of a continuous batch (model/batch_cache.py): attention in its per-row form,
-        the MoE with every chosen expert on every row (MoE.every_row: batch-invariant sums)."""
+        the MoE in its batch-invariant form (MoE.every_row: a row's sums do not depend on the other rows)."""
         return self.mix(x, pre, lambda h: self.attn.decode(h, cache, shared),
                         ffn=lambda h: self.ffn.every_row(h, cache.active))
 

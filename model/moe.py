@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv41.model import formats
+from dsv41.model import formats, kernels
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.kernels import experts as expert_kernels
+from dsv41.model.kernels import host
+from dsv41.model.kernels.gemm import GEMM_MODE
 from dsv41.model.kernels.host import fixed_order_linear
 from dsv41.model.layers import FP4, Linear, linear_pair, qat, storage_dtype, weight_grid
 
@@ -102,6 +104,7 @@ class MoE(nn.Module):
             raise ValueError("exactly one shared expert is supported (as in every V4/V4.1 config)")
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, dense, args.fp8_block_size, args.swiglu_limit,
                                      args.trainable)
+        self._quantized_experts: bool | None = None  # every routed expert FP8/FP4 inference weights (every_row)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
@@ -149,18 +152,40 @@ class MoE(nn.Module):
         return y
 
     def every_row(self, x: torch.Tensor, rows_in_use: int | None = None) -> torch.Tensor:
-        """`forward` for a decode step of a continuous batch (model/batch_cache.py): each expert that any row
-        chose runs on every row, with weight 0 where the row did not choose it, so every expert GEMM has
-        the batch's row count and a row's sums do not depend on which other rows chose the same expert
-        (the routed loop gives each expert only its rows: on the CPU a one-row GEMM sums differently).
-        The same values as `forward` for each row: the unchosen experts add exact zeros. rows_in_use: only
-        the first rows' choices decide which experts run (the rest pad the step: batch_cache.py)."""
+        """`forward` for a decode step of a continuous batch (model/batch_cache.py), whose rows must not depend
+        on each other. Where the expert GEMMs sum each row alone (the CPU's fixed-order host GEMMs:
+        `_sums_rows_alone`) that is the routed loop on the rows in use. Elsewhere (MKL's F.linear, whose sums
+        for a row depend on how many rows the GEMM has) each expert that any row chose runs on every row, with
+        weight 0 where the row did not choose it, so every expert GEMM has the batch's row count; the unchosen
+        experts add exact zeros. Either way each row gets `forward`'s values. rows_in_use: only the first
+        rows' choices decide which experts run (the rest pad the step: batch_cache.py)."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, indices = self.gate(x)
-        y = self.routed(x, weights, indices, every_row=x.size(0) if rows_in_use is None else rows_in_use)
+        n = x.size(0) if rows_in_use is None else rows_in_use
+        if self._sums_rows_alone(x):
+            # every expert GEMM sums each row on its own here (the host's fixed-order GEMMs), so the routed loop
+            # (each chosen expert on its own rows) gives every row the bits above without running each chosen
+            # expert on every row: k expert-rows a row instead of up to n_routed
+            y = self.routed(x[:n], weights[:n], indices[:n])
+            if n < x.size(0):
+                y = torch.cat([y, y.new_zeros(x.size(0) - n, self.dim)])
+        else:
+            y = self.routed(x, weights, indices, every_row=n)
         y += self.shared_experts(x).float()
         return y.to(x.dtype).reshape(shape)
+
+    def _sums_rows_alone(self, x: torch.Tensor) -> bool:
+        """Whether each routed expert's three GEMMs sum a row's outputs independently of the other rows: Linear's
+        host path, whose C GEMM sums each output in a fixed order (layers.py: `host.fp8_linear`,
+        `host.fixed_order_rows`, also on a layer's first call). Not on CUDA or under the Triton interpreter
+        (kernels), with dense experts or in the "exact" GEMM mode (F.linear), or without the C library."""
+        if self._quantized_experts is None:
+            self._quantized_experts = all(lin.kind != "dense" and not lin.trainable for e in self.experts
+                                          if e is not None for lin in (e.w1, e.w2, e.w3))
+        return (self._quantized_experts and x.device.type == "cpu" and host.available()
+                and GEMM_MODE["mode"] != "exact" and not kernels.interpreting()
+                and not (torch.is_grad_enabled() and x.requires_grad))
 
     def _trainable(self) -> bool:
         return any(e is not None and e.w1.trainable for e in self.experts)

@@ -479,6 +479,19 @@ def test_linear_bits(kind, dtype):
         assert_same(lin.dequantized_weight(torch.bfloat16), lin._dequantize().bfloat16())
 
 
+@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+def test_linear_first_call_sums_in_the_host_order(kind):
+    """The first call of a quantized Linear on the CPU (the one that makes its weight cache) already takes the
+    fixed-order host GEMM: its outputs are those of every later call and of each row alone. (It ran MKL's F.linear
+    before 2026-12-03, whose sums at 256 inputs differ from the fixed order.)"""
+    lin = _fp8_linear(2, in_f=256, out_f=96, kind=kind)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        first = lin(x)
+        assert_same(first, lin(x))
+        assert_same(first, torch.cat([lin(x[i:i + 1]) for i in range(9)]))
+
+
 def test_linear_pair_bits():
     a, b = _fp8_linear(0, kind="fp4"), _fp8_linear(1, kind="fp4")
     x = edge_values((5, 64), 3).bfloat16()
@@ -533,6 +546,43 @@ def test_moe_bits(bundled):
                 y_old, load_old = old_moe(m, x)
             assert_same(y, y_old)
             assert_same(m.load, load_old)
+
+
+def test_moe_every_row_takes_the_routed_loop_on_the_host_with_the_same_bits(bundled, monkeypatch):
+    """MoE.every_row (a continuous batch's decode step): on the CPU's fixed-order host GEMMs each chosen expert runs
+    on its own rows only, and every row gets the bits of the every-expert-on-every-row form, alone or in a batch,
+    padding rows included."""
+    from dsv41.model.moe import MoE
+
+    model, _ = bundled
+    g = torch.Generator().manual_seed(1)
+    real, calls = MoE.routed, []
+
+    def routed(self, *a, **k):
+        calls.append(k)
+        return real(self, *a, **k)
+
+    for layer in (model.layers[0], model.layers[3]):
+        m = layer.ffn
+        x = (torch.randn(7, m.dim, generator=g) * 2).bfloat16()
+        calls.clear()
+        with torch.inference_mode():
+            assert m._sums_rows_alone(x)
+            monkeypatch.setattr(MoE, "routed", routed)
+            fast, fast_padded = m.every_row(x), m.every_row(x, rows_in_use=5)
+            assert calls == [{}, {}]  # the routed loop, not every_row's dense form
+            monkeypatch.setattr(MoE, "_sums_rows_alone", lambda self, x: False)
+            dense, dense_padded = m.every_row(x), m.every_row(x, rows_in_use=5)
+            assert calls[2:] == [{"every_row": 7}, {"every_row": 5}]
+            monkeypatch.undo()
+            alone = torch.cat([m.every_row(x[i:i + 1]) for i in range(7)])
+        assert_same(fast, dense)
+        assert_same(fast, alone)
+        assert_same(fast_padded[:5], dense_padded[:5])
+        assert_same(fast_padded[:5], fast[:5])
+    with monkeypatch.context() as patch:  # without the C library the expert GEMMs are MKL's: the dense form
+        patch.setattr(host, "available", lambda: False)
+        assert not model.layers[0].ffn._sums_rows_alone(x)
 
 
 # A decode step of the bundled model took 14,433 torch calls before the host-side rewrites, about 9,800
