@@ -59,6 +59,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from dsv41.model.kernels.reference import per_row
 from torch import nn
 
 DEAD = -1  # compressed-id marker for "no token here": an image token, or before the sequence start
@@ -422,7 +423,7 @@ class Engram(nn.Module):
         # normalized per (token, stream) over dim, not across streams
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (h * weight * key).sum(-1) * rstd * self.dim ** -0.5  # [B, T, hc]
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_FLOOR).sqrt(), dot))  # signed sqrt
+        gate = per_row(torch.sigmoid, torch.copysign(dot.abs().clamp_min(GATE_FLOOR).sqrt(), dot))  # signed sqrt
         if token_mask is not None:
             gate = gate.masked_fill(~token_mask.bool().unsqueeze(-1), 0.0)
         return (h + gate.unsqueeze(-1) * value.unsqueeze(-2)).to(x.dtype)

@@ -16,7 +16,7 @@ from torch import nn
 from dsv41.model import formats, kernels
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.kernels import experts as expert_kernels
-from dsv41.model.kernels import host
+from dsv41.model.kernels import host, reference
 from dsv41.model.kernels.gemm import GEMM_MODE
 from dsv41.model.kernels.host import fixed_order_linear
 from dsv41.model.layers import FP4, Linear, linear_pair, qat, storage_dtype, weight_grid
@@ -42,9 +42,9 @@ class Gate(nn.Module):
         if self.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif self.score_func == "sigmoid":
-            scores = scores.sigmoid()
+            scores = reference.per_row(torch.sigmoid, scores)
         else:
-            scores = F.softplus(scores).sqrt()
+            scores = reference.per_row(F.softplus, scores).sqrt()
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)

@@ -62,6 +62,82 @@ def test_a_row_in_a_mixed_batch_equals_the_row_alone_bit_for_bit(tiny_model):
     assert all(torch.equal(a, b) for a, b in zip(shuffled, together))
 
 
+def test_twelve_rows_decode_as_each_row_alone(tiny_model, monkeypatch):
+    """With eight rows or more a step's small per-row tensors (the mHC coefficients, the router scores, the Engram
+    gates) fill ATen's vector chunks, which round sigmoid and softplus differently from the scalar loop a one-row
+    step takes; the decode step computes them by the scalar formula in any batch (reference.per_row). Checked on
+    the fp32 mHC coefficients of every step (a bf16 output often rounds a last-bit difference away) and on the
+    logits."""
+    from dsv41.model.kernels import mhc as kernels_mhc
+
+    seen = []
+    real = kernels_mhc._host_step
+
+    def host_step(*args):
+        out = real(*args)
+        seen.append([t.clone() for t in out[2:]])  # pre, post, comb of this step, [R, 1, ...] fp32
+        return out
+
+    monkeypatch.setattr(kernels_mhc, "_host_step", host_step)
+    ids = prompts(n_tokens=(1, 2, 3, 5, 8, 9, 12, 16, 17, 23, 31, 40), seed=3)
+    together = run_rows(tiny_model, ids, 8)
+    decode_calls = 8 * 2 * len(tiny_model.layers)  # the prefills' calls (their own shapes) come first
+    coefficients = seen[-decode_calls:]
+    assert all(c[0].size(0) == len(ids) for c in coefficients)
+    for i, seq in enumerate(ids):
+        seen.clear()
+        (alone,) = run_rows(tiny_model, [seq], 8)
+        assert torch.equal(alone, together[i]), f"row of length {len(seq)}"
+        for mine, theirs in zip(seen[-decode_calls:], coefficients, strict=True):
+            for a, b in zip(mine, theirs):
+                assert torch.equal(a[0].view(torch.int32), b[i].view(torch.int32)), f"row of length {len(seq)}"
+
+
+@pytest.mark.parametrize("fn", [torch.sigmoid, torch.nn.functional.softplus], ids=["sigmoid", "softplus"])
+def test_per_row_gives_each_row_its_one_row_bits(fn):
+    """reference.per_row inside row_invariant(): 40 rows of 4 give, row by row, the bits of each row computed alone
+    the old way (4 elements: ATen's scalar loop), with the edge values; outside it, fn itself."""
+    from dsv41.model.kernels import reference
+
+    x = torch.randn(40, 1, 4, generator=torch.Generator().manual_seed(0)) * 6
+    x[0, 0] = torch.tensor([0.0, -0.0, float("inf"), float("-inf")])
+    x[1, 0, 0] = float("nan")
+    one_row = torch.cat([fn(x[i:i + 1]) for i in range(40)])
+    with reference.row_invariant():
+        rows = reference.per_row(fn, x)
+        wide = torch.randn(3, 64)
+        assert torch.equal(reference.per_row(fn, wide), fn(wide))  # whole vector chunks: left to the vector code
+    assert rows.is_contiguous()
+    assert torch.equal(rows.view(torch.int32), one_row.view(torch.int32))
+    assert torch.equal(reference.per_row(fn, x).view(torch.int32), fn(x).view(torch.int32))
+
+
+def test_a_rows_compressor_projections_do_not_depend_on_the_batch(tiny_model, monkeypatch):
+    """The decode step's fp32 compressor projections (kv, gate score) of a row are the bits it gets alone. They
+    are summed in the fixed order on the CPU: MKL's sgemm sums one row (a GEMV) differently from several, which
+    the bf16 group latent hides most of the time but not always (one request of 32 on the bundled model changed a
+    token on 2026-12-03)."""
+    seen = []
+    real = BatchCache.open_group
+
+    def open_group(self, layer_id, kv, score):
+        seen.append((layer_id, kv.clone(), score.clone()))
+        return real(self, layer_id, kv, score)
+
+    monkeypatch.setattr(BatchCache, "open_group", open_group)
+    ids = prompts()
+    run_rows(tiny_model, ids, 6)
+    together = list(seen)
+    assert together, "no layer with a compress ratio above 1"
+    for i, seq in enumerate(ids):
+        seen.clear()
+        run_rows(tiny_model, [seq], 6)
+        assert len(seen) == len(together)
+        for (layer, kv, score), (layer_b, kv_b, score_b) in zip(seen, together):
+            assert layer == layer_b
+            assert torch.equal(kv[0], kv_b[i]) and torch.equal(score[0], score_b[i]), f"row {i}, layer {layer}"
+
+
 def test_the_static_step_computes_the_same_bits(tiny_model):
     """The fixed-shape step a CUDA graph captures (whole entry capacity, rows in powers of two, a
     power-of-two RoPE table) gives the same logits as reading only the entries in use."""

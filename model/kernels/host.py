@@ -136,6 +136,8 @@ SINKHORN_MAX_N = 4
 
 def sinkhorn_normalize_(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """reference._sinkhorn_normalize_ in place on a contiguous fp32 CPU comb [..., n, n]; returns comb."""
+    if not comb.is_contiguous() or comb.dtype != torch.float32:  # the C loop walks the memory as [-1, n, n] fp32
+        raise ValueError("host.sinkhorn_normalize_ needs a contiguous fp32 comb")
     n = comb.shape[-1]
     library().dsv41_sinkhorn_normalize(comb.data_ptr(), comb.numel() // (n * n), n, iters, eps)
     return comb

@@ -17,12 +17,49 @@ This module imports nothing of the model but model/formats.py.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
 
 import torch
 import torch.nn.functional as F
 
 from dsv41.model import formats
+
+
+# ------------------------------------------------------------------- row-invariant elementwise functions
+# ATen's CPU elementwise loops run their vector code over whole chunks of 2 x (floats per vector) contiguous
+# elements and a scalar loop over the rest, and for sigmoid and softplus the two round differently (SLEEF's vector
+# exp against the C library's; torch.exp is MKL's vector function on every element, silu's rows of 128 fill
+# whole chunks). A decode step's small per-row tensors (an mHC token's 4 pre and 4 post coefficients, a token's 8
+# router scores, an Engram token's 4 gates) fall in the scalar tail when the step has one row and in the vector
+# chunks when it has eight or more: measured on 4,000 rows of 4, 15% (sigmoid) and 38% (softplus) of the rows came
+# out different alone and together, and one request of 32 changed a token on the bundled model. Inside
+# `row_invariant()` (the engine's decode step, Transformer.decode_rows) `per_row` hands ATen a strided view, which
+# it never vectorizes, so every element takes the scalar formula, as a one-row step's did before; elsewhere (the
+# prefill, and the one-sequence forward that reproduces the official code) the functions see their tensors as is.
+_ROW_INVARIANT = contextvars.ContextVar("dsv41_row_invariant", default=False)
+VECTOR_CHUNK = 32  # floats: ATen's loop step on AVX-512 (2 x 16), a multiple of AVX2's (2 x 8)
+
+
+@contextlib.contextmanager
+def row_invariant():
+    """Within it, `per_row` computes every element by ATen's scalar formula, whatever the tensor's size."""
+    token = _ROW_INVARIANT.set(True)
+    try:
+        yield
+    finally:
+        _ROW_INVARIANT.reset(token)
+
+
+def per_row(fn, t: torch.Tensor) -> torch.Tensor:
+    """fn(t) for an elementwise fn (sigmoid, softplus); inside `row_invariant()` each element computed by ATen's
+    scalar loop (t read through a view with a stride of 2 elements), so its bits do not depend on its place.
+    Rows of whole vector chunks (a last dim that is a multiple of VECTOR_CHUNK: V4.1's 256 router scores) take
+    the vector code in any batch and are left to it."""
+    if not _ROW_INVARIANT.get() or t.shape[-1] % VECTOR_CHUNK == 0:
+        return fn(t)
+    return fn(torch.stack((t, t), dim=-1)[..., 0])
 
 
 # --------------------------------------------------------------------------------- sparse attention
@@ -181,8 +218,8 @@ def _sinkhorn_split(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n:
     scale_per_mix, base = _mix_affine(scale, base, n)
     z = m * scale_per_mix
     z += base
-    pre = torch.sigmoid(z[..., :n].contiguous()).add_(eps)
-    post = torch.sigmoid(z[..., n:2 * n].contiguous()).mul_(2)
+    pre = per_row(torch.sigmoid, z[..., :n].contiguous()).add_(eps)
+    post = per_row(torch.sigmoid, z[..., n:2 * n].contiguous()).mul_(2)
     comb = z[..., 2 * n:].unflatten(-1, (n, n))
     comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))  # the softmax written out, as REF's kernel
     return pre, post, (normalize or _sinkhorn_normalize_)(comb, iters, eps)
