@@ -294,7 +294,9 @@ class Transformer(nn.Module):
         part a CUDA graph captures (model/engine.py). The same layers as `forward`, their attention in its
         per-row form (`Block.decode`). head_rows: compute the logits of the first head_rows rows only, where
         the head's rows are independent (else every row: the GEMMs' row count is the cache's, batch_cache.py)."""
-        with kernels_reference.row_invariant():  # a row's elementwise exp/sigmoid bits, whatever the row count
+        if ids.device.type != "cpu":  # the CPU's vector/scalar rounding split (reference.per_row); not on CUDA
+            return self._decode_rows(ids, cache, head_rows)
+        with kernels_reference.row_invariant():  # a row's sigmoid/softplus bits, whatever the row count
             return self._decode_rows(ids, cache, head_rows)
 
     def _decode_rows(self, ids: torch.Tensor, cache, head_rows: int | None) -> torch.Tensor:
