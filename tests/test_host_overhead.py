@@ -480,10 +480,11 @@ def test_linear_bits(kind, dtype):
 
 
 @pytest.mark.parametrize("kind", ["fp8", "fp4"])
-def test_linear_first_call_sums_in_the_host_order(kind):
+def test_linear_first_call_sums_in_the_host_order(kind, monkeypatch):
     """The first call of a quantized Linear on the CPU (the one that makes its weight cache) already takes the
     fixed-order host GEMM: its outputs are those of every later call and of each row alone. (It ran MKL's F.linear
     before 2026-12-03, whose sums at 256 inputs differ from the fixed order.)"""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set by the kernel tests: it sends Linear to the kernels
     lin = _fp8_linear(2, in_f=256, out_f=96, kind=kind)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
@@ -554,6 +555,7 @@ def test_moe_every_row_takes_the_routed_loop_on_the_host_with_the_same_bits(bund
     padding rows included."""
     from dsv41.model.moe import MoE
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set by the kernel tests: it sends Linear to the kernels
     model, _ = bundled
     g = torch.Generator().manual_seed(1)
     real, calls = MoE.routed, []
@@ -568,13 +570,13 @@ def test_moe_every_row_takes_the_routed_loop_on_the_host_with_the_same_bits(bund
         calls.clear()
         with torch.inference_mode():
             assert m._sums_rows_alone(x)
-            monkeypatch.setattr(MoE, "routed", routed)
-            fast, fast_padded = m.every_row(x), m.every_row(x, rows_in_use=5)
-            assert calls == [{}, {}]  # the routed loop, not every_row's dense form
-            monkeypatch.setattr(MoE, "_sums_rows_alone", lambda self, x: False)
-            dense, dense_padded = m.every_row(x), m.every_row(x, rows_in_use=5)
-            assert calls[2:] == [{"every_row": 7}, {"every_row": 5}]
-            monkeypatch.undo()
+            with monkeypatch.context() as patch:
+                patch.setattr(MoE, "routed", routed)
+                fast, fast_padded = m.every_row(x), m.every_row(x, rows_in_use=5)
+                assert calls == [{}, {}]  # the routed loop, not every_row's dense form
+                patch.setattr(MoE, "_sums_rows_alone", lambda self, x: False)
+                dense, dense_padded = m.every_row(x), m.every_row(x, rows_in_use=5)
+                assert calls[2:] == [{"every_row": 7}, {"every_row": 5}]
             alone = torch.cat([m.every_row(x[i:i + 1]) for i in range(7)])
         assert_same(fast, dense)
         assert_same(fast, alone)
