@@ -95,12 +95,19 @@ $PY -m dsv41.recipes.tiny.train --init-from "$WORK/s27" --out "$WORK/s29" --batc
     --dspark-seconds 90 --dspark-batch 128 --dspark-lr 1.5e-3 \
     --history recipes/tiny/logs/trials-2026-12-03/stage29_history.json
 # stage 30 likewise (graded_device.sh 30):
-$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s29" --out "$OUT.new" --batch 192 \
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s29" --out "$WORK/s30" --batch 192 \
     --mix prose=0.15,code=0.15,reasoning_graded=0.70 --vision-every 1 --vision-batch 256 --vision-workers 14 \
     --vision-variety-share 0.75 --retrain-tower --tower-seconds 75 --tower-batch 256 --tower-lr 1e-3 \
     --probe-weight 0.5 --probe-batch 128 --think-start-weight 4 --closing-sum-weight 5 --lr 2.5e-4 \
     --backbone-seconds 290 --dspark-seconds 90 --dspark-batch 128 --dspark-lr 1.5e-3 \
     --history recipes/tiny/logs/trials-2026-12-03/stage30_history.json
+# stage 32 likewise (graded_device.sh 32): the v2 pictures in the robust style
+$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s30" --out "$OUT.new" --batch 192 \
+    --mix prose=0.15,code=0.15,reasoning_graded=0.70 --vision-every 1 --vision-batch 256 --vision-workers 14 \
+    --vision-variety-share 0.8 --vision-robust --retrain-tower --tower-seconds 110 --tower-batch 256 --tower-lr 1e-3 \
+    --probe-weight 0.5 --probe-batch 128 --think-start-weight 4 --closing-sum-weight 5 --lr 2.5e-4 \
+    --backbone-seconds 270 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3 \
+    --history recipes/tiny/logs/trials-2026-12-03/stage32_history.json
 rm -rf "$OUT" && mv "$OUT.new" "$OUT"
 $PY -m dsv41.recipes.tiny.plot
 $PY -m dsv41.recipes.tiny.evaluate --model "$OUT" --output recipes/tiny/logs/eval.json
