@@ -59,8 +59,9 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from dsv41.model.kernels.reference import per_row
 from torch import nn
+
+from dsv41.model.kernels.reference import per_row
 
 DEAD = -1  # compressed-id marker for "no token here": an image token, or before the sequence start
 GATE_FLOOR = 1e-6  # |dot| is clamped to this before the signed square root

@@ -236,6 +236,16 @@ class Linear(nn.Module):
         return cached[1]
 
 
+def host_path_applies(x: torch.Tensor) -> bool:
+    """Whether a quantized inference Linear (FP8/FP4 storage, not trainable) computes x on its host path, whose C
+    GEMM sums each output row in a fixed order whatever rows come with it (from the layer's first call on): a CPU
+    x, the C library loaded, outside the "exact" GEMM mode and the Triton interpreter, no graph through x. The
+    answer for every such layer at once (MoE.every_row); `Linear._host_weight` answers it per layer from the
+    weight cache on the hot path."""
+    return (x.device.type == "cpu" and host.available() and GEMM_MODE["mode"] != "exact"
+            and not kernels.interpreting() and not (torch.is_grad_enabled() and x.requires_grad))
+
+
 def _host_act_quant(x: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
     """qat(fp8_fake_quant, x, block).float() off the graph: for bf16 and fp32 inputs straight in fp32,
     skipping the cast to x's dtype and back (exact there; formats.fp8_fake_quant_f32)."""

@@ -13,13 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv41.model import formats, kernels
+from dsv41.model import formats
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.kernels import experts as expert_kernels
-from dsv41.model.kernels import host, reference
-from dsv41.model.kernels.gemm import GEMM_MODE
+from dsv41.model.kernels import reference
 from dsv41.model.kernels.host import fixed_order_linear
-from dsv41.model.layers import FP4, Linear, linear_pair, qat, storage_dtype, weight_grid
+from dsv41.model.layers import FP4, Linear, host_path_applies, linear_pair, qat, storage_dtype, weight_grid
 
 
 class Gate(nn.Module):
@@ -176,16 +175,14 @@ class MoE(nn.Module):
         return y.to(x.dtype).reshape(shape)
 
     def _sums_rows_alone(self, x: torch.Tensor) -> bool:
-        """Whether each routed expert's three GEMMs sum a row's outputs independently of the other rows: Linear's
-        host path, whose C GEMM sums each output in a fixed order (layers.py: `host.fp8_linear`,
-        `host.fixed_order_rows`, also on a layer's first call). Not on CUDA or under the Triton interpreter
-        (kernels), with dense experts or in the "exact" GEMM mode (F.linear), or without the C library."""
+        """Whether each routed expert's three GEMMs sum a row's outputs independently of the other rows: every
+        expert quantized for inference and x on Linear's host path (layers.host_path_applies). Not on CUDA or
+        under the Triton interpreter (kernels), with dense experts or in the "exact" GEMM mode (F.linear), or
+        without the C library."""
         if self._quantized_experts is None:
             self._quantized_experts = all(lin.kind != "dense" and not lin.trainable for e in self.experts
                                           if e is not None for lin in (e.w1, e.w2, e.w3))
-        return (self._quantized_experts and x.device.type == "cpu" and host.available()
-                and GEMM_MODE["mode"] != "exact" and not kernels.interpreting()
-                and not (torch.is_grad_enabled() and x.requires_grad))
+        return self._quantized_experts and host_path_applies(x)
 
     def _trainable(self) -> bool:
         return any(e is not None and e.w1.trainable for e in self.experts)

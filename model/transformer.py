@@ -14,6 +14,8 @@ incremental step (a `KVCache` carried across calls); one code path serves both.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -294,9 +296,9 @@ class Transformer(nn.Module):
         part a CUDA graph captures (model/engine.py). The same layers as `forward`, their attention in its
         per-row form (`Block.decode`). head_rows: compute the logits of the first head_rows rows only, where
         the head's rows are independent (else every row: the GEMMs' row count is the cache's, batch_cache.py)."""
-        if ids.device.type != "cpu":  # the CPU's vector/scalar rounding split (reference.per_row); not on CUDA
-            return self._decode_rows(ids, cache, head_rows)
-        with kernels_reference.row_invariant():  # a row's sigmoid/softplus bits, whatever the row count
+        # on the CPU a row's sigmoid/softplus bits whatever the row count (reference.per_row: ATen's vector/scalar
+        # rounding split is the CPU's)
+        with kernels_reference.row_invariant() if ids.device.type == "cpu" else contextlib.nullcontext():
             return self._decode_rows(ids, cache, head_rows)
 
     def _decode_rows(self, ids: torch.Tensor, cache, head_rows: int | None) -> torch.Tensor:
