@@ -86,8 +86,9 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], n_scored: Sequenc
     def run(share: list[list[int]]) -> list[list[Scored]]:
         if on_start:
             on_start([i for rows in share for i in rows])
-        return [_score_batch(model, sequences, n_scored, rows, pad_id, max_logits_bytes, check_greedy, on_done)
-                for rows in share]
+        return in_threads(share, lambda rows, done: _score_batch(model, sequences, n_scored, rows, pad_id,
+                                                                 max_logits_bytes, check_greedy, done),
+                          scoring_threads(model, len(share)), on_done)
 
     per_batch = ctx.split_work(batches, run) if ctx is not None else run(batches)
     results: list[Scored | None] = [None] * len(sequences)
@@ -95,6 +96,64 @@ def score_sequences(model, sequences: Sequence[Sequence[int]], n_scored: Sequenc
         for i, s in zip(rows, scores):
             results[i] = s
     return results  # type: ignore[return-value]
+
+
+def scoring_threads(model, batches: int) -> int:
+    """Threads `score_sequences` runs its batches in: on the CPU, the cores left over by torch's own intra-op
+    threads (a small model runs at one, `dsv41_cli.common.tune_threads`, so on a 2-core machine two batches score
+    at once), at most one per batch; on a GPU one. DSV41_THREADS, when set, is the whole budget; under torchrun
+    the host's cores are divided among its processes."""
+    import torch
+
+    if model.embed.weight.device.type != "cpu" or batches < 2:
+        return 1
+    cores = int(os.environ["DSV41_THREADS"]) if "DSV41_THREADS" in os.environ else (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun's processes on this host share them
+    return max(1, min(batches, cores // max(1, torch.get_num_threads())))
+
+
+def in_threads(batches: list, score: Callable, threads: int, on_done: Callable | None = None) -> list:
+    """[score(batch, on_done) for batch in batches], the batches taken in order by `threads` threads.
+
+    Why threads and not processes: a scoring batch spends its time in torch operators and the C head, which
+    release the GIL, and the threads share the loaded model. Each batch is exactly the one a single thread
+    runs (its rows and so its chunks), so every score is the single-threaded one, bit for bit; only the
+    order of the on_done calls changes (they are serialized). The first error stops the other threads at
+    their next batch and is raised here."""
+    if threads <= 1:
+        return [score(batch, on_done) for batch in batches]
+    import threading
+
+    results: list = [None] * len(batches)
+    lock, failed, state = threading.Lock(), [], {"next": 0}
+
+    def done(i, scored):
+        with lock:
+            on_done(i, scored)
+
+    def worker():
+        while True:
+            with lock:
+                k = state["next"]
+                if k >= len(batches) or failed:
+                    return
+                state["next"] = k + 1
+            try:
+                results[k] = score(batches[k], done if on_done else None)
+            except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+                with lock:
+                    failed.append(e)
+                return
+
+    pool = [threading.Thread(target=worker, name=f"dsv41-score-{t}", daemon=True) for t in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if failed:
+        raise failed[0]
+    return results
 
 
 HEAD_ROWS = 32  # positions per head block in `score_positions`

@@ -55,6 +55,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as _BackendTokenizer
@@ -150,7 +151,8 @@ class Tokenizer:
         self.eos_id = self._required_id(eos_token)
         pad = backend.token_to_id(pad_token)
         self.pad_id = self.eos_id if pad is None else pad
-        self._plain: _BackendTokenizer | None = None  # built on first encode(allow_special=False)
+        self._plain: _BackendTokenizer | None = None  # built on first encode(allow_special=False) that needs it
+        self._added_pattern: re.Pattern | None = None  # any added token's string (`_may_hold_added`)
 
     def _required_id(self, token: str) -> int:
         token_id = self.backend.token_to_id(token)
@@ -184,8 +186,20 @@ class Tokenizer:
 
         allow_special: added tokens written in the text (`<｜User｜>`, `<think>`, ...) become their
         ids. False encodes such text as ordinary bytes."""
-        backend = self.backend if allow_special else self._plain_backend()
+        backend = self.backend if allow_special or not self._may_hold_added(text) else self._plain_backend()
         return backend.encode(text, add_special_tokens=False).ids
+
+    def _may_hold_added(self, text: str) -> bool:
+        """False when no added token can match in `text`: none of their strings occurs in it and the normalizer
+        leaves it as it is. Then the full tokenizer encodes it as the plain one would, and the plain one (a
+        second tokenizer built from the whole file, about half a second) is not needed."""
+        if self._added_pattern is None:
+            contents = sorted(self.added_tokens().values(), key=len, reverse=True)
+            self._added_pattern = re.compile("|".join(map(re.escape, contents))) if contents else re.compile(r"(?!)")
+        normalizer = self.backend.normalizer
+        if normalizer is not None and normalizer.normalize_str(text) != text:
+            return True
+        return self._added_pattern.search(text) is not None
 
     def decode(self, ids, skip_special: bool = False) -> str:
         """Text of `ids` (list or 1-D tensor). skip_special drops tokens marked special in the file."""

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,40 @@ def test_batching_with_padding_matches_one_by_one(loaded):
     alone = [bpb.score_sequences(model, [s], [n], pad_id=tok.pad_id)[0] for s, n in zip(seqs, ns)]
     for a, b in zip(together, alone):
         assert a.logprob == pytest.approx(b.logprob, rel=1e-3, abs=1e-2)
+
+
+def test_batches_in_threads_score_as_one_thread(loaded, monkeypatch):
+    """Two threads taking the batches (the CPU default on a 2-core machine for a small model) give every
+    sequence the single-threaded score, bit for bit, and call on_done once per sequence."""
+    model, _, tok = loaded
+    texts = (TEXT, "short one", TEXT[:40], TEXT[::-1], "x y z " * 9, TEXT[10:70])
+    seqs = [[tok.bos_id] + tok.encode(t, allow_special=False) for t in texts]
+    ns = [len(s) - 1 for s in seqs]
+    monkeypatch.setenv("DSV41_THREADS", "1")
+    assert bpb.scoring_threads(model, 3) == 1
+    one = bpb.score_sequences(model, seqs, ns, pad_id=tok.pad_id, batch_size=2)
+    monkeypatch.setenv("DSV41_THREADS", str(2 * torch.get_num_threads()))
+    assert bpb.scoring_threads(model, 3) == 2 and bpb.scoring_threads(model, 1) == 1
+    seen = []
+    two = bpb.score_sequences(model, seqs, ns, pad_id=tok.pad_id, batch_size=2, on_done=lambda i, s: seen.append(i))
+    assert [(s.logprob, s.greedy, s.n) for s in two] == [(s.logprob, s.greedy, s.n) for s in one]
+    assert sorted(seen) == list(range(len(seqs)))
+
+
+def test_in_threads_raises_the_first_error_and_stops():
+    ran = []
+
+    def score(batch, done):
+        ran.append(batch)
+        if batch == 1:
+            raise ValueError("batch 1 failed")
+        time.sleep(0.02)  # lets the failing thread run
+        return batch * 10
+
+    assert bpb.in_threads([0, 2, 3], score, 2) == [0, 20, 30]
+    with pytest.raises(ValueError, match="batch 1 failed"):
+        bpb.in_threads(list(range(50)), score, 2)
+    assert len(ran) <= 3 + 10  # the other thread stopped at its next batch, far short of 50
 
 
 def test_greedy_flag(loaded):

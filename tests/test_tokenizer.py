@@ -137,3 +137,15 @@ def test_apply_v41_names_leaves_a_v41_file_alone():
     before = json.dumps(spec)
     assert apply_v41_names(spec) == {}
     assert json.dumps(spec) == before
+
+
+def test_plain_encoding_needs_no_second_tokenizer_without_markup(tok):
+    """encode(allow_special=False) of text holding no added token's string is the full tokenizer's encoding, so
+    the plain tokenizer (a second parse of the whole file) is built only for text that holds one, and both
+    ways give the plain tokenizer's ids."""
+    plain = tok._plain_backend()
+    for text in ("Ordinary prose, 123 numbers and code: x = f(y) < z.", "<｜User｜>hi<think>", "a <｜ b ｜> c"):
+        assert tok.encode(text, allow_special=False) == plain.encode(text, add_special_tokens=False).ids
+    assert not tok._may_hold_added("Ordinary prose < > | without any marker")
+    assert tok._may_hold_added("before <｜Assistant｜> after") and tok._may_hold_added("x</think>y")
+
