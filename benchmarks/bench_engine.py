@@ -102,8 +102,13 @@ def worker(tree: Path, what: str, runs: int = 1, n_req: int = 32, scale: float =
 
 
 def command_wall(tree: Path, args: list[str], work: Path) -> float:
+    """Wall seconds of `dsv41 ARGS` in `tree`, run as a user runs it: with the tree's own thread defaults (both
+    trees' `tune_threads` run a small model at one torch thread; what a tree does with the other cores, its
+    engines or scoring threads, is part of what is measured), so DSV41_THREADS is not set."""
+    env = env_for(tree)
+    env.pop("DSV41_THREADS", None)
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "dsv41_cli", *args], cwd=work, env=env_for(tree),
+    r = subprocess.run([sys.executable, "-m", "dsv41_cli", *args], cwd=work, env=env,
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
