@@ -120,23 +120,25 @@ def in_threads(batches: list, score: Callable, threads: int, on_done: Callable |
     release the GIL, and the threads share the loaded model. Each batch is exactly the one a single thread
     runs (its rows and so its chunks), so every score is the single-threaded one, bit for bit; only the
     order of the on_done calls changes (they are serialized). The first error stops the other threads at
-    their next batch and is raised here."""
+    their next batch and is raised here; an interrupt (Ctrl-C) is raised at once, and from then on no on_done
+    call reaches the caller and no thread starts a batch."""
     if threads <= 1:
         return [score(batch, on_done) for batch in batches]
     import threading
 
     results: list = [None] * len(batches)
-    lock, failed, state = threading.Lock(), [], {"next": 0}
+    lock, failed, state = threading.Lock(), [], {"next": 0, "stopped": False}
 
     def done(i, scored):
         with lock:
-            on_done(i, scored)
+            if not state["stopped"]:
+                on_done(i, scored)
 
     def worker():
         while True:
             with lock:
                 k = state["next"]
-                if k >= len(batches) or failed:
+                if k >= len(batches) or failed or state["stopped"]:
                     return
                 state["next"] = k + 1
             try:
@@ -147,10 +149,15 @@ def in_threads(batches: list, score: Callable, threads: int, on_done: Callable |
                 return
 
     pool = [threading.Thread(target=worker, name=f"dsv41-score-{t}", daemon=True) for t in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    try:
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    except BaseException:  # Ctrl-C: no on_done after it (the caller is saving what finished), no new batch
+        with lock:
+            state["stopped"] = True
+        raise
     if failed:
         raise failed[0]
     return results

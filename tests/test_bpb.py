@@ -108,6 +108,31 @@ def test_in_threads_raises_the_first_error_and_stops():
     assert len(ran) <= 3 + 10  # the other thread stopped at its next batch, far short of 50
 
 
+def test_in_threads_keeps_quiet_after_an_interrupt():
+    """Ctrl-C while the threads score: KeyboardInterrupt reaches the caller at once, and afterwards no on_done call
+    comes (the caller is saving what finished) and no new batch starts."""
+    import signal
+    import threading
+
+    main = threading.main_thread().ident
+    reported, started = [], []
+
+    def score(batch, done):
+        started.append(batch)
+        if batch == 1:
+            signal.pthread_kill(main, signal.SIGINT)
+        time.sleep(0.05)
+        done(batch, batch)
+        return batch
+
+    with pytest.raises(KeyboardInterrupt):
+        bpb.in_threads(list(range(40)), score, 2, on_done=lambda i, s: reported.append(i))
+    seen, begun = len(reported), len(started)
+    time.sleep(0.3)  # the batches running at the interrupt end meanwhile
+    # a thread may have taken a batch just before the interrupt and start it just after
+    assert len(reported) == seen and len(started) <= begun + 2 < 40
+
+
 def test_greedy_flag(loaded):
     model, _, tok = loaded
     ctx = [tok.bos_id] + tok.encode("abc", allow_special=False)
