@@ -63,14 +63,8 @@ case $STAGE in
             --lr 2.5e-4 --backbone-seconds 300 --dspark-seconds 90 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
   # stage 32 (2026-12-03): from stage 30, stage 30's options with the v2 pictures drawn less uniformly
   # (--vision-robust: any drawing scale, some blurred, dark and mid-grey canvases twice as often), 80% v2 batches and
-  # a longer probe stage
-  32) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_graded=0.70
-            --vision-every 1 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
-            --retrain-tower --tower-seconds 110 --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
-            --think-start-weight 4 --closing-sum-weight 5
-            --lr 2.5e-4 --backbone-seconds 270 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
-  # stage 33 (2026-12-03): from stage 32, stage 32's call again (its robust pictures were the lever that moved shape)
-  33) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_graded=0.70
+  # a longer probe stage; stage 33 (2026-12-03) is the same call again, from stage 32
+  32|33) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_graded=0.70
             --vision-every 1 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
             --retrain-tower --tower-seconds 110 --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
             --think-start-weight 4 --closing-sum-weight 5
