@@ -104,12 +104,14 @@ def scoring_threads(model, batches: int) -> int:
     at once), at most one per batch; on a GPU one. DSV41_THREADS, when set, is the whole budget; under torchrun
     the host's cores are divided among its processes."""
     import torch
+    from dsv41.evals.engine_pool import usable_cores
 
     if model.embed.weight.device.type != "cpu" or batches < 2:
         return 1
-    cores = int(os.environ["DSV41_THREADS"]) if "DSV41_THREADS" in os.environ else (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun's processes on this host share them
+    if "DSV41_THREADS" in os.environ:
+        cores = int(os.environ["DSV41_THREADS"])
+    else:  # torchrun's processes on this host share its cores
+        cores = usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return max(1, min(batches, cores // max(1, torch.get_num_threads())))
 
 
@@ -127,20 +129,19 @@ def in_threads(batches: list, score: Callable, threads: int, on_done: Callable |
     import threading
 
     results: list = [None] * len(batches)
-    lock, failed, state = threading.Lock(), [], {"next": 0, "stopped": False}
+    todo, lock, stop, failed = iter(range(len(batches))), threading.Lock(), threading.Event(), []
 
     def done(i, scored):
         with lock:
-            if not state["stopped"]:
+            if not stop.is_set():
                 on_done(i, scored)
 
     def worker():
         while True:
             with lock:
-                k = state["next"]
-                if k >= len(batches) or failed or state["stopped"]:
-                    return
-                state["next"] = k + 1
+                k = None if stop.is_set() or failed else next(todo, None)
+            if k is None:
+                return
             try:
                 results[k] = score(batches[k], done if on_done else None)
             except BaseException as e:  # noqa: BLE001 - handed to the calling thread
@@ -156,7 +157,7 @@ def in_threads(batches: list, score: Callable, threads: int, on_done: Callable |
             t.join()
     except BaseException:  # Ctrl-C: no on_done after it (the caller is saving what finished), no new batch
         with lock:
-            state["stopped"] = True
+            stop.set()
         raise
     if failed:
         raise failed[0]

@@ -34,12 +34,16 @@ from dsv41.evals.batch_generate import GenOutput, GenRequest
 MIN_REQUESTS_PER_ENGINE = 8
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_engines(device: str) -> int:
     """The engines a run uses by default: one per CPU core (at most 8) on the CPU, one on a GPU."""
     if device != "cpu":
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, 8))
+    return max(1, min(usable_cores(), 8))
 
 
 class WorkerFailed(RuntimeError):

@@ -34,10 +34,11 @@ from dsv41.model import formats
 # whole chunks). A decode step's small per-row tensors (an mHC token's 4 pre and 4 post coefficients, a token's 8
 # router scores, an Engram token's 4 gates) fall in the scalar tail when the step has one row and in the vector
 # chunks when it has eight or more: measured on 4,000 rows of 4, 15% (sigmoid) and 38% (softplus) of the rows came
-# out different alone and together (benchmarks/results/cpu-batch-invariance/position_dependence.py), and one request of 32 changed a token on the bundled model. Inside
-# `row_invariant()` (the engine's decode step, Transformer.decode_rows) `per_row` hands ATen a strided view, which
-# it never vectorizes, so every element takes the scalar formula, as a one-row step's did before; elsewhere (the
-# prefill, and the one-sequence forward that reproduces the official code) the functions see their tensors as is.
+# out different alone and together (benchmarks/results/cpu-batch-invariance/position_dependence.py), and one
+# request of 32 changed a token on the bundled model. Inside `row_invariant()` (the engine's decode step,
+# Transformer.decode_rows) `per_row` hands ATen a strided view, which it never vectorizes, so every element takes
+# the scalar formula, as a one-row step's did before; elsewhere (the prefill, and the one-sequence forward that
+# reproduces the official code) the functions see their tensors as is.
 _ROW_INVARIANT = contextvars.ContextVar("dsv41_row_invariant", default=False)
 VECTOR_CHUNK = 32  # floats: ATen's loop step on AVX-512 (2 x 16), a multiple of AVX2's (2 x 8)
 
