@@ -10,6 +10,8 @@
 #   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs FROM=<stage 30> bash recipes/tiny/graded_device.sh 32
 #   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 33   (from stage 32, shipped)
 #   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs FROM=<stage 33> bash recipes/tiny/graded_device.sh 34
+#   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 35   (from stage 34, shipped at the time)
+#   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs FROM=<stage 35> bash recipes/tiny/graded_device.sh 36
 #
 # (The 2026-12-03 call of stage 29 wrote into the machine's /tmp and sent the shards back split into 15 MiB parts,
 # the device returning at most 16 MiB a file. For stages 30 and 31 the tracked tree had grown to 61 MB, so with the
@@ -70,13 +72,14 @@ case $STAGE in
             --think-start-weight 4 --closing-sum-weight 5
             --lr 2.5e-4 --backbone-seconds 270 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
   # stage 34 (2026-12-03): from stage 33, the same pictures with more of the time on the tower through the probes
-  # (180 s against 110) and less on the joint steps (200 s against 270)
-  34) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_graded=0.70
+  # (180 s against 110) and less on the joint steps (200 s against 270); stages 35 and 36 (2026-12-03) are the same
+  # call twice more, from stages 34 and 35
+  34|35|36) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_graded=0.70
             --vision-every 1 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
             --retrain-tower --tower-seconds 180 --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
             --think-start-weight 4 --closing-sum-weight 5
             --lr 2.5e-4 --backbone-seconds 200 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
-  *) echo "unknown stage $STAGE (25, 26, 29, 30, 31, 32, 33 or 34)" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE (25, 26, 29, 30, 31, 32, 33, 34, 35 or 36)" >&2; exit 2 ;;
 esac
 bash recipes/tiny/device_run.sh --init-from "$FROM" --out "$RUNS/s$STAGE" "${OPTS[@]}" \
     --history "$LOGS/stage${STAGE}_history.json" --log "$LOGS/stage${STAGE}_train.log" "$@"

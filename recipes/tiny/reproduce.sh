@@ -22,6 +22,7 @@
 #   32   as 30 with the v2 pictures drawn less uniformly (--vision-robust), 80% v2 batches  (2026-12-03; 7.9 min)
 #   33   stage 32's call again                                              (2026-12-03; 7.8 min)
 #   34   as 33 with a 180 s probe stage and 200 s of joint steps             (2026-12-03; 7.9 min)
+#   35-36 stage 34's call twice more                                        (2026-12-03; 7.9 and 7.8 min)
 #   bash recipes/tiny/reproduce.sh [OUT_DIR]      (default: model/assets/dsv41-tiny)
 set -euo pipefail
 OUT=${1:-model/assets/dsv41-tiny}
@@ -104,7 +105,6 @@ $PY -m dsv41.recipes.tiny.train --init-from "$WORK/s29" --out "$WORK/s30" --batc
     --probe-weight 0.5 --probe-batch 128 --think-start-weight 4 --closing-sum-weight 5 --lr 2.5e-4 \
     --backbone-seconds 290 --dspark-seconds 90 --dspark-batch 128 --dspark-lr 1.5e-3 \
     --history recipes/tiny/logs/trials-2026-12-03/stage30_history.json
-# stage 32 likewise (graded_device.sh 32): the v2 pictures in the robust style
 # stages 32 and 33 (graded_device.sh 32, 33): the v2 pictures in the robust style, the same call twice
 for stage in 32 33; do
     $PY -m dsv41.recipes.tiny.train --init-from "$WORK/s$((stage == 32 ? 30 : 32))" --out "$WORK/s$stage" --batch 192 \
@@ -114,13 +114,16 @@ for stage in 32 33; do
         --lr 2.5e-4 --backbone-seconds 270 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3 \
         --history recipes/tiny/logs/trials-2026-12-03/stage${stage}_history.json
 done
-# stage 34 likewise (graded_device.sh 34): a longer probe stage, fewer joint steps
-$PY -m dsv41.recipes.tiny.train --init-from "$WORK/s33" --out "$OUT.new" --batch 192 \
-    --mix prose=0.15,code=0.15,reasoning_graded=0.70 --vision-every 1 --vision-batch 256 --vision-workers 14 \
-    --vision-variety-share 0.8 --vision-robust --retrain-tower --tower-seconds 180 --tower-batch 256 --tower-lr 1e-3 \
-    --probe-weight 0.5 --probe-batch 128 --think-start-weight 4 --closing-sum-weight 5 --lr 2.5e-4 \
-    --backbone-seconds 200 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3 \
-    --history recipes/tiny/logs/trials-2026-12-03/stage34_history.json
+# stages 34-36 likewise (graded_device.sh 34, 35, 36): a longer probe stage, fewer joint steps, three calls
+for stage in 34 35 36; do
+    dest="$WORK/s$stage"; [ "$stage" = 36 ] && dest="$OUT.new"
+    $PY -m dsv41.recipes.tiny.train --init-from "$WORK/s$((stage - 1))" --out "$dest" --batch 192 \
+        --mix prose=0.15,code=0.15,reasoning_graded=0.70 --vision-every 1 --vision-batch 256 --vision-workers 14 \
+        --vision-variety-share 0.8 --vision-robust --retrain-tower --tower-seconds 180 --tower-batch 256 \
+        --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128 --think-start-weight 4 --closing-sum-weight 5 \
+        --lr 2.5e-4 --backbone-seconds 200 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3 \
+        --history recipes/tiny/logs/trials-2026-12-03/stage${stage}_history.json
+done
 rm -rf "$OUT" && mv "$OUT.new" "$OUT"
 $PY -m dsv41.recipes.tiny.plot
 $PY -m dsv41.recipes.tiny.evaluate --model "$OUT" --output recipes/tiny/logs/eval.json
