@@ -105,23 +105,17 @@ $PY -m dsv41.recipes.tiny.train --init-from "$WORK/s29" --out "$WORK/s30" --batc
     --probe-weight 0.5 --probe-batch 128 --think-start-weight 4 --closing-sum-weight 5 --lr 2.5e-4 \
     --backbone-seconds 290 --dspark-seconds 90 --dspark-batch 128 --dspark-lr 1.5e-3 \
     --history recipes/tiny/logs/trials-2026-12-03/stage30_history.json
-# stages 32 and 33 (graded_device.sh 32, 33): the v2 pictures in the robust style, the same call twice
-for stage in 32 33; do
-    $PY -m dsv41.recipes.tiny.train --init-from "$WORK/s$((stage == 32 ? 30 : 32))" --out "$WORK/s$stage" --batch 192 \
-        --mix prose=0.15,code=0.15,reasoning_graded=0.70 --vision-every 1 --vision-batch 256 --vision-workers 14 \
-        --vision-variety-share 0.8 --vision-robust --retrain-tower --tower-seconds 110 --tower-batch 256 \
-        --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128 --think-start-weight 4 --closing-sum-weight 5 \
-        --lr 2.5e-4 --backbone-seconds 270 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3 \
-        --history recipes/tiny/logs/trials-2026-12-03/stage${stage}_history.json
-done
-# stages 34-36 likewise (graded_device.sh 34, 35, 36): a longer probe stage, fewer joint steps, three calls
-for stage in 34 35 36; do
+# stages 32-36 likewise (graded_device.sh 32 to 36): the v2 pictures in the robust style; 32 and 33 the same call,
+# 34-36 the same call with a longer probe stage and fewer joint steps
+for stage in 32 33 34 35 36; do
+    from=$((stage == 32 ? 30 : stage - 1)); tower=110; joint=270
+    if [ "$stage" -ge 34 ]; then tower=180; joint=200; fi
     dest="$WORK/s$stage"; [ "$stage" = 36 ] && dest="$OUT.new"
-    $PY -m dsv41.recipes.tiny.train --init-from "$WORK/s$((stage - 1))" --out "$dest" --batch 192 \
+    $PY -m dsv41.recipes.tiny.train --init-from "$WORK/s$from" --out "$dest" --batch 192 \
         --mix prose=0.15,code=0.15,reasoning_graded=0.70 --vision-every 1 --vision-batch 256 --vision-workers 14 \
-        --vision-variety-share 0.8 --vision-robust --retrain-tower --tower-seconds 180 --tower-batch 256 \
+        --vision-variety-share 0.8 --vision-robust --retrain-tower --tower-seconds $tower --tower-batch 256 \
         --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128 --think-start-weight 4 --closing-sum-weight 5 \
-        --lr 2.5e-4 --backbone-seconds 200 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3 \
+        --lr 2.5e-4 --backbone-seconds $joint --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3 \
         --history recipes/tiny/logs/trials-2026-12-03/stage${stage}_history.json
 done
 rm -rf "$OUT" && mv "$OUT.new" "$OUT"
