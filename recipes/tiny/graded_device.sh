@@ -65,20 +65,16 @@ case $STAGE in
             --lr 2.5e-4 --backbone-seconds 300 --dspark-seconds 90 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
   # stage 32 (2026-12-03): from stage 30, stage 30's options with the v2 pictures drawn less uniformly
   # (--vision-robust: any drawing scale, some blurred, dark and mid-grey canvases twice as often), 80% v2 batches and
-  # a longer probe stage; stage 33 (2026-12-03) is the same call again, from stage 32
-  32|33) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_graded=0.70
+  # a longer probe stage; stage 33 is the same call again, from stage 32. Stage 34, from stage 33: more of the time on
+  # the tower through the probes (180 s against 110), less on the joint steps (200 s against 270); stages 35 and 36
+  # are stage 34's call twice more, from stages 34 and 35 (all 2026-12-03)
+  32|33|34|35|36) tower=110 joint=270
+            if [ "$STAGE" -ge 34 ]; then tower=180 joint=200; fi
+            OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_graded=0.70
             --vision-every 1 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
-            --retrain-tower --tower-seconds 110 --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
+            --retrain-tower --tower-seconds $tower --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
             --think-start-weight 4 --closing-sum-weight 5
-            --lr 2.5e-4 --backbone-seconds 270 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
-  # stage 34 (2026-12-03): from stage 33, the same pictures with more of the time on the tower through the probes
-  # (180 s against 110) and less on the joint steps (200 s against 270); stages 35 and 36 (2026-12-03) are the same
-  # call twice more, from stages 34 and 35
-  34|35|36) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_graded=0.70
-            --vision-every 1 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
-            --retrain-tower --tower-seconds 180 --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
-            --think-start-weight 4 --closing-sum-weight 5
-            --lr 2.5e-4 --backbone-seconds 200 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
+            --lr 2.5e-4 --backbone-seconds $joint --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
   *) echo "unknown stage $STAGE (25, 26, 29, 30, 31, 32, 33, 34, 35 or 36)" >&2; exit 2 ;;
 esac
 bash recipes/tiny/device_run.sh --init-from "$FROM" --out "$RUNS/s$STAGE" "${OPTS[@]}" \
