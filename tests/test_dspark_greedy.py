@@ -135,7 +135,7 @@ def test_the_check_can_fail(gen, tiny_model):
 # the bundled model on the README's main prompt, 48 greedy tokens: max |difference| 2.23 (at token 28; at most
 # 2.07 elsewhere), the same under the AVX-512, AVX2 and default (SSE4.1) CPU kernels (measured 2026-12-03 on the
 # checkpoint after stage 36, every GEMM of CPU inference in the fixed order; 3.35 after stage 34, 2.97 after stage
-# 32, 2.77 after stage 30, 2.31 after 29).
+# 32, 2.77 after stage 30, 2.31 after 29; recipes/tiny/logs/trials-2026-12-03/dspark_bound.py measures it).
 # Where the difference spikes moves with the weights and the arithmetic (docs/generation.md): the checkpoint
 # after stage 27 measured 6.15 at its last token with these GEMMs and 1.58 with MKL's, so the bound leaves room
 BUNDLED_BOUND = 8.0

@@ -13,7 +13,6 @@ import statistics
 import time
 
 import torch
-
 from dsv41.model.assets import bundled_model_dir
 from dsv41.model.checkpoint import load_model
 from dsv41.model.engine import GenerationConfig, Generator, Request
