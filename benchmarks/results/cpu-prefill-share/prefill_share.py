@@ -5,7 +5,8 @@ decode steps, in the current tree, one torch thread, the bundled model.
 
 The engine prefills one request at a time (its own forward over the prompt, in chunks) between decode steps; each
 GenerationResult carries its prefill_seconds. Summed over the requests, against the run's wall time, that is the
-share of the run spent on prompts. Also: one sequence's prefill time against its prompt length (median of 3)."""
+share of the run spent on prompts. Also: one sequence's prefill time against its prompt length (median of 3), and one
+sequence's decode rate (bench_engine.py `single`: a 40-token prompt, 96 new tokens, median of 3)."""
 
 import json
 import random
@@ -28,7 +29,8 @@ def cfg(n):
 
 out = {}
 with torch.inference_mode():
-    gen.generate(tok.encode("Add: 7 3 9 2 5")[:40], cfg(8))  # warm-up
+    prompt = tok.encode("Add: 7 3 9 2 5. Think about it step by step, then answer with the sum.")[:40]
+    gen.generate(prompt, cfg(8))  # warm-up
     rng = random.Random(0)  # bench_engine.py's workload: the same seed, the same draws
     prompts = [[rng.randrange(1000, 60000) for _ in range(rng.randint(8, 400))] for _ in range(32)]
     lengths = [rng.randint(16, 96) for _ in range(32)]
@@ -49,4 +51,6 @@ with torch.inference_mode():
         t = statistics.median(ts)
         scale.append({"prompt_tokens": n, "prefill_s": t, "tokens_per_s": n / t})
     out["prefill_by_length"] = scale
+    out["one_sequence_decode_tokens_per_s"] = statistics.median([
+        gen.generate(prompt, cfg(96)).decode_tokens_per_s for _ in range(3)])
 print(json.dumps(out, indent=1))
