@@ -12,6 +12,8 @@
 #   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs FROM=<stage 33> bash recipes/tiny/graded_device.sh 34
 #   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 35   (from stage 34, shipped at the time)
 #   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs FROM=<stage 35> bash recipes/tiny/graded_device.sh 36
+#   DATA=runs/data-t37-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 37   (from stage 36, shipped)
+#   DATA=runs/data-t38-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 38   (from stage 36, shipped)
 #
 # (The 2026-12-03 call of stage 29 wrote into the machine's /tmp and sent the shards back split into 15 MiB parts,
 # the device returning at most 16 MiB a file. For stages 30 and 31 the tracked tree had grown to 61 MB, so with the
@@ -75,7 +77,17 @@ case $STAGE in
             --retrain-tower --tower-seconds $tower --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
             --think-start-weight 4 --closing-sum-weight 5
             --lr 2.5e-4 --backbone-seconds $joint --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
-  *) echo "unknown stage $STAGE (25, 26, 29, 30, 31, 32, 33, 34, 35 or 36)" >&2; exit 2 ;;
+  # stage 37 (2026-12-03): from stage 36, the "checked" traces (a check that can change the answer; data from
+  # `build_data --reasoning-only checked`, with its loss mask), the tower's probe stage a little shorter and the
+  # joint steps longer than stage 36's, the drafter shorter, to fit the same 10-minute call
+  # stage 38 (2026-12-03): stage 37's call, from stage 36 again, on the "checked" traces with the check in the
+  # pass's terse form (stage 37's, every step a full equation, was learnt as a form only)
+  37|38) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_checked=0.70
+            --vision-every 1 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
+            --retrain-tower --tower-seconds 170 --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
+            --think-start-weight 4 --closing-sum-weight 5
+            --lr 2.5e-4 --backbone-seconds 280 --dspark-seconds 60 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
+  *) echo "unknown stage $STAGE (25, 26, 29, 30, 31, 32, 33, 34, 35, 36, 37 or 38)" >&2; exit 2 ;;
 esac
 bash recipes/tiny/device_run.sh --init-from "$FROM" --out "$RUNS/s$STAGE" "${OPTS[@]}" \
     --history "$LOGS/stage${STAGE}_history.json" --log "$LOGS/stage${STAGE}_train.log" "$@"

@@ -49,7 +49,13 @@ numbers), the middle tier computes and the top tiers compute and check. The chec
 answer: a first design whose check could (stage 25, recipes/tiny/README.md "The graded traces") was learnt
 as a form, not as a check.
 
-The bundled model is trained on "undo" since stage 13. Which style was trained when, what each did to
+A seventh style, "checked" (issue #25), keeps "graded"'s tiers and gives effort 90-100 a check that can change
+the answer (`checked_segments`): the pass's numbers added again to the check's own sums, every step where the
+pass wrote another value marked ("+9=19 not 18"), the close taken from the check. Its training data
+(`build_data --reasoning-only checked`) holds passes with an injected slip, masked from the loss, that the check
+catches and repairs. Stages 37-38 trained it (recipes/tiny/README.md "Stages 37-38"); neither was kept.
+
+The bundled model is trained on "undo" since stage 13 ("graded" since stage 26). Which style was trained when, what each did to
 accuracy and why the next one followed is recorded in recipes/tiny/README.md ("The reasoning task",
 "Measurements", "Trials that were not kept").
 
@@ -111,7 +117,7 @@ def _running_steps(numbers: list[int]) -> list[tuple[int, int, int]]:
     return steps
 
 
-TRACE_STYLES = ("reverse-check", "carry", "twice", "labelled", "undo", "graded")
+TRACE_STYLES = ("reverse-check", "carry", "twice", "labelled", "undo", "graded", "checked")
 
 
 def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check") -> str:
@@ -123,9 +129,10 @@ def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check
     steps = _running_steps(numbers)
     if tier == 0:
         return ""
-    if style == "graded" and tier == 1:  # a shortcut below the terse sums (the v2 task's too)
+    graded = style in ("graded", "checked")
+    if graded and tier == 1:  # a shortcut below the terse sums (the v2 task's too)
         return pairs_shortcut(numbers)
-    if tier == 1 or (style == "graded" and tier == 2):
+    if tier == 1 or (graded and tier == 2):
         return _terse_sums(steps)
     if tier == 2:
         return "\n".join(f"{a}+{n}={s}" for a, n, s in steps)
@@ -135,7 +142,9 @@ def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check
         first = first if style == "labelled" else ""
         closing = [f"Both give {sum(numbers)}."] if tier == 4 else []
         return "\n".join([first + terse, f"{second}: {terse}"] + closing)
-    if style in ("undo", "graded"):  # the tier named first; then the sums undone from the end, no look back at the list
+    if style == "checked" and tier == 4:  # the pass, then every step of it done again from its own numbers
+        return "".join(s.text for s in checked_segments(numbers))
+    if style in ("undo", "graded", "checked"):  # the tier named first; then the sums undone from the end, no look back at the list
         first, second = ("Sum", "Check") if tier == 4 else ("First", "Undo")
         total = sum(numbers)
         closing = f"Back to {numbers[0]}, so the sum is {total}." if tier == 4 else f"So {total}."
@@ -170,6 +179,82 @@ def _undo_sums(steps: list[tuple[int, int, int]]) -> str:
     """26-5=21, -2=19, -9=10, -3=7: the terse sums undone from the end, back to the first number"""
     (before, n, last), *rest = steps[::-1]
     return ", ".join([f"{last}-{n}={before}"] + [f"-{n}={a}" for a, n, _ in rest])
+
+
+CHECK_SLIP_DELTAS = (-10, -1, 1, 10)  # a sum written off by one in either digit: the slips a check must catch
+
+
+def checked_segments(numbers: list[int], slip: tuple[int, int] | None = None, form: str = "terse") -> list:
+    """The "checked" style's effort 90-100 reasoning as v2 segments (text, trained or not):
+
+        Sum: 7+3=10, +9=19, +2=21, +5=26
+        Check: 7+3=10, +9=19, +2=21, +5=26
+        So the sum is 26.
+
+    `slip` = (step k >= 1, delta): the pass writes its k-th sum off by `delta` and carries on from what it wrote
+    (those tokens are context, not targets); the check adds each of the pass's numbers to its own sum, marks every
+    step where the pass wrote another value, and closes with its own sum, so it changes the answer:
+
+        Sum: 7+3=10, +9=18, +2=20, +5=25
+        Check: 7+3=10, +9=19 not 18, +2=21 not 20, +5=26 not 25
+        So the sum is 26.
+
+    The check is written in the pass's own form, the terse running sums the model computes best: each step reads
+    its number from the same step of the pass, about one pass length back (inside the 64-token window at every
+    list length), and adds it to the sum just written. form="equations" is stage 37's check (not kept,
+    recipes/tiny/README.md "Stages 37-38"), every step a full equation ("10+9=19 not 18"), closed by "So 26."."""
+    from .v2 import Segment
+
+    if form not in ("terse", "equations"):
+        raise ValueError(f"check form must be terse or equations, got {form!r}")
+    written, total = [], numbers[0]
+    for k, n in enumerate(numbers[1:], 1):
+        total += n + (slip[1] if slip and k == slip[0] else 0)
+        if total < 0:
+            raise ValueError("a slip below zero is not one the model makes")
+        written.append(total)
+    texts = [f"{numbers[0]}+{numbers[1]}={written[0]}"] + [f"+{n}={w}" for n, w in zip(numbers[2:], written[1:])]
+    k = slip[0] if slip else len(texts) + 1
+    first = [Segment("Sum: " + ", ".join(texts[:k - 1]))]
+    if k <= len(texts):  # from the slip on, the pass is context only
+        first.append(Segment((", " if k > 1 else "") + ", ".join(texts[k - 1:]), train=False))
+    check, right = [], numbers[0]
+    for i, (n, w) in enumerate(zip(numbers[1:], written)):
+        step = f"{right}+{n}={right + n}" if i == 0 or form == "equations" else f"+{n}={right + n}"
+        check.append(step + (f" not {w}" if w != right + n else ""))
+        right += n
+    closing = f"So {right}." if form == "equations" else f"So the sum is {right}."
+    return first + [Segment(f"\nCheck: {', '.join(check)}\n{closing}")]
+
+
+def random_check_slip(numbers: list[int], rng: random.Random) -> tuple[int, int]:
+    """A (step, delta) slip of the pass that keeps every written sum at zero or above."""
+    for _ in range(100):
+        slip = (rng.randint(1, len(numbers) - 1), rng.choice(CHECK_SLIP_DELTAS))
+        try:
+            checked_segments(numbers, slip)
+        except ValueError:
+            continue
+        return slip
+    return len(numbers) - 1, 1
+
+
+def checked_conversation_segments(numbers: list[int], effort: int, slip: tuple[int, int] | None = None,
+                                  form: str = "terse") -> list:
+    """One "checked"-style training conversation as segments; the slip (effort 90-100 only) is untrained."""
+    from dsv41.model.encoding import encode_messages
+
+    from .v2 import Segment
+
+    if effort_tier(effort) == 4:
+        reasoning = checked_segments(numbers, slip, form)
+    else:
+        reasoning = [Segment(reasoning_trace(numbers, effort, "checked"))]
+    marker = "\x00REASONING\x00"
+    text = encode_messages(messages(numbers) + [{"role": "assistant", "reasoning_content": marker,
+                                                  "content": answer_text(numbers)}], mode="thinking", effort=effort)
+    before, after = text.split(marker)
+    return [Segment(before)] + reasoning + [Segment(after)]
 
 
 def _carry_step(i: int, a: int, n: int, s: int, left: list[int], check: bool) -> str:

@@ -1,0 +1,106 @@
+"""Does the effort-100 check correct? The "checked" trace style's check (evals/tasks/tiny_reasoning,
+`checked_segments`) adds each number of the pass to its own sum and closes with that sum, so it can change the
+answer. This measures, greedy on the held-out tiny-reasoning items at effort 100, whether a checkpoint's check does:
+
+    python -m dsv41.recipes.tiny.check_repair --model DIR [--limit 300] [--json F]
+
+- own: the model writes the whole trace. Per item: is the pass's last sum right, did the check mark a step
+  ("not N"), is the answer right. "repaired" = a wrong pass and a right answer, "broken" = a right pass and a wrong
+  answer.
+- slipped: the prompt is followed by a pass with one injected slip (a sum written off by -10, -1, +1 or +10 and
+  carried on, as in training, drawn by `random_check_slip` with a fixed seed), then "\\nCheck: "; the model writes
+  the rest. "repaired" = the answer is the true sum, not the pass's.
+- clean: the same with the right pass, the control: how often the check keeps a right pass right.
+
+Every generation goes through the engine (`evaluate.greedy_generate`, continuous batching).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+import torch
+from dsv41.evals.tasks import tiny_reasoning as task
+from dsv41.recipes.tiny import evaluate as E
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_NEW = 213  # the task's evaluation budget (evaluate.reasoning_sweep)
+SLIP_SEED = 4343
+
+
+def forced_pass(numbers: list[int], slip: tuple[int, int] | None) -> str:
+    """'Sum: <the pass, slipped or not>\\nCheck: ': what the 'slipped' and 'clean' cases put after the prompt."""
+    segments = task.checked_segments(numbers, slip)
+    return "".join(s.text for s in segments).split("\nCheck: ")[0] + "\nCheck: "
+
+
+def pass_total(reasoning: str) -> int | None:
+    """The last sum of the pass (the first line of the trace), or None."""
+    sums = re.findall(r"=(-?\d+)", reasoning.split("\n")[0])
+    return int(sums[-1]) if sums else None
+
+
+def classify(reasoning: str | None, answer_ok: bool, truth: int) -> dict:
+    reasoning = reasoning or ""
+    check = next((line for line in reasoning.splitlines() if line.startswith("Check:")), None)
+    first = pass_total(reasoning)
+    return {"pass_right": first == truth, "checked": check is not None,
+            "marked": bool(check and " not " in check), "answer_right": answer_ok}
+
+
+def summarize(rows: list[dict]) -> dict:
+    n = len(rows)
+    count = lambda f: sum(1 for r in rows if f(r))
+    return {"items": n, "answer_right": count(lambda r: r["answer_right"]),
+            "pass_right": count(lambda r: r["pass_right"]), "checked": count(lambda r: r["checked"]),
+            "marked": count(lambda r: r["marked"]),
+            "repaired": count(lambda r: not r["pass_right"] and r["answer_right"]),
+            "broken": count(lambda r: r["pass_right"] and not r["answer_right"]),
+            "wrong_pass_marked": count(lambda r: not r["pass_right"] and r["marked"]),
+            "right_pass_marked": count(lambda r: r["pass_right"] and r["marked"])}
+
+
+def run(model, tok, items: list[dict], cases=("own", "slipped", "clean")) -> dict:
+    rng = random.Random(SLIP_SEED)
+    slips = [task.random_check_slip(it["numbers"], rng) for it in items]
+    report = {}
+    for case in cases:
+        forced = ["" if case == "own" else forced_pass(it["numbers"], slip if case == "slipped" else None)
+                  for it, slip in zip(items, slips)]
+        prompts = [tok.encode(task.prompt_text(it, 100) + f) for it, f in zip(items, forced)]
+        with torch.inference_mode():
+            outs = E.greedy_generate(model, prompts, MAX_NEW, stop_id=tok.eos_id)
+        rows = []
+        for it, f, out in zip(items, forced, outs):
+            text = f + tok.decode([t for t in out if t != tok.eos_id])
+            reasoning, _ = task.split_completion(text)
+            rows.append(classify(reasoning, task.score(text, it), int(it["answer"])))
+        report[case] = summarize(rows)
+        print(json.dumps({"case": case, **report[case]}), file=sys.stderr, flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, default=REPO / "model" / "assets" / "dsv41-tiny")
+    ap.add_argument("--limit", type=int, default=300)
+    ap.add_argument("--token-map", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    model, tok = E.load_bundled(a.model, "cpu", a.token_map)
+    report = {"model": str(a.model), "effort": 100, "slip_seed": SLIP_SEED,
+              **run(model, tok, task.load_items(limit=a.limit))}
+    text = json.dumps(report, indent=2)
+    if a.json:
+        a.json.write_text(text + "\n")
+    print(text)
+    return report
+
+
+if __name__ == "__main__":
+    main()
