@@ -83,6 +83,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 TASK_NAME = "tiny-reasoning"
@@ -95,6 +96,13 @@ EFFORT_TIERS = (20, 45, 70, 90)  # lower bounds of tiers 1..4; tier 0 is effort 
 SWEEP_EFFORTS = (1, 25, 50, 75, 100)
 THINK_END = "</think>"
 _INTEGER = re.compile(r"-?\d+")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A piece of a training conversation; train=False: context only (an injected slip), no loss on its tokens."""
+    text: str
+    train: bool = True
 
 
 def effort_tier(effort: int) -> int:
@@ -203,8 +211,6 @@ def checked_segments(numbers: list[int], slip: tuple[int, int] | None = None, fo
     its number from the same step of the pass, about one pass length back (inside the 64-token window at every
     list length), and adds it to the sum just written. form="equations" is stage 37's check (not kept,
     recipes/tiny/README.md "Stages 37-38"), every step a full equation ("10+9=19 not 18"), closed by "So 26."."""
-    from .v2 import Segment
-
     if form not in ("terse", "equations"):
         raise ValueError(f"check form must be terse or equations, got {form!r}")
     written, total = [], numbers[0]
@@ -243,8 +249,6 @@ def checked_conversation_segments(numbers: list[int], effort: int, slip: tuple[i
                                   form: str = "terse") -> list:
     """One "checked"-style training conversation as segments; the slip (effort 90-100 only) is untrained."""
     from dsv41.model.encoding import encode_messages
-
-    from .v2 import Segment
 
     if effort_tier(effort) == 4:
         reasoning = checked_segments(numbers, slip, form)

@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
+
+from . import Segment  # the task's own: v1's "checked" style writes segments too
 
 HELDOUT_V2 = Path(__file__).resolve().parent / "heldout_v2.jsonl"
 MIN_NUMBERS, MAX_NUMBERS = 2, 10
@@ -60,10 +61,6 @@ def effort_tier(effort: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------ passes
-@dataclass(frozen=True)
-class Segment:
-    text: str
-    train: bool = True  # False: context only (an injected slip), no loss on its tokens
 
 
 def running_pass(numbers: list[int], error: tuple[str, int, int] | None = None) -> tuple[list[Segment], int]:
