@@ -248,15 +248,21 @@ def random_check_slip(numbers: list[int], rng: random.Random) -> tuple[int, int]
 def checked_conversation_segments(numbers: list[int], effort: int, slip: tuple[int, int] | None = None,
                                   form: str = "terse") -> list:
     """One "checked"-style training conversation as segments; the slip (effort 90-100 only) is untrained."""
-    from dsv41.model.encoding import encode_messages
-
     if effort_tier(effort) == 4:
         reasoning = checked_segments(numbers, slip, form)
     else:
         reasoning = [Segment(reasoning_trace(numbers, effort, "checked"))]
+    return segments_around(numbers, reasoning, effort, answer_text(numbers))
+
+
+def segments_around(numbers: list[int], reasoning: list[Segment], effort: int, answer: str) -> list[Segment]:
+    """One complete training example (BOS ... EOS, the official V4.1 thinking-mode encoding) as segments whose
+    concatenation is `encode_messages` of the conversation with `reasoning` written out and `answer` as content."""
+    from dsv41.model.encoding import encode_messages
+
     marker = "\x00REASONING\x00"
     text = encode_messages(messages(numbers) + [{"role": "assistant", "reasoning_content": marker,
-                                                  "content": answer_text(numbers)}], mode="thinking", effort=effort)
+                                                  "content": answer}], mode="thinking", effort=effort)
     before, after = text.split(marker)
     return [Segment(before)] + reasoning + [Segment(after)]
 

@@ -179,16 +179,9 @@ def conversation_segments(numbers: list[int], effort: int, rng: random.Random | 
                           error_rate: float = 0.0) -> list[Segment]:
     """One complete training example (BOS ... EOS, the official V4.1 thinking-mode encoding) as segments whose
     concatenation is `encode_messages` of the conversation with the reasoning written out."""
-    from dsv41.model.encoding import encode_messages
+    from . import segments_around
 
-    from . import messages
-
-    reasoning = training_segments(numbers, effort, rng, error_rate)
-    marker = "\x00REASONING\x00"
-    text = encode_messages(messages(numbers) + [{"role": "assistant", "reasoning_content": marker,
-                                                  "content": answer_text(numbers)}], mode="thinking", effort=effort)
-    before, after = text.split(marker)
-    return [Segment(before)] + reasoning + [Segment(after)]
+    return segments_around(numbers, training_segments(numbers, effort, rng, error_rate), effort, answer_text(numbers))
 
 
 def random_numbers(rng: random.Random) -> list[int]:
