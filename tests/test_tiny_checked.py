@@ -118,3 +118,110 @@ def test_check_repair_reads_the_pass_and_the_check():
     rows = [C.classify(slipped, True, 26), C.classify(task.reasoning_trace(numbers, 100, "checked"), False, 26)]
     summary = C.summarize(rows)
     assert summary["repaired"] == 1 and summary["broken"] == 1 and summary["marked"] == 1
+
+
+# The "checked-inline" style (stage 39): every step of the pass undone where it is written.
+
+def test_inline_top_tier_undoes_every_step_where_it_is_written():
+    numbers = [7, 3, 9, 2, 5]
+    for effort in (1, 19, 20, 44, 45, 69, 70, 89):
+        assert task.reasoning_trace(numbers, effort, "checked-inline") == task.reasoning_trace(numbers, effort, "graded")
+    top = task.reasoning_trace(numbers, 100, "checked-inline")
+    assert top == task.reasoning_trace(numbers, 90, "checked-inline") == (
+        "Sum: 7+3=10 (10-3=7 ok), +9=19 (19-9=10 ok), +2=21 (21-2=19 ok), +5=26 (26-5=21 ok)\nSo the sum is 26.")
+    assert "".join(s.text for s in task.checked_segments(numbers, None, "inline")) == top
+    with pytest.raises(ValueError):
+        task.checked_segments(numbers, None, "backwards")
+
+
+_STEP = re.compile(r"(\d+)=(\d+) \((\d+)-(\d+)=(\d+) (ok|not (\d+))\)")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_an_inline_slip_is_only_context_and_its_check_redoes_the_step(seed):
+    rng = random.Random(seed)
+    numbers = task.random_numbers(rng)
+    step, delta = task.random_check_slip(numbers, rng, "inline")
+    segments = task.checked_segments(numbers, (step, delta), "inline")
+    right = [sum(numbers[:k + 1]) for k in range(1, len(numbers))]
+    # one untrained segment: the slipped sum's digits, nothing else
+    assert [s.train for s in segments] == [True, False, True]
+    assert segments[1].text == str(right[step - 1] + delta)
+    text = "".join(s.text for s in segments)
+    attempts = [(int(n), int(w), int(a), int(b), int(c), v) for n, w, a, b, c, v, _ in _STEP.findall(text)]
+    assert len(attempts) == len(numbers)  # every step once, the slipped one twice
+    before = [numbers[0]] + right[:-1]
+    for i, (n, w, a, b, c, verdict) in enumerate(attempts):
+        k = i if i < step else i - 1  # the step this attempt does
+        assert n == numbers[k + 1] and a == w and b == n and c == w - n
+        if i == step - 1:  # the slip: its check finds another number than the sum before, and says which
+            assert w == right[k] + delta and verdict == f"not {before[k]}"
+        else:
+            assert w == right[k] and verdict == "ok"
+    assert text.endswith(f"\nSo the sum is {sum(numbers)}.")
+
+
+def test_inline_slips_keep_every_value_at_or_above_zero():
+    with pytest.raises(ValueError):
+        task.checked_segments([5, 2, 1, 2], (1, -10), "inline")  # 7 - 10 < 0
+    with pytest.raises(ValueError):
+        task.checked_segments([5, 9, 1, 2], (1, -10), "inline")  # 14 - 10 = 4, then 4 - 9 < 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        numbers = [rng.randint(0, 3) for _ in range(4)]
+        task.checked_segments(numbers, task.random_check_slip(numbers, rng, "inline"), "inline")  # never raises
+
+
+def test_inline_lengths_rise_strictly_at_every_list_length():
+    from dsv41.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    rng = random.Random(1)
+    for length in range(task.MIN_NUMBERS, task.MAX_NUMBERS + 1):
+        for _ in range(20):
+            numbers = [rng.randint(0, 9) for _ in range(length)]
+            lengths = [len(tok.encode(task.reasoning_trace(numbers, e, "checked-inline")))
+                       for e in task.SWEEP_EFFORTS]
+            assert lengths == sorted(set(lengths)), (numbers, lengths)
+
+
+def test_build_data_writes_the_inline_family_whose_only_context_is_the_slipped_sums(tmp_path):
+    import numpy as np
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.recipes.tiny import build_data as B
+
+    tok = load_tokenizer()
+    info = B.build_reasoning(tmp_path, tok, task.load_items(), 300, "checked-inline")
+    assert info["trace_style"] == "checked-inline" and info["check_form"] == "inline"
+    ids = B.load_tokens(tmp_path / "reasoning_checked_inline.u32.xz")
+    mask = B.load_tokens(tmp_path / "reasoning_checked_inline.mask.u8.xz", np.uint8)
+    assert ids.size == mask.size == info["train_tokens"]
+    bos = tok.token_to_id("<｜begin▁of▁sentence｜>")
+    cuts = np.flatnonzero(ids == bos).tolist() + [ids.size]
+    slipped = 0
+    for a, b in itertools.pairwise(cuts):
+        text = tok.decode(ids[a:b].tolist())
+        reasoning = text.split("<think>")[-1].split("</think>")[0]
+        untrained = [tok.decode([t]) for t in ids[a:b][mask[a:b] == 0].tolist()]
+        marks = re.findall(r"=(\d+) \(\d+-\d+=\d+ not \d+\)", reasoning)
+        slipped += bool(marks)
+        assert "".join(untrained) == "".join(marks) and all(u.isdigit() for u in untrained)
+    assert slipped == info["conversations_with_a_repaired_slip"] > 0
+
+
+def test_check_repair_reads_inline_traces():
+    from dsv41.recipes.tiny import check_repair as C
+
+    numbers = [7, 3, 9, 2, 5]
+    assert C.forced_pass(numbers, (2, -1), "inline") == "Sum: 7+3=10 (10-3=7 ok), +9=18"
+    assert C.forced_pass(numbers, None, "inline", 2) == "Sum: 7+3=10 (10-3=7 ok), +9=19"
+    slipped = "".join(s.text for s in task.checked_segments(numbers, (2, -1), "inline"))
+    assert C.inline_pass(slipped) == ([10, 18, 21, 26], True)
+    assert C.classify(slipped, True, 26, numbers, "inline") == {"pass_right": False, "checked": True,
+                                                                 "marked": True, "answer_right": True}
+    clean = task.reasoning_trace(numbers, 100, "checked-inline")
+    assert C.classify(clean, False, 26, numbers, "inline") == {"pass_right": True, "checked": True,
+                                                                "marked": False, "answer_right": False}
+    # a check that wrongly disagrees on a right pass: marked, the pass still right
+    false_alarm = clean.replace("(19-9=10 ok)", "(19-9=11 not 10) +9=19 (19-9=10 ok)")
+    assert C.inline_pass(false_alarm) == ([10, 19, 21, 26], True)

@@ -15,9 +15,10 @@ documents chosen by hash:
                 with the official V4.1 thinking-mode chat encoding; its held-out set ships with the
                 package as the task `tiny-reasoning`; written in the "reverse-check" trace style
     reasoning_<style>   the same conversations (same lists, same efforts) in another trace style
-                (carry, twice, labelled, undo, graded, checked: evals/tasks/tiny_reasoning says why); built only
-                with --reasoning-only STYLE, which touches nothing else but the manifest's entry for it; "checked"
-                also writes OUT/reasoning_checked.mask.u8.xz (0 on the tokens of a slip its check repairs)
+                (carry, twice, labelled, undo, graded, checked, checked-inline: evals/tasks/tiny_reasoning says
+                why); built only with --reasoning-only STYLE, which touches nothing else but the manifest's entry
+                for it; "checked" and "checked-inline" also write OUT/reasoning_checked[_inline].mask.u8.xz (0 on
+                the tokens of a slip its check repairs)
     reasoning_v2        the v2 task (evals/tasks/tiny_reasoning/v2.py: lists of 2-10 numbers, checks that
                 catch and repair injected slips); built only with --reasoning-v2, which also writes
                 OUT/reasoning_v2.mask.u8.xz (1 per token trained on, 0 for a slip's tokens)
@@ -186,8 +187,9 @@ def build_reasoning(out: Path, tok, held_items: list[dict], n_train: int, style:
 
     rng = random.Random(20260)
     excluded = {tuple(item["numbers"]) for item in held_items}
-    if style == "checked":
-        return build_reasoning_checked(out, tok, rng, excluded, n_train, len(held_items))
+    if style in ("checked", "checked-inline"):
+        return build_reasoning_checked(out, tok, rng, excluded, n_train, len(held_items),
+                                       form="inline" if style == "checked-inline" else "terse")
     convos = []
     while len(convos) < n_train:
         numbers = task.random_numbers(rng)
@@ -214,7 +216,8 @@ def build_reasoning_checked(out: Path, tok, rng: random.Random, excluded: set, n
     """The "checked" conversations -> OUT/reasoning_checked.u32.xz and its loss mask (0 on a slip's tokens). The
     lists and first efforts are every style's (`rng`, the seeded stream of build_reasoning); a second stream moves
     `top_share` of them to an effort in 90..100 and gives `slip_rate` of the effort-90-100 passes a slip. Stage 38's
-    data is the default; stage 37's was top_share=0.25, form="equations"."""
+    data is the default; stage 37's was top_share=0.25, form="equations"; form="inline" (stage 39, the
+    "checked-inline" style) writes OUT/reasoning_checked_inline.u32.xz and its mask."""
     from dsv41.evals.tasks import tiny_reasoning as task
 
     extra = random.Random(20264)
@@ -228,14 +231,15 @@ def build_reasoning_checked(out: Path, tok, rng: random.Random, excluded: set, n
             effort = extra.randint(task.EFFORT_TIERS[-1], 100)
         slip = None
         if task.effort_tier(effort) == 4 and extra.random() < slip_rate:
-            slip = task.random_check_slip(numbers, extra)
+            slip = task.random_check_slip(numbers, extra, form)
         return task.checked_conversation_segments(numbers, effort, slip, form)
 
-    ids, mask, n_bytes, slips = write_masked_family(out, reasoning_family("checked"), tok, conversation, n_train)
+    style = "checked-inline" if form == "inline" else "checked"
+    ids, mask, n_bytes, slips = write_masked_family(out, reasoning_family(style), tok, conversation, n_train)
     return {"train_documents": n_train, "train_tokens": int(ids.size), "train_bytes": n_bytes,
             "untrained_tokens": int((mask == 0).sum()), "conversations_with_a_repaired_slip": slips,
             "top_share": top_share, "slip_rate": slip_rate, "check_form": form, "heldout_documents": n_held,
-            "trace_style": "checked"}
+            "trace_style": style}
 
 
 REASONING_V2_ERROR_RATE = 0.3  # the share of top-tier traces with an injected slip that the check repairs

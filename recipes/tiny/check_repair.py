@@ -2,7 +2,12 @@
 `checked_segments`) adds each number of the pass to its own sum and closes with that sum, so it can change the
 answer. This measures, greedy on the held-out tiny-reasoning items at effort 100, whether a checkpoint's check does:
 
-    python -m dsv41.recipes.tiny.check_repair --model DIR [--limit 300] [--json F]
+    python -m dsv41.recipes.tiny.check_repair --model DIR [--limit 300] [--form terse|inline] [--json F]
+
+--form inline measures the "checked-inline" style (stage 39): each step of the pass undone where it is written,
+"+9=18 (18-9=9 not 10) +9=19 (19-9=10 ok)". There the pass is the value first written at each step, the slip is
+injected at its step (the forced text ends with the slipped sum) and the clean control ends at the same step with the
+right sum.
 
 - own: the model writes the whole trace. Per item: is the pass's last sum right, did the check mark a step
   ("not N"), is the answer right. "repaired" = a wrong pass and a right answer, "broken" = a right pass and a wrong
@@ -33,10 +38,31 @@ MAX_NEW = 213  # the task's evaluation budget (evaluate.reasoning_sweep)
 SLIP_SEED = 4343
 
 
-def forced_pass(numbers: list[int], slip: tuple[int, int] | None) -> str:
-    """'Sum: <the pass, slipped or not>\\nCheck: ': what the 'slipped' and 'clean' cases put after the prompt."""
+def forced_pass(numbers: list[int], slip: tuple[int, int] | None, form: str = "terse", step: int | None = None) -> str:
+    """What the 'slipped' and 'clean' cases put after the prompt. terse: 'Sum: <the pass, slipped or not>\\nCheck: '.
+    inline: the trace up to the sum of the slip's step, slipped (slip given) or right (slip None, `step` given)."""
+    if form == "inline":
+        if slip is None:
+            right = task.checked_segments(numbers, (step, 1), "inline")
+            return right[0].text + str(sum(numbers[:step + 1]))
+        segments = task.checked_segments(numbers, slip, "inline")
+        return segments[0].text + segments[1].text
     segments = task.checked_segments(numbers, slip)
     return "".join(s.text for s in segments).split("\nCheck: ")[0] + "\nCheck: "
+
+
+_INLINE_STEP = re.compile(r"(\d+)=(\d+) \((\d+)-(\d+)=(-?\d+) (ok|not \d+)\)")
+
+
+def inline_pass(reasoning: str) -> tuple[list[int], bool]:
+    """The value first written at each step of an inline-checked trace, and whether any check disagreed."""
+    first, redo, marked = [], False, False
+    for m in _INLINE_STEP.finditer(reasoning):
+        if not redo:
+            first.append(int(m.group(2)))
+        redo = m.group(6) != "ok"
+        marked |= redo
+    return first, marked
 
 
 def pass_total(reasoning: str) -> int | None:
@@ -45,8 +71,13 @@ def pass_total(reasoning: str) -> int | None:
     return int(sums[-1]) if sums else None
 
 
-def classify(reasoning: str | None, answer_ok: bool, truth: int) -> dict:
+def classify(reasoning: str | None, answer_ok: bool, truth: int, numbers: list[int] | None = None,
+             form: str = "terse") -> dict:
     reasoning = reasoning or ""
+    if form == "inline":  # the pass is right when every first-written sum is the true running sum
+        first, marked = inline_pass(reasoning)
+        right = [sum(numbers[:k + 1]) for k in range(1, len(numbers))]
+        return {"pass_right": first == right, "checked": bool(first), "marked": marked, "answer_right": answer_ok}
     check = next((line for line in reasoning.splitlines() if line.startswith("Check:")), None)
     first = pass_total(reasoning)
     return {"pass_right": first == truth, "checked": check is not None,
@@ -65,13 +96,13 @@ def summarize(rows: list[dict]) -> dict:
             "right_pass_marked": count(lambda r: r["pass_right"] and r["marked"])}
 
 
-def run(model, tok, items: list[dict], cases=("own", "slipped", "clean")) -> dict:
+def run(model, tok, items: list[dict], cases=("own", "slipped", "clean"), form: str = "terse") -> dict:
     rng = random.Random(SLIP_SEED)
-    slips = [task.random_check_slip(it["numbers"], rng) for it in items]
+    slips = [task.random_check_slip(it["numbers"], rng, form) for it in items]
     report = {}
     for case in cases:
-        forced = ["" if case == "own" else forced_pass(it["numbers"], slip if case == "slipped" else None)
-                  for it, slip in zip(items, slips)]
+        forced = ["" if case == "own" else forced_pass(it["numbers"], slip if case == "slipped" else None, form,
+                                                       slip[0]) for it, slip in zip(items, slips)]
         prompts = [tok.encode(task.prompt_text(it, 100) + f) for it, f in zip(items, forced)]
         with torch.inference_mode():
             outs = E.greedy_generate(model, prompts, MAX_NEW, stop_id=tok.eos_id)
@@ -79,7 +110,7 @@ def run(model, tok, items: list[dict], cases=("own", "slipped", "clean")) -> dic
         for it, f, out in zip(items, forced, outs):
             text = f + tok.decode([t for t in out if t != tok.eos_id])
             reasoning, _ = task.split_completion(text)
-            rows.append(classify(reasoning, task.score(text, it), int(it["answer"])))
+            rows.append(classify(reasoning, task.score(text, it), int(it["answer"]), it["numbers"], form))
         report[case] = summarize(rows)
         print(json.dumps({"case": case, **report[case]}), file=sys.stderr, flush=True)
     return report
@@ -90,11 +121,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", type=Path, default=REPO / "model" / "assets" / "dsv41-tiny")
     ap.add_argument("--limit", type=int, default=300)
     ap.add_argument("--token-map", type=Path, default=None)
+    ap.add_argument("--form", choices=("terse", "inline"), default="terse",
+                    help="the check's form: terse (the 'checked' style, stage 38) or inline ('checked-inline')")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     model, tok = E.load_bundled(a.model, "cpu", a.token_map)
-    report = {"model": str(a.model), "effort": 100, "slip_seed": SLIP_SEED,
-              **run(model, tok, task.load_items(limit=a.limit))}
+    report = {"model": str(a.model), "effort": 100, "slip_seed": SLIP_SEED, "form": a.form,
+              **run(model, tok, task.load_items(limit=a.limit), form=a.form)}
     text = json.dumps(report, indent=2)
     if a.json:
         a.json.write_text(text + "\n")

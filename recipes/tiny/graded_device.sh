@@ -14,6 +14,7 @@
 #   DATA=runs/data-t25-carry RUNS=/tmp/r LOGS=/tmp/r/logs FROM=<stage 35> bash recipes/tiny/graded_device.sh 36
 #   DATA=runs/data-t37-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 37   (from stage 36, shipped)
 #   DATA=runs/data-t38-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 38   (from stage 36, shipped)
+#   DATA=runs/data-t39-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 39   (from stage 36, shipped)
 #
 # (The 2026-12-03 call of stage 29 wrote into the machine's /tmp and sent the shards back split into 15 MiB parts,
 # the device returning at most 16 MiB a file. For stages 30 and 31 the tracked tree had grown to 61 MB, so with the
@@ -82,12 +83,15 @@ case $STAGE in
   # joint steps longer than stage 36's, the drafter shorter, to fit the same 10-minute call
   # stage 38 (2026-12-03): stage 37's call, from stage 36 again, on the "checked" traces with the check in the
   # pass's terse form (stage 37's, every step a full equation, was learnt as a form only)
-  37|38) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_checked=0.70
+  # stage 39 (2026-12-03): stage 38's call, from stage 36 again, on the "checked-inline" traces (every step of the
+  # pass undone where it is written: the check reads only the last dozen tokens; `--reasoning-only checked-inline`)
+  37|38|39) family=reasoning_checked; if [ "$STAGE" = 39 ]; then family=reasoning_checked_inline; fi
+            OPTS=(--batch 192 --mix prose=0.15,code=0.15,$family=0.70
             --vision-every 1 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
             --retrain-tower --tower-seconds 170 --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
             --think-start-weight 4 --closing-sum-weight 5
             --lr 2.5e-4 --backbone-seconds 280 --dspark-seconds 60 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
-  *) echo "unknown stage $STAGE (25, 26, 29, 30, 31, 32, 33, 34, 35, 36, 37 or 38)" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE (25, 26, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38 or 39)" >&2; exit 2 ;;
 esac
 bash recipes/tiny/device_run.sh --init-from "$FROM" --out "$RUNS/s$STAGE" "${OPTS[@]}" \
     --history "$LOGS/stage${STAGE}_history.json" --log "$LOGS/stage${STAGE}_train.log" "$@"

@@ -125,7 +125,7 @@ def _running_steps(numbers: list[int]) -> list[tuple[int, int, int]]:
     return steps
 
 
-TRACE_STYLES = ("reverse-check", "carry", "twice", "labelled", "undo", "graded", "checked")
+TRACE_STYLES = ("reverse-check", "carry", "twice", "labelled", "undo", "graded", "checked", "checked-inline")
 
 
 def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check") -> str:
@@ -137,7 +137,7 @@ def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check
     steps = _running_steps(numbers)
     if tier == 0:
         return ""
-    graded = style in ("graded", "checked")
+    graded = style in ("graded", "checked", "checked-inline")
     if graded and tier == 1:  # a shortcut below the terse sums (the v2 task's too)
         return pairs_shortcut(numbers)
     if tier == 1 or (graded and tier == 2):
@@ -152,7 +152,9 @@ def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check
         return "\n".join([first + terse, f"{second}: {terse}"] + closing)
     if style == "checked" and tier == 4:  # the pass, then every step of it done again from its own numbers
         return "".join(s.text for s in checked_segments(numbers))
-    if style in ("undo", "graded", "checked"):  # the tier named first; then the sums undone from the end, no look back at the list
+    if style == "checked-inline" and tier == 4:  # every step of the pass undone where it is written
+        return "".join(s.text for s in inline_checked_segments(numbers))
+    if style in ("undo", "graded", "checked", "checked-inline"):  # the tier named first; then the sums undone from the end, no look back at the list
         first, second = ("Sum", "Check") if tier == 4 else ("First", "Undo")
         total = sum(numbers)
         closing = f"Back to {numbers[0]}, so the sum is {total}." if tier == 4 else f"So {total}."
@@ -190,6 +192,7 @@ def _undo_sums(steps: list[tuple[int, int, int]]) -> str:
 
 
 CHECK_SLIP_DELTAS = (-10, -1, 1, 10)  # a sum written off by one in either digit: the slips a check must catch
+CHECK_FORMS = ("terse", "equations", "inline")
 
 
 def checked_segments(numbers: list[int], slip: tuple[int, int] | None = None, form: str = "terse") -> list:
@@ -211,8 +214,10 @@ def checked_segments(numbers: list[int], slip: tuple[int, int] | None = None, fo
     its number from the same step of the pass, about one pass length back (inside the 64-token window at every
     list length), and adds it to the sum just written. form="equations" is stage 37's check (not kept,
     recipes/tiny/README.md "Stages 37-38"), every step a full equation ("10+9=19 not 18"), closed by "So 26."."""
-    if form not in ("terse", "equations"):
-        raise ValueError(f"check form must be terse or equations, got {form!r}")
+    if form not in CHECK_FORMS:
+        raise ValueError(f"check form must be one of {CHECK_FORMS}, got {form!r}")
+    if form == "inline":
+        return inline_checked_segments(numbers, slip)
     written, total = [], numbers[0]
     for k, n in enumerate(numbers[1:], 1):
         total += n + (slip[1] if slip and k == slip[0] else 0)
@@ -233,12 +238,47 @@ def checked_segments(numbers: list[int], slip: tuple[int, int] | None = None, fo
     return first + [Segment(f"\nCheck: {', '.join(check)}\n{closing}")]
 
 
-def random_check_slip(numbers: list[int], rng: random.Random) -> tuple[int, int]:
-    """A (step, delta) slip of the pass that keeps every written sum at zero or above."""
+def inline_checked_segments(numbers: list[int], slip: tuple[int, int] | None = None) -> list:
+    """The "checked" style's effort 90-100 reasoning with every step checked where it is written (form="inline",
+    stage 39): each new sum is undone by the number just added, and the result must be the sum before it:
+
+        Sum: 7+3=10 (10-3=7 ok), +9=19 (19-9=10 ok), +2=21 (21-2=19 ok), +5=26 (26-5=21 ok)
+        So the sum is 26.
+
+    `slip` = (step k >= 1, delta): the pass writes its k-th sum off by `delta`. Only that value is context (not a
+    target); its check finds another number than the sum before it, says so, and the step is done again, so the
+    pass goes on from the right sum and the answer changes:
+
+        Sum: 7+3=10 (10-3=7 ok), +9=18 (18-9=9 not 10) +9=19 (19-9=10 ok), +2=21 (21-2=19 ok), ...
+
+    Unlike the terse and equations forms, whose check looks up each number one pass length back (stages 37-38 read
+    them out of order), every number a check reads is among the last dozen tokens: the sum before, the number, the
+    sum just written. A check that wrongly disagrees still ends right: the redone step is the same addition."""
+    steps = _running_steps(numbers)
+    k, delta = slip if slip else (0, 0)
+    if slip and not 1 <= k <= len(steps):
+        raise ValueError(f"slip step must be in 1..{len(steps)}, got {k}")
+    segments, text = [], "Sum: "
+    for i, (before, n, total) in enumerate(steps, 1):
+        head = f"{before}+{n}=" if i == 1 else f"+{n}="
+        if i > 1:
+            text += ", "
+        if i == k:
+            wrong = total + delta
+            if wrong < 0 or wrong - n < 0:
+                raise ValueError("a slip below zero is not one the model makes")
+            segments += [Segment(text + head), Segment(str(wrong), train=False)]
+            text = f" ({wrong}-{n}={wrong - n} not {before}) "
+        text += f"{head}{total} ({total}-{n}={before} ok)"
+    return segments + [Segment(f"{text}\nSo the sum is {sum(numbers)}.")]
+
+
+def random_check_slip(numbers: list[int], rng: random.Random, form: str = "terse") -> tuple[int, int]:
+    """A (step, delta) slip of the pass that keeps every written sum (and, inline, every check) at zero or above."""
     for _ in range(100):
         slip = (rng.randint(1, len(numbers) - 1), rng.choice(CHECK_SLIP_DELTAS))
         try:
-            checked_segments(numbers, slip)
+            checked_segments(numbers, slip, form)
         except ValueError:
             continue
         return slip
