@@ -180,7 +180,8 @@ def reasoning_family(style: str) -> str:
     return "reasoning" if style == "reverse-check" else "reasoning_" + style.replace("-", "_")
 
 
-def build_reasoning(out: Path, tok, held_items: list[dict], n_train: int, style: str = "reverse-check") -> dict:
+def build_reasoning(out: Path, tok, held_items: list[dict], n_train: int, style: str = "reverse-check",
+                    top_share: float | None = None) -> dict:
     """The training conversations of the reasoning task in one trace style -> OUT/{family}.u32.xz.
     The lists and efforts come from one seeded stream, so every style holds the same problems."""
     from dsv41.evals.tasks import tiny_reasoning as task
@@ -189,6 +190,7 @@ def build_reasoning(out: Path, tok, held_items: list[dict], n_train: int, style:
     excluded = {tuple(item["numbers"]) for item in held_items}
     if style in ("checked", "checked-inline"):
         return build_reasoning_checked(out, tok, rng, excluded, n_train, len(held_items),
+                                       CHECKED_TOP_SHARE if top_share is None else top_share,
                                        form="inline" if style == "checked-inline" else "terse")
     convos = []
     while len(convos) < n_train:
@@ -364,6 +366,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reasoning-only", choices=task.TRACE_STYLES, default=None,
                     help="build only the reasoning family in this trace style (from the committed held-out "
                          "items) and add it to an existing OUT/manifest.json")
+    ap.add_argument("--checked-top-share", type=float, default=CHECKED_TOP_SHARE,
+                    help="checked styles: the share of conversations moved to effort 90..100 (stage 40: 0.5)")
     ap.add_argument("--reasoning-v2", action="store_true",
                     help="build only the v2 reasoning family (OUT/reasoning_v2.u32.xz and its loss mask) and add "
                          "it to an existing OUT/manifest.json")
@@ -386,7 +390,8 @@ def main(argv: list[str] | None = None) -> dict:
         if not (args.out / "manifest.json").exists():
             raise SystemExit(f"--reasoning-only adds to a built data directory; {args.out / 'manifest.json'} does not exist")
         return add_family(args.out, reasoning_family(args.reasoning_only), lambda: build_reasoning(
-            args.out, load_tokenizer(), task.load_items(), args.reasoning_train, args.reasoning_only))
+            args.out, load_tokenizer(), task.load_items(), args.reasoning_train, args.reasoning_only,
+            args.checked_top_share))
     src = fetch_sources(args.sources)
     tok = load_tokenizer()
     manifest: dict = {"tokenizer_fingerprint": tok.fingerprint, "python": sys.version.split()[0],

@@ -15,6 +15,7 @@
 #   DATA=runs/data-t37-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 37   (from stage 36, shipped)
 #   DATA=runs/data-t38-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 38   (from stage 36, shipped)
 #   DATA=runs/data-t39-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 39   (from stage 36, shipped)
+#   DATA=runs/data-t40-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 40   (stage 39 over the assets)
 #
 # (The 2026-12-03 call of stage 29 wrote into the machine's /tmp and sent the shards back split into 15 MiB parts,
 # the device returning at most 16 MiB a file. For stages 30 and 31 the tracked tree had grown to 61 MB, so with the
@@ -91,7 +92,15 @@ case $STAGE in
             --retrain-tower --tower-seconds 170 --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
             --think-start-weight 4 --closing-sum-weight 5
             --lr 2.5e-4 --backbone-seconds 280 --dspark-seconds 60 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
-  *) echo "unknown stage $STAGE (25, 26, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38 or 39)" >&2; exit 2 ;;
+  # stage 40 (2026-12-03): from stage 39 (its shards copied over model/assets/dsv41-tiny for the call), the
+  # "checked-inline" traces with half the conversations at effort 90-100 (`--checked-top-share 0.5`), a larger
+  # reasoning share, a higher peak lr and a shorter probe stage: stage 39 had not learnt the check's form
+  40) OPTS=(--batch 192 --mix prose=0.12,code=0.12,reasoning_checked_inline=0.76
+            --vision-every 1 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
+            --retrain-tower --tower-seconds 130 --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
+            --think-start-weight 4 --closing-sum-weight 5
+            --lr 4e-4 --backbone-seconds 320 --dspark-seconds 60 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
+  *) echo "unknown stage $STAGE (25, 26, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39 or 40)" >&2; exit 2 ;;
 esac
 bash recipes/tiny/device_run.sh --init-from "$FROM" --out "$RUNS/s$STAGE" "${OPTS[@]}" \
     --history "$LOGS/stage${STAGE}_history.json" --log "$LOGS/stage${STAGE}_train.log" "$@"
