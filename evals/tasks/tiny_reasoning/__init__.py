@@ -54,6 +54,9 @@ the answer (`checked_segments`): the pass's numbers added again to the check's o
 pass wrote another value marked ("+9=19 not 18"), the close taken from the check. Its training data
 (`build_data --reasoning-only checked`) holds passes with an injected slip, masked from the loss, that the check
 catches and repairs. Stages 37-38 trained it (recipes/tiny/README.md "Stages 37-38"); neither was kept.
+An eighth, "checked-inline" (`inline_checked_segments`), checks each step of the pass where it is written, by
+undoing it ("+9=19 (19-9=10 ok)"; a slipped sum gets "not 10" and the step done again); stages 39-40 trained it
+(recipes/tiny/README.md "Stages 39-40"); neither was kept.
 
 The bundled model is trained on "undo" since stage 13 ("graded" since stage 26). Which style was trained when, what each did to
 accuracy and why the next one followed is recorded in recipes/tiny/README.md ("The reasoning task",
