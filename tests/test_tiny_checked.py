@@ -61,7 +61,8 @@ def test_slips_stay_at_or_above_zero():
         task.checked_segments(numbers, task.random_check_slip(numbers, rng))  # never raises
 
 
-def test_lengths_rise_strictly_at_every_list_length():
+@pytest.mark.parametrize("style", ["checked", "checked-inline"])
+def test_lengths_rise_strictly_at_every_list_length(style):
     from dsv41.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
@@ -69,7 +70,7 @@ def test_lengths_rise_strictly_at_every_list_length():
     for length in range(task.MIN_NUMBERS, task.MAX_NUMBERS + 1):
         for _ in range(20):
             numbers = [rng.randint(0, 9) for _ in range(length)]
-            lengths = [len(tok.encode(task.reasoning_trace(numbers, e, "checked"))) for e in task.SWEEP_EFFORTS]
+            lengths = [len(tok.encode(task.reasoning_trace(numbers, e, style))) for e in task.SWEEP_EFFORTS]
             assert lengths == sorted(set(lengths)), (numbers, lengths)
 
 
@@ -170,19 +171,6 @@ def test_inline_slips_keep_every_value_at_or_above_zero():
         rng = random.Random(seed)
         numbers = [rng.randint(0, 3) for _ in range(4)]
         task.checked_segments(numbers, task.random_check_slip(numbers, rng, "inline"), "inline")  # never raises
-
-
-def test_inline_lengths_rise_strictly_at_every_list_length():
-    from dsv41.model.tokenizer import load_tokenizer
-
-    tok = load_tokenizer()
-    rng = random.Random(1)
-    for length in range(task.MIN_NUMBERS, task.MAX_NUMBERS + 1):
-        for _ in range(20):
-            numbers = [rng.randint(0, 9) for _ in range(length)]
-            lengths = [len(tok.encode(task.reasoning_trace(numbers, e, "checked-inline")))
-                       for e in task.SWEEP_EFFORTS]
-            assert lengths == sorted(set(lengths)), (numbers, lengths)
 
 
 def test_build_data_writes_the_inline_family_whose_only_context_is_the_slipped_sums(tmp_path):
