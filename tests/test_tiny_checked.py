@@ -16,10 +16,14 @@ def _check_values(trace: str) -> list[tuple[int, int, int | None]]:
     return [(int(n), int(s), int(w) if w else None) for n, s, w in steps]
 
 
+def _assert_lower_tiers_are_graded(style: str, numbers: list[int]) -> None:
+    for effort in (1, 19, 20, 44, 45, 69, 70, 89):
+        assert task.reasoning_trace(numbers, effort, style) == task.reasoning_trace(numbers, effort, "graded")
+
+
 def test_tiers_below_the_top_are_the_graded_ones_and_the_top_checks_every_step():
     numbers = [7, 3, 9, 2, 5]
-    for effort in (1, 19, 20, 44, 45, 69, 70, 89):
-        assert task.reasoning_trace(numbers, effort, "checked") == task.reasoning_trace(numbers, effort, "graded")
+    _assert_lower_tiers_are_graded("checked", numbers)
     top = task.reasoning_trace(numbers, 100, "checked")
     assert top == task.reasoning_trace(numbers, 90, "checked") == (
         "Sum: 7+3=10, +9=19, +2=21, +5=26\nCheck: 7+3=10, +9=19, +2=21, +5=26\nSo the sum is 26.")
@@ -125,8 +129,7 @@ def test_check_repair_reads_the_pass_and_the_check():
 
 def test_inline_top_tier_undoes_every_step_where_it_is_written():
     numbers = [7, 3, 9, 2, 5]
-    for effort in (1, 19, 20, 44, 45, 69, 70, 89):
-        assert task.reasoning_trace(numbers, effort, "checked-inline") == task.reasoning_trace(numbers, effort, "graded")
+    _assert_lower_tiers_are_graded("checked-inline", numbers)
     top = task.reasoning_trace(numbers, 100, "checked-inline")
     assert top == task.reasoning_trace(numbers, 90, "checked-inline") == (
         "Sum: 7+3=10 (10-3=7 ok), +9=19 (19-9=10 ok), +2=21 (21-2=19 ok), +5=26 (26-5=21 ok)\nSo the sum is 26.")
@@ -213,3 +216,11 @@ def test_check_repair_reads_inline_traces():
     # a check that wrongly disagrees on a right pass: marked, the pass still right
     false_alarm = clean.replace("(19-9=10 ok)", "(19-9=11 not 10) +9=19 (19-9=10 ok)")
     assert C.inline_pass(false_alarm) == ([10, 19, 21, 26], True)
+
+
+def test_build_data_refuses_a_top_share_outside_0_1(tmp_path):
+    from dsv41.recipes.tiny import build_data as B
+
+    with pytest.raises(SystemExit) as exit_info:
+        B.main(["--out", str(tmp_path / "data"), "--reasoning-only", "checked", "--checked-top-share", "1.5"])
+    assert exit_info.value.code == 2 and not (tmp_path / "data").exists()

@@ -188,10 +188,9 @@ def build_reasoning(out: Path, tok, held_items: list[dict], n_train: int, style:
 
     rng = random.Random(20260)
     excluded = {tuple(item["numbers"]) for item in held_items}
-    if style in ("checked", "checked-inline"):
+    if style in task.CHECK_FORM_OF_STYLE:
         return build_reasoning_checked(out, tok, rng, excluded, n_train, len(held_items),
-                                       CHECKED_TOP_SHARE if top_share is None else top_share,
-                                       form="inline" if style == "checked-inline" else "terse")
+                                       CHECKED_TOP_SHARE if top_share is None else top_share, style=style)
     convos = []
     while len(convos) < n_train:
         numbers = task.random_numbers(rng)
@@ -214,14 +213,16 @@ CHECKED_SLIP_RATE = 0.4
 
 def build_reasoning_checked(out: Path, tok, rng: random.Random, excluded: set, n_train: int, n_held: int,
                             top_share: float = CHECKED_TOP_SHARE, slip_rate: float = CHECKED_SLIP_RATE,
-                            form: str = "terse") -> dict:
+                            style: str = "checked", form: str | None = None) -> dict:
     """The "checked" conversations -> OUT/reasoning_checked.u32.xz and its loss mask (0 on a slip's tokens). The
     lists and first efforts are every style's (`rng`, the seeded stream of build_reasoning); a second stream moves
     `top_share` of them to an effort in 90..100 and gives `slip_rate` of the effort-90-100 passes a slip. Stage 38's
-    data is the default; stage 37's was top_share=0.25, form="equations"; form="inline" (stage 39, the
-    "checked-inline" style) writes OUT/reasoning_checked_inline.u32.xz and its mask."""
+    data is the default; stage 37's was top_share=0.25, form="equations"; style="checked-inline" (stages 39-40,
+    the inline form) writes OUT/reasoning_checked_inline.u32.xz and its mask. `form`: the check's, by default the
+    style's (CHECK_FORM_OF_STYLE)."""
     from dsv41.evals.tasks import tiny_reasoning as task
 
+    form = form or task.CHECK_FORM_OF_STYLE[style]
     extra = random.Random(20264)
 
     def conversation():
@@ -236,7 +237,6 @@ def build_reasoning_checked(out: Path, tok, rng: random.Random, excluded: set, n
             slip = task.random_check_slip(numbers, extra, form)
         return task.checked_conversation_segments(numbers, effort, slip, form)
 
-    style = "checked-inline" if form == "inline" else "checked"
     ids, mask, n_bytes, slips = write_masked_family(out, reasoning_family(style), tok, conversation, n_train)
     return {"train_documents": n_train, "train_tokens": int(ids.size), "train_bytes": n_bytes,
             "untrained_tokens": int((mask == 0).sum()), "conversations_with_a_repaired_slip": slips,
@@ -379,6 +379,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "OUT/manifest.json")
     ap.add_argument("--tool-conversations", type=int, default=TOOL_CONVERSATIONS)
     args = ap.parse_args(argv)
+    if not 0.0 <= args.checked_top_share <= 1.0:
+        ap.error(f"--checked-top-share must be in 0..1, got {args.checked_top_share}")
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.reasoning_v2:

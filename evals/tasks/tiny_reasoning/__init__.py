@@ -140,7 +140,7 @@ def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check
     steps = _running_steps(numbers)
     if tier == 0:
         return ""
-    graded = style in ("graded", "checked", "checked-inline")
+    graded = style == "graded" or style in CHECK_FORM_OF_STYLE
     if graded and tier == 1:  # a shortcut below the terse sums (the v2 task's too)
         return pairs_shortcut(numbers)
     if tier == 1 or (graded and tier == 2):
@@ -153,11 +153,9 @@ def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check
         first = first if style == "labelled" else ""
         closing = [f"Both give {sum(numbers)}."] if tier == 4 else []
         return "\n".join([first + terse, f"{second}: {terse}"] + closing)
-    if style == "checked" and tier == 4:  # the pass, then every step of it done again from its own numbers
-        return "".join(s.text for s in checked_segments(numbers))
-    if style == "checked-inline" and tier == 4:  # every step of the pass undone where it is written
-        return "".join(s.text for s in inline_checked_segments(numbers))
-    if style in ("undo", "graded", "checked", "checked-inline"):  # the tier named first; then the sums undone from the end, no look back at the list
+    if style in CHECK_FORM_OF_STYLE and tier == 4:  # a check that can change the answer (checked_segments)
+        return "".join(s.text for s in checked_segments(numbers, None, CHECK_FORM_OF_STYLE[style]))
+    if style == "undo" or graded:  # the tier named first; then the sums undone from the end, no look back at the list
         first, second = ("Sum", "Check") if tier == 4 else ("First", "Undo")
         total = sum(numbers)
         closing = f"Back to {numbers[0]}, so the sum is {total}." if tier == 4 else f"So {total}."
@@ -196,6 +194,7 @@ def _undo_sums(steps: list[tuple[int, int, int]]) -> str:
 
 CHECK_SLIP_DELTAS = (-10, -1, 1, 10)  # a sum written off by one in either digit: the slips a check must catch
 CHECK_FORMS = ("terse", "equations", "inline")
+CHECK_FORM_OF_STYLE = {"checked": "terse", "checked-inline": "inline"}  # each checked style's top-tier check
 
 
 def checked_segments(numbers: list[int], slip: tuple[int, int] | None = None, form: str = "terse") -> list:
