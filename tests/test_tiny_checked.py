@@ -65,7 +65,7 @@ def test_slips_stay_at_or_above_zero():
         task.checked_segments(numbers, task.random_check_slip(numbers, rng))  # never raises
 
 
-@pytest.mark.parametrize("style", ["checked", "checked-inline"])
+@pytest.mark.parametrize("style", ["checked", "checked-inline", "checked-carried", "checked-compared"])
 def test_lengths_rise_strictly_at_every_list_length(style):
     from dsv41.model.tokenizer import load_tokenizer
 
@@ -123,6 +123,9 @@ def test_check_repair_reads_the_pass_and_the_check():
     rows = [C.classify(slipped, True, 26), C.classify(task.reasoning_trace(numbers, 100, "checked"), False, 26)]
     summary = C.summarize(rows)
     assert summary["repaired"] == 1 and summary["broken"] == 1 and summary["marked"] == 1
+    # a wrong pass that ends right without a check disagreeing is repaired, but not by the check
+    unmarked = {"pass_right": False, "checked": True, "marked": False, "answer_right": True}
+    assert C.summarize(rows + [unmarked])["repaired"] == 2 and C.summarize(rows + [unmarked])["marked_repaired"] == 1
 
 
 # The "checked-inline" style (stage 39): every step of the pass undone where it is written.
@@ -223,4 +226,118 @@ def test_build_data_refuses_a_top_share_outside_0_1(tmp_path):
 
     with pytest.raises(SystemExit) as exit_info:
         B.main(["--out", str(tmp_path / "data"), "--reasoning-only", "checked", "--checked-top-share", "1.5"])
+    assert exit_info.value.code == 2 and not (tmp_path / "data").exists()
+
+
+def test_carried_top_tier_writes_the_numbers_still_to_add_after_each_step():
+    numbers = [7, 3, 9, 2, 5]
+    _assert_lower_tiers_are_graded("checked-carried", numbers)
+    top = task.reasoning_trace(numbers, 100, "checked-carried")
+    assert top == task.reasoning_trace(numbers, 90, "checked-carried") == (
+        "Sum: 7+3=10 (10-3=7 ok) left 9 2 5, +9=19 (19-9=10 ok) left 2 5, +2=21 (21-2=19 ok) left 5, "
+        "+5=26 (26-5=21 ok)\nSo the sum is 26.")
+    # the same steps and checks as the inline form, with the carried lists taken out
+    assert re.sub(r" left[\d ]+", "", top) == task.reasoning_trace(numbers, 100, "checked-inline")
+
+
+def test_compared_top_tier_copies_the_sum_before_beside_each_check():
+    numbers = [7, 3, 9, 2, 5]
+    _assert_lower_tiers_are_graded("checked-compared", numbers)
+    top = task.reasoning_trace(numbers, 100, "checked-compared")
+    assert top == (
+        "Sum: 7+3=10 (10-3=7 vs 7 ok) left 9 2 5, +9=19 (19-9=10 vs 10 ok) left 2 5, +2=21 (21-2=19 vs 19 ok) "
+        "left 5, +5=26 (26-5=21 vs 21 ok)\nSo the sum is 26.")
+    assert re.sub(r" vs \d+", "", top) == task.reasoning_trace(numbers, 100, "checked-carried")
+    slipped = "".join(s.text for s in task.checked_segments(numbers, (2, -1), "compared"))
+    assert "+9=18 (18-9=9 vs 10 not) +9=19 (19-9=10 vs 10 ok) left 2 5" in slipped
+
+
+# one attempt at a step of the carried and compared forms: sum written, undone, the verdict, the numbers left
+_CARRIED_STEP = re.compile(r"(\d+)=(\d+) \((\d+)-(\d+)=(\d+) (?:vs (\d+) )?(ok|not)(?: (\d+))?\)( left [\d ]+)?")
+
+
+@pytest.mark.parametrize("form", ["carried", "compared"])
+@pytest.mark.parametrize("seed", range(40))
+def test_several_slips_are_each_only_context_and_each_check_redoes_its_step(seed, form):
+    rng = random.Random(seed)
+    numbers = task.random_numbers(rng)
+    slips = task.random_check_slips(numbers, rng, form, 0.5)
+    assert slips and all(1 <= k < len(numbers) and d in task.CHECK_SLIP_DELTAS for k, d in slips.items())
+    segments = task.checked_segments(numbers, slips, form)
+    right = [sum(numbers[:k + 1]) for k in range(1, len(numbers))]
+    # one untrained segment per slip, each the slipped sum's digits; everything else trained
+    untrained = [s.text for s in segments if not s.train]
+    assert untrained == [str(right[k - 1] + slips[k]) for k in sorted(slips)]
+    text = "".join(s.text for s in segments)
+    attempts = _CARRIED_STEP.findall(text)
+    assert len(attempts) == len(numbers) - 1 + len(slips)
+    before, k, redo = [numbers[0]] + right[:-1], 0, False
+    for _, w, _, n, c, compared, verdict, named, left in attempts:  # a slipped step's first attempt, then again
+        step, w, n, c = k + 1, int(w), int(n), int(c)
+        assert n == numbers[step] and c == w - n
+        # the compared form copies the sum before beside the undoing; the carried form names it on a slip
+        assert (compared if form == "compared" else named or str(before[k])) == str(before[k])
+        if step in slips and not redo:
+            assert w == right[k] + slips[step] and verdict == "not" and not left
+            redo = True
+            continue
+        assert w == right[k] and verdict == "ok" and not named
+        assert (left or None) == (f" left {' '.join(map(str, numbers[step + 1:]))}" if step < len(numbers) - 1
+                                  else None)
+        redo, k = False, k + 1
+    assert text.endswith(f"\nSo the sum is {sum(numbers)}.")
+
+
+def test_random_check_slips_slips_about_the_step_rate_of_the_steps():
+    rng = random.Random(7)
+    counts = [len(task.random_check_slips([5, 6, 7, 8, 9, 9, 9, 9], rng, "carried", 0.35)) for _ in range(2000)]
+    assert min(counts) >= 1
+    assert 0.30 < sum(counts) / (7 * len(counts)) < 0.42  # 7 steps, 0.35 each, at least one
+
+
+def test_build_data_writes_the_carried_family_with_several_slips_a_pass(tmp_path):
+    import numpy as np
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.recipes.tiny import build_data as B
+
+    tok = load_tokenizer()
+    info = B.build_reasoning(tmp_path, tok, task.load_items(), 300, "checked-carried", top_share=0.6,
+                             slip_rate=0.8, step_slip_rate=0.5)
+    assert (info["trace_style"], info["check_form"], info["step_slip_rate"]) == ("checked-carried", "carried", 0.5)
+    ids = B.load_tokens(tmp_path / "reasoning_checked_carried.u32.xz")
+    mask = B.load_tokens(tmp_path / "reasoning_checked_carried.mask.u8.xz", np.uint8)
+    bos = tok.token_to_id("<｜begin▁of▁sentence｜>")
+    cuts = np.flatnonzero(ids == bos).tolist() + [ids.size]
+    several = 0
+    for a, b in itertools.pairwise(cuts):
+        reasoning = tok.decode(ids[a:b].tolist()).split("<think>")[-1].split("</think>")[0]
+        marks = re.findall(r"=(\d+) \(\d+-\d+=\d+ not \d+\)", reasoning)
+        several += len(marks) > 1
+        assert "".join(tok.decode([t]) for t in ids[a:b][mask[a:b] == 0].tolist()) == "".join(marks)
+    assert several > 0
+    with pytest.raises(ValueError):
+        B.build_reasoning(tmp_path, tok, task.load_items(), 10, "checked", step_slip_rate=0.5)
+
+
+def test_check_repair_reads_carried_and_compared_traces():
+    from dsv41.recipes.tiny import check_repair as C
+
+    numbers = [7, 3, 9, 2, 5]
+    compared = "".join(s.text for s in task.checked_segments(numbers, {1: 10, 3: -1}, "compared"))
+    assert C.inline_pass(compared) == ([20, 19, 20, 26], True)
+    assert C.inline_pass(task.reasoning_trace(numbers, 100, "checked-compared")) == ([10, 19, 21, 26], False)
+    assert C.forced_pass(numbers, (1, 10), "compared") == "Sum: 7+3=20"
+    assert C.forced_pass(numbers, (2, -1), "carried") == "Sum: 7+3=10 (10-3=7 ok) left 9 2 5, +9=18"
+    assert C.forced_pass(numbers, None, "carried", 2) == "Sum: 7+3=10 (10-3=7 ok) left 9 2 5, +9=19"
+    slipped = "".join(s.text for s in task.checked_segments(numbers, {2: -1, 4: 10}, "carried"))
+    assert C.inline_pass(slipped) == ([10, 18, 21, 36], True)
+    assert C.classify(slipped, True, 26, numbers, "carried")["pass_right"] is False
+
+
+@pytest.mark.parametrize("flag", ["--checked-slip-rate", "--checked-step-slip-rate"])
+def test_build_data_refuses_a_slip_rate_outside_0_1(tmp_path, flag):
+    from dsv41.recipes.tiny import build_data as B
+
+    with pytest.raises(SystemExit) as exit_info:
+        B.main(["--out", str(tmp_path / "data"), "--reasoning-only", "checked-carried", flag, "-0.1"])
     assert exit_info.value.code == 2 and not (tmp_path / "data").exists()

@@ -181,7 +181,8 @@ def reasoning_family(style: str) -> str:
 
 
 def build_reasoning(out: Path, tok, held_items: list[dict], n_train: int, style: str = "reverse-check",
-                    top_share: float | None = None) -> dict:
+                    top_share: float | None = None, slip_rate: float | None = None,
+                    step_slip_rate: float | None = None) -> dict:
     """The training conversations of the reasoning task in one trace style -> OUT/{family}.u32.xz.
     The lists and efforts come from one seeded stream, so every style holds the same problems."""
     from dsv41.evals.tasks import tiny_reasoning as task
@@ -190,7 +191,9 @@ def build_reasoning(out: Path, tok, held_items: list[dict], n_train: int, style:
     excluded = {tuple(item["numbers"]) for item in held_items}
     if style in task.CHECK_FORM_OF_STYLE:
         return build_reasoning_checked(out, tok, rng, excluded, n_train, len(held_items),
-                                       CHECKED_TOP_SHARE if top_share is None else top_share, style=style)
+                                       CHECKED_TOP_SHARE if top_share is None else top_share,
+                                       CHECKED_SLIP_RATE if slip_rate is None else slip_rate, style=style,
+                                       step_slip_rate=step_slip_rate)
     convos = []
     while len(convos) < n_train:
         numbers = task.random_numbers(rng)
@@ -213,16 +216,20 @@ CHECKED_SLIP_RATE = 0.4
 
 def build_reasoning_checked(out: Path, tok, rng: random.Random, excluded: set, n_train: int, n_held: int,
                             top_share: float = CHECKED_TOP_SHARE, slip_rate: float = CHECKED_SLIP_RATE,
-                            style: str = "checked", form: str | None = None) -> dict:
+                            style: str = "checked", form: str | None = None,
+                            step_slip_rate: float | None = None) -> dict:
     """The "checked" conversations -> OUT/reasoning_checked.u32.xz and its loss mask (0 on a slip's tokens). The
     lists and first efforts are every style's (`rng`, the seeded stream of build_reasoning); a second stream moves
     `top_share` of them to an effort in 90..100 and gives `slip_rate` of the effort-90-100 passes a slip. Stage 38's
     data is the default; stage 37's was top_share=0.25, form="equations"; style="checked-inline" (stages 39-40,
     the inline form) writes OUT/reasoning_checked_inline.u32.xz and its mask. `form`: the check's, by default the
-    style's (CHECK_FORM_OF_STYLE)."""
+    style's (CHECK_FORM_OF_STYLE). `step_slip_rate` (inline and carried forms; stage 41): a slipped pass slips at
+    each step with this probability (at least one), instead of at one step."""
     from dsv41.evals.tasks import tiny_reasoning as task
 
     form = form or task.CHECK_FORM_OF_STYLE[style]
+    if step_slip_rate is not None and form not in ("inline", "carried", "compared"):
+        raise ValueError(f"several slips a pass need the inline or carried check, not {form!r}")
     extra = random.Random(20264)
 
     def conversation():
@@ -234,13 +241,15 @@ def build_reasoning_checked(out: Path, tok, rng: random.Random, excluded: set, n
             effort = extra.randint(task.EFFORT_TIERS[-1], 100)
         slip = None
         if task.effort_tier(effort) == 4 and extra.random() < slip_rate:
-            slip = task.random_check_slip(numbers, extra, form)
+            slip = (task.random_check_slip(numbers, extra, form) if step_slip_rate is None
+                    else task.random_check_slips(numbers, extra, form, step_slip_rate))
         return task.checked_conversation_segments(numbers, effort, slip, form)
 
     ids, mask, n_bytes, slips = write_masked_family(out, reasoning_family(style), tok, conversation, n_train)
     return {"train_documents": n_train, "train_tokens": int(ids.size), "train_bytes": n_bytes,
             "untrained_tokens": int((mask == 0).sum()), "conversations_with_a_repaired_slip": slips,
-            "top_share": top_share, "slip_rate": slip_rate, "check_form": form, "heldout_documents": n_held,
+            "top_share": top_share, "slip_rate": slip_rate, "step_slip_rate": step_slip_rate, "check_form": form,
+            "heldout_documents": n_held,
             "trace_style": style}
 
 
@@ -368,6 +377,11 @@ def main(argv: list[str] | None = None) -> dict:
                          "items) and add it to an existing OUT/manifest.json")
     ap.add_argument("--checked-top-share", type=float, default=CHECKED_TOP_SHARE,
                     help="checked styles: the share of conversations moved to effort 90..100 (stage 40: 0.5)")
+    ap.add_argument("--checked-slip-rate", type=float, default=CHECKED_SLIP_RATE,
+                    help="checked styles: the share of effort-90-100 passes with a slip (stage 41: 0.7)")
+    ap.add_argument("--checked-step-slip-rate", type=float, default=None,
+                    help="checked-inline/-carried/-compared: a slipped pass slips at each step with this probability (at "
+                         "least one step; stage 41: 0.35); by default at one step")
     ap.add_argument("--reasoning-v2", action="store_true",
                     help="build only the v2 reasoning family (OUT/reasoning_v2.u32.xz and its loss mask) and add "
                          "it to an existing OUT/manifest.json")
@@ -379,8 +393,13 @@ def main(argv: list[str] | None = None) -> dict:
                          "OUT/manifest.json")
     ap.add_argument("--tool-conversations", type=int, default=TOOL_CONVERSATIONS)
     args = ap.parse_args(argv)
-    if not 0.0 <= args.checked_top_share <= 1.0:
-        ap.error(f"--checked-top-share must be in 0..1, got {args.checked_top_share}")
+    for flag in ("checked_top_share", "checked_slip_rate", "checked_step_slip_rate"):
+        value = getattr(args, flag)
+        if value is not None and not 0.0 <= value <= 1.0:
+            ap.error(f"--{flag.replace('_', '-')} must be in 0..1, got {value}")
+    if args.checked_step_slip_rate is not None and args.reasoning_only not in (
+            "checked-inline", "checked-carried", "checked-compared"):
+        ap.error("--checked-step-slip-rate applies to --reasoning-only checked-inline, -carried or -compared")
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.reasoning_v2:
@@ -393,7 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--reasoning-only adds to a built data directory; {args.out / 'manifest.json'} does not exist")
         return add_family(args.out, reasoning_family(args.reasoning_only), lambda: build_reasoning(
             args.out, load_tokenizer(), task.load_items(), args.reasoning_train, args.reasoning_only,
-            args.checked_top_share))
+            args.checked_top_share, args.checked_slip_rate, args.checked_step_slip_rate))
     src = fetch_sources(args.sources)
     tok = load_tokenizer()
     manifest: dict = {"tokenizer_fingerprint": tok.fingerprint, "python": sys.version.split()[0],

@@ -4,14 +4,15 @@ answer. This measures, greedy on the held-out tiny-reasoning items at effort 100
 
     python -m dsv41.recipes.tiny.check_repair --model DIR [--limit 300] [--form terse|inline] [--json F]
 
---form inline measures the "checked-inline" style (stage 39): each step of the pass undone where it is written,
+--form inline measures the "checked-inline" style (stage 39), --form carried the "checked-carried" one (stage 41,
+the same with the numbers still to add after each step): each step of the pass undone where it is written,
 "+9=18 (18-9=9 not 10) +9=19 (19-9=10 ok)". There the pass is the value first written at each step, the slip is
 injected at its step (the forced text ends with the slipped sum) and the clean control ends at the same step with the
 right sum.
 
 - own: the model writes the whole trace. Per item: is the pass's last sum right, did the check mark a step
-  ("not N"), is the answer right. "repaired" = a wrong pass and a right answer, "broken" = a right pass and a wrong
-  answer.
+  ("not N"), is the answer right. "repaired" = a wrong pass and a right answer ("marked_repaired": with a check
+  that disagreed), "broken" = a right pass and a wrong answer.
 - slipped: the prompt is followed by a pass with one injected slip (a sum written off by -10, -1, +1 or +10 and
   carried on, as in training, drawn by `random_check_slip` with a fixed seed), then "\\nCheck: "; the model writes
   the rest. "repaired" = the answer is the true sum, not the pass's.
@@ -41,17 +42,17 @@ SLIP_SEED = 4343
 def forced_pass(numbers: list[int], slip: tuple[int, int] | None, form: str = "terse", step: int | None = None) -> str:
     """What the 'slipped' and 'clean' cases put after the prompt. terse: 'Sum: <the pass, slipped or not>\\nCheck: '.
     inline: the trace up to the sum of the slip's step, slipped (slip given) or right (slip None, `step` given)."""
-    if form == "inline":
+    if form in ("inline", "carried", "compared"):
         if slip is None:
-            right = task.checked_segments(numbers, (step, 1), "inline")
+            right = task.checked_segments(numbers, (step, 1), form)
             return right[0].text + str(sum(numbers[:step + 1]))
-        segments = task.checked_segments(numbers, slip, "inline")
+        segments = task.checked_segments(numbers, slip, form)
         return segments[0].text + segments[1].text
     segments = task.checked_segments(numbers, slip)
     return "".join(s.text for s in segments).split("\nCheck: ")[0] + "\nCheck: "
 
 
-_INLINE_STEP = re.compile(r"(\d+)=(\d+) \((\d+)-(\d+)=(-?\d+) (ok|not \d+)\)")
+_INLINE_STEP = re.compile(r"(\d+)=(\d+) \((\d+)-(\d+)=(-?\d+) (?:vs \d+ )?(ok|not(?: \d+)?)\)")
 
 
 def inline_pass(reasoning: str) -> tuple[list[int], bool]:
@@ -74,7 +75,7 @@ def pass_total(reasoning: str) -> int | None:
 def classify(reasoning: str | None, answer_ok: bool, truth: int, numbers: list[int] | None = None,
              form: str = "terse") -> dict:
     reasoning = reasoning or ""
-    if form == "inline":  # the pass is right when every first-written sum is the true running sum
+    if form in ("inline", "carried", "compared"):  # the pass is right when every first-written sum is the true running sum
         first, marked = inline_pass(reasoning)
         right = [sum(numbers[:k + 1]) for k in range(1, len(numbers))]
         return {"pass_right": first == right, "checked": bool(first), "marked": marked, "answer_right": answer_ok}
@@ -92,6 +93,7 @@ def summarize(rows: list[dict]) -> dict:
             "marked": count(lambda r: r["marked"]),
             "repaired": count(lambda r: not r["pass_right"] and r["answer_right"]),
             "broken": count(lambda r: r["pass_right"] and not r["answer_right"]),
+            "marked_repaired": count(lambda r: not r["pass_right"] and r["marked"] and r["answer_right"]),
             "wrong_pass_marked": count(lambda r: not r["pass_right"] and r["marked"]),
             "right_pass_marked": count(lambda r: r["pass_right"] and r["marked"])}
 
@@ -121,8 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", type=Path, default=REPO / "model" / "assets" / "dsv41-tiny")
     ap.add_argument("--limit", type=int, default=300)
     ap.add_argument("--token-map", type=Path, default=None)
-    ap.add_argument("--form", choices=("terse", "inline"), default="terse",
-                    help="the check's form: terse (the 'checked' style, stage 38) or inline ('checked-inline')")
+    ap.add_argument("--form", choices=("terse", "inline", "carried", "compared"), default="terse",
+                    help="the check's form: terse (the 'checked' style, stage 38), inline ('checked-inline', stages "
+                         "39-40), carried ('checked-carried', stage 41) or compared ('checked-compared', stage 42)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     model, tok = E.load_bundled(a.model, "cpu", a.token_map)

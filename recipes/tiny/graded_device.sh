@@ -16,6 +16,9 @@
 #   DATA=runs/data-t38-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 38   (from stage 36, shipped)
 #   DATA=runs/data-t39-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 39   (from stage 36, shipped)
 #   DATA=runs/data-t40-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 40   (stage 39 over the assets)
+#   DATA=runs/data-t41-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 41   (stage 40 over the assets)
+#   DATA=runs/data-t42-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 42   (stage 41 over the assets)
+#   DATA=runs/data-t43-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 43   (stage 42 over the assets)
 #
 # (The 2026-12-03 call of stage 29 wrote into the machine's /tmp and sent the shards back split into 15 MiB parts,
 # the device returning at most 16 MiB a file. For stages 30 and 31 the tracked tree had grown to 61 MB, so with the
@@ -100,7 +103,27 @@ case $STAGE in
             --retrain-tower --tower-seconds 130 --tower-batch 256 --tower-lr 1e-3 --probe-weight 0.5 --probe-batch 128
             --think-start-weight 4 --closing-sum-weight 5
             --lr 4e-4 --backbone-seconds 320 --dspark-seconds 60 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
-  *) echo "unknown stage $STAGE (25, 26, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39 or 40)" >&2; exit 2 ;;
+  # stage 41 (2026-12-04): from stage 40 (its shards over model/assets/dsv41-tiny), the "checked-carried" traces
+  # (stage 40's inline check with the numbers still to add after each step; 70% of the effort-90-100 passes
+  # slipped, at each step with probability 0.35: `--checked-top-share 0.5 --checked-slip-rate 0.7
+  # --checked-step-slip-rate 0.35`); the whole call on the joint steps, pictures every other step, no probe stage
+  # and no drafter: this stage asks only whether the check is learnt
+  41) OPTS=(--batch 192 --mix prose=0.12,code=0.12,reasoning_checked_carried=0.76
+            --vision-every 2 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
+            --think-start-weight 4 --closing-sum-weight 5
+            --lr 4e-4 --backbone-seconds 470 --dspark-seconds 0) ;;
+  # stage 42 (2026-12-04): from stage 41, stage 41's call on the "checked-compared" traces (each check also copies
+  # the sum before beside what the undoing gave: stage 41 undid its steps right but said "ok" after another sum;
+  # the same shares and slip rates) at a lower peak lr
+  # stage 43 (2026-12-04): from stage 42, the same call for the device time left (430 s of steps) on data where every
+  # effort-90-100 pass is slipped, at each step with probability 0.5 (`--checked-slip-rate 1.0
+  # --checked-step-slip-rate 0.5`): a first check of a step then says "not" as often as "ok"
+  42|43) joint=470; if [ "$STAGE" = 43 ]; then joint=430; fi
+            OPTS=(--batch 192 --mix prose=0.12,code=0.12,reasoning_checked_compared=0.76
+            --vision-every 2 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
+            --think-start-weight 4 --closing-sum-weight 5
+            --lr 3e-4 --backbone-seconds $joint --dspark-seconds 0) ;;
+  *) echo "unknown stage $STAGE (25, 26, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42 or 43)" >&2; exit 2 ;;
 esac
 bash recipes/tiny/device_run.sh --init-from "$FROM" --out "$RUNS/s$STAGE" "${OPTS[@]}" \
     --history "$LOGS/stage${STAGE}_history.json" --log "$LOGS/stage${STAGE}_train.log" "$@"

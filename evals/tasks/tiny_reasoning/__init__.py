@@ -56,7 +56,10 @@ pass wrote another value marked ("+9=19 not 18"), the close taken from the check
 catches and repairs. Stages 37-38 trained it (recipes/tiny/README.md "Stages 37-38"); neither was kept.
 An eighth, "checked-inline" (`inline_checked_segments`), checks each step of the pass where it is written, by
 undoing it ("+9=19 (19-9=10 ok)"; a slipped sum gets "not 10" and the step done again); stages 39-40 trained it
-(recipes/tiny/README.md "Stages 39-40"); neither was kept.
+(recipes/tiny/README.md "Stages 39-40"); neither was kept. "checked-carried" writes the numbers still to add after
+each checked step ("... (10-3=7 ok) left 9 2 5, +9=19 ..."), "checked-compared" also copies the sum before beside
+each check ("(19-9=10 vs 10 ok)"); stages 41-43 trained them (recipes/tiny/README.md "Stages 41-43"): stage 43's
+check corrects, its effort curve falls at 100, and it was not kept.
 
 The bundled model is trained on "undo" since stage 13 ("graded" since stage 26). Which style was trained when, what each did to
 accuracy and why the next one followed is recorded in recipes/tiny/README.md ("The reasoning task",
@@ -128,7 +131,8 @@ def _running_steps(numbers: list[int]) -> list[tuple[int, int, int]]:
     return steps
 
 
-TRACE_STYLES = ("reverse-check", "carry", "twice", "labelled", "undo", "graded", "checked", "checked-inline")
+TRACE_STYLES = ("reverse-check", "carry", "twice", "labelled", "undo", "graded", "checked", "checked-inline",
+                "checked-carried", "checked-compared")
 
 
 def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check") -> str:
@@ -193,8 +197,10 @@ def _undo_sums(steps: list[tuple[int, int, int]]) -> str:
 
 
 CHECK_SLIP_DELTAS = (-10, -1, 1, 10)  # a sum written off by one in either digit: the slips a check must catch
-CHECK_FORMS = ("terse", "equations", "inline")
-CHECK_FORM_OF_STYLE = {"checked": "terse", "checked-inline": "inline"}  # each checked style's top-tier check
+CHECK_FORMS = ("terse", "equations", "inline", "carried", "compared")
+# each checked style's top-tier check
+CHECK_FORM_OF_STYLE = {"checked": "terse", "checked-inline": "inline", "checked-carried": "carried",
+                       "checked-compared": "compared"}
 
 
 def checked_segments(numbers: list[int], slip: tuple[int, int] | None = None, form: str = "terse") -> list:
@@ -218,8 +224,8 @@ def checked_segments(numbers: list[int], slip: tuple[int, int] | None = None, fo
     recipes/tiny/README.md "Stages 37-38"), every step a full equation ("10+9=19 not 18"), closed by "So 26."."""
     if form not in CHECK_FORMS:
         raise ValueError(f"check form must be one of {CHECK_FORMS}, got {form!r}")
-    if form == "inline":
-        return inline_checked_segments(numbers, slip)
+    if form in ("inline", "carried", "compared"):
+        return inline_checked_segments(numbers, slip, carry=form != "inline", compare=form == "compared")
     written, total = [], numbers[0]
     for k, n in enumerate(numbers[1:], 1):
         total += n + (slip[1] if slip and k == slip[0] else 0)
@@ -240,38 +246,53 @@ def checked_segments(numbers: list[int], slip: tuple[int, int] | None = None, fo
     return first + [Segment(f"\nCheck: {', '.join(check)}\n{closing}")]
 
 
-def inline_checked_segments(numbers: list[int], slip: tuple[int, int] | None = None) -> list:
+def inline_checked_segments(numbers: list[int], slip=None, carry: bool = False, compare: bool = False) -> list:
     """The "checked" style's effort 90-100 reasoning with every step checked where it is written (form="inline",
     stage 39): each new sum is undone by the number just added, and the result must be the sum before it:
 
         Sum: 7+3=10 (10-3=7 ok), +9=19 (19-9=10 ok), +2=21 (21-2=19 ok), +5=26 (26-5=21 ok)
         So the sum is 26.
 
-    `slip` = (step k >= 1, delta): the pass writes its k-th sum off by `delta`. Only that value is context (not a
-    target); its check finds another number than the sum before it, says so, and the step is done again, so the
-    pass goes on from the right sum and the answer changes:
+    `slip` = (step k >= 1, delta), or {step: delta, ...} for several: the pass writes its k-th sum off by `delta`.
+    Only that value is context (not a target); its check finds another number than the sum before it, says so, and
+    the step is done again, so the pass goes on from the right sum and the answer changes:
 
         Sum: 7+3=10 (10-3=7 ok), +9=18 (18-9=9 not 10) +9=19 (19-9=10 ok), +2=21 (21-2=19 ok), ...
 
     Unlike the terse and equations forms, whose check looks up each number one pass length back (stages 37-38 read
     them out of order), every number a check reads is among the last dozen tokens: the sum before, the number, the
-    sum just written. A check that wrongly disagrees still ends right: the redone step is the same addition."""
+    sum just written. A check that wrongly disagrees still ends right: the redone step is the same addition.
+
+    carry=True (form="carried", the "checked-carried" style, stage 41): after each checked step but the last, the
+    numbers still to add, so that the next step reads its number from the line just written, not from the prompt,
+    which the interleaved checks push out of the 64-token window (stage 40 read the list out of order):
+
+        Sum: 7+3=10 (10-3=7 ok) left 9 2 5, +9=18 (18-9=9 not 10) +9=19 (19-9=10 ok) left 2 5, ...
+
+    compare=True (form="compared", the "checked-compared" style, stage 42): every check also copies the sum before
+    next to what the undoing gave, so that "ok" or "not" compares the two numbers just written (stage 41's checks
+    undid the steps right, "19-5=14", but said "ok" after a 13 about a dozen tokens back):
+
+        Sum: 7+3=10 (10-3=7 vs 7 ok) left 9 2 5, +9=18 (18-9=9 vs 10 not) +9=19 (19-9=10 vs 10 ok) left 2 5, ..."""
     steps = _running_steps(numbers)
-    k, delta = slip if slip else (0, 0)
-    if slip and not 1 <= k <= len(steps):
-        raise ValueError(f"slip step must be in 1..{len(steps)}, got {k}")
+    slips = dict([slip] if isinstance(slip, tuple) else (slip or {}))
+    for k in slips:
+        if not 1 <= k <= len(steps):
+            raise ValueError(f"slip step must be in 1..{len(steps)}, got {k}")
     segments, text = [], "Sum: "
     for i, (before, n, total) in enumerate(steps, 1):
         head = f"{before}+{n}=" if i == 1 else f"+{n}="
         if i > 1:
             text += ", "
-        if i == k:
-            wrong = total + delta
+        if i in slips:
+            wrong = total + slips[i]
             if wrong < 0 or wrong - n < 0:
                 raise ValueError("a slip below zero is not one the model makes")
             segments += [Segment(text + head), Segment(str(wrong), train=False)]
-            text = f" ({wrong}-{n}={wrong - n} not {before}) "
-        text += f"{head}{total} ({total}-{n}={before} ok)"
+            text = f" ({wrong}-{n}={wrong - n} vs {before} not) " if compare else f" ({wrong}-{n}={wrong - n} not {before}) "
+        text += f"{head}{total} ({total}-{n}={before}{f' vs {before}' if compare else ''} ok)"
+        if carry and i < len(steps):
+            text += " left " + " ".join(str(x) for x in numbers[i + 1:])
     return segments + [Segment(f"{text}\nSo the sum is {sum(numbers)}.")]
 
 
@@ -285,6 +306,21 @@ def random_check_slip(numbers: list[int], rng: random.Random, form: str = "terse
             continue
         return slip
     return len(numbers) - 1, 1
+
+
+def random_check_slips(numbers: list[int], rng: random.Random, form: str, step_rate: float) -> dict[int, int]:
+    """{step: delta}: each step of the pass slipped with probability `step_rate` (at least one step), every written
+    sum and check at zero or above (the carried form's training data, stage 41: a check disagrees at a large share
+    of the check steps, so that "ok" after every step is not the check's majority answer)."""
+    for _ in range(100):
+        steps = [k for k in range(1, len(numbers)) if rng.random() < step_rate] or [rng.randint(1, len(numbers) - 1)]
+        slips = {k: rng.choice(CHECK_SLIP_DELTAS) for k in steps}
+        try:
+            checked_segments(numbers, slips, form)
+        except ValueError:
+            continue
+        return slips
+    return {len(numbers) - 1: 1}
 
 
 def checked_conversation_segments(numbers: list[int], effort: int, slip: tuple[int, int] | None = None,
