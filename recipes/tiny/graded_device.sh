@@ -19,6 +19,8 @@
 #   DATA=runs/data-t41-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 41   (stage 40 over the assets)
 #   DATA=runs/data-t42-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 42   (stage 41 over the assets)
 #   DATA=runs/data-t43-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 43   (stage 42 over the assets)
+#   DATA=runs/data-t44-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 44   (stage 43 over the assets;
+#       prepared 2026-12-04, not yet run)
 #
 # (The 2026-12-03 call of stage 29 wrote into the machine's /tmp and sent the shards back split into 15 MiB parts,
 # the device returning at most 16 MiB a file. For stages 30 and 31 the tracked tree had grown to 61 MB, so with the
@@ -123,7 +125,16 @@ case $STAGE in
             --vision-every 2 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
             --think-start-weight 4 --closing-sum-weight 5
             --lr 3e-4 --backbone-seconds $joint --dspark-seconds 0) ;;
-  *) echo "unknown stage $STAGE (25, 26, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42 or 43)" >&2; exit 2 ;;
+  # stage 44 (prepared 2026-12-04, not yet run): from stage 43, whose check corrects but whose lower tiers and pass
+  # lost ground, the same check data with the top tier at a quarter of the conversations (`--checked-top-share 0.25
+  # --checked-slip-rate 1.0 --checked-step-slip-rate 0.5`), stage 36's text shares and a lower peak lr, the whole
+  # call on the joint steps; the probe stage and the drafter follow in a later call once effort 100 is back at or
+  # above effort 75
+  44) OPTS=(--batch 192 --mix prose=0.15,code=0.15,reasoning_checked_compared=0.70
+            --vision-every 2 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
+            --think-start-weight 4 --closing-sum-weight 5
+            --lr 2e-4 --backbone-seconds 470 --dspark-seconds 0) ;;
+  *) echo "unknown stage $STAGE (25, 26, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43 or 44)" >&2; exit 2 ;;
 esac
 bash recipes/tiny/device_run.sh --init-from "$FROM" --out "$RUNS/s$STAGE" "${OPTS[@]}" \
     --history "$LOGS/stage${STAGE}_history.json" --log "$LOGS/stage${STAGE}_train.log" "$@"
