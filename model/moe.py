@@ -145,9 +145,10 @@ class MoE(nn.Module):
             if self.experts[e] is None:
                 continue
             rows, slot = torch.where(indices == e)
-            # rows are distinct within an expert: index_add_ makes the same one addition per element as
-            # y[rows] += ..., in one operator instead of a gather, an add and a scatter
-            y.index_add_(0, rows, self.experts[e](x[rows], weights[rows, slot, None]).float())
+            # rows are distinct within an expert: an accumulating index_put_ makes the same one addition per
+            # element as y[rows] += ..., in one operator instead of a gather, an add and a scatter; on the CPU it
+            # is 3-6x faster than index_add_ (no thread-pool dispatch for a few rows)
+            y.index_put_((rows,), self.experts[e](x[rows], weights[rows, slot, None]).float(), accumulate=True)
         return y
 
     def every_row(self, x: torch.Tensor, rows_in_use: int | None = None) -> torch.Tensor:
