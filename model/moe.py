@@ -147,7 +147,8 @@ class MoE(nn.Module):
             rows, slot = torch.where(indices == e)
             # rows are distinct within an expert: an accumulating index_put_ makes the same one addition per
             # element as y[rows] += ..., in one operator instead of a gather, an add and a scatter; on the CPU it
-            # is 3-6x faster than index_add_ (no thread-pool dispatch for a few rows)
+            # is 1.4-3.6x faster than index_add_, which goes through the thread pool even for one row and waits
+            # on a busy core (docs/performance.md, cpu-moe-scatter)
             y.index_put_((rows,), self.experts[e](x[rows], weights[rows, slot, None]).float(), accumulate=True)
         return y
 

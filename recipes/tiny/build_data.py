@@ -228,8 +228,8 @@ def build_reasoning_checked(out: Path, tok, rng: random.Random, excluded: set, n
     from dsv41.evals.tasks import tiny_reasoning as task
 
     form = form or task.CHECK_FORM_OF_STYLE[style]
-    if step_slip_rate is not None and form not in ("inline", "carried", "compared"):
-        raise ValueError(f"several slips a pass need the inline or carried check, not {form!r}")
+    if step_slip_rate is not None and form not in task.INLINE_FORMS:
+        raise ValueError(f"several slips a pass need a check of form {task.INLINE_FORMS}, not {form!r}")
     extra = random.Random(20264)
 
     def conversation():
@@ -241,16 +241,14 @@ def build_reasoning_checked(out: Path, tok, rng: random.Random, excluded: set, n
             effort = extra.randint(task.EFFORT_TIERS[-1], 100)
         slip = None
         if task.effort_tier(effort) == 4 and extra.random() < slip_rate:
-            slip = (task.random_check_slip(numbers, extra, form) if step_slip_rate is None
-                    else task.random_check_slips(numbers, extra, form, step_slip_rate))
+            slip = task.random_check_slips(numbers, extra, form, step_slip_rate)
         return task.checked_conversation_segments(numbers, effort, slip, form)
 
     ids, mask, n_bytes, slips = write_masked_family(out, reasoning_family(style), tok, conversation, n_train)
     return {"train_documents": n_train, "train_tokens": int(ids.size), "train_bytes": n_bytes,
             "untrained_tokens": int((mask == 0).sum()), "conversations_with_a_repaired_slip": slips,
             "top_share": top_share, "slip_rate": slip_rate, "step_slip_rate": step_slip_rate, "check_form": form,
-            "heldout_documents": n_held,
-            "trace_style": style}
+            "heldout_documents": n_held, "trace_style": style}
 
 
 REASONING_V2_ERROR_RATE = 0.3  # the share of top-tier traces with an injected slip that the check repairs
@@ -397,8 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
         value = getattr(args, flag)
         if value is not None and not 0.0 <= value <= 1.0:
             ap.error(f"--{flag.replace('_', '-')} must be in 0..1, got {value}")
-    if args.checked_step_slip_rate is not None and args.reasoning_only not in (
-            "checked-inline", "checked-carried", "checked-compared"):
+    if (args.checked_step_slip_rate is not None
+            and task.CHECK_FORM_OF_STYLE.get(args.reasoning_only) not in task.INLINE_FORMS):
         ap.error("--checked-step-slip-rate applies to --reasoning-only checked-inline, -carried or -compared")
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)

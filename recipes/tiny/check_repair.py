@@ -2,10 +2,11 @@
 `checked_segments`) adds each number of the pass to its own sum and closes with that sum, so it can change the
 answer. This measures, greedy on the held-out tiny-reasoning items at effort 100, whether a checkpoint's check does:
 
-    python -m dsv41.recipes.tiny.check_repair --model DIR [--limit 300] [--form terse|inline] [--json F]
+    python -m dsv41.recipes.tiny.check_repair --model DIR [--limit 300] [--form terse|inline|carried|compared] [--json F]
 
---form inline measures the "checked-inline" style (stage 39), --form carried the "checked-carried" one (stage 41,
-the same with the numbers still to add after each step): each step of the pass undone where it is written,
+--form inline measures the "checked-inline" style (stage 39), --form carried and compared the "checked-carried" and
+"checked-compared" ones (stages 41-43, the same with the numbers still to add after each step, and the sum before
+copied beside each check): each step of the pass undone where it is written,
 "+9=18 (18-9=9 not 10) +9=19 (19-9=10 ok)". There the pass is the value first written at each step, the slip is
 injected at its step (the forced text ends with the slipped sum) and the clean control ends at the same step with the
 right sum.
@@ -41,8 +42,8 @@ SLIP_SEED = 4343
 
 def forced_pass(numbers: list[int], slip: tuple[int, int] | None, form: str = "terse", step: int | None = None) -> str:
     """What the 'slipped' and 'clean' cases put after the prompt. terse: 'Sum: <the pass, slipped or not>\\nCheck: '.
-    inline: the trace up to the sum of the slip's step, slipped (slip given) or right (slip None, `step` given)."""
-    if form in ("inline", "carried", "compared"):
+    inline forms: the trace up to the sum of the slip's step, slipped (slip given) or right (slip None, `step` given)."""
+    if form in task.INLINE_FORMS:
         if slip is None:
             right = task.checked_segments(numbers, (step, 1), form)
             return right[0].text + str(sum(numbers[:step + 1]))
@@ -75,7 +76,7 @@ def pass_total(reasoning: str) -> int | None:
 def classify(reasoning: str | None, answer_ok: bool, truth: int, numbers: list[int] | None = None,
              form: str = "terse") -> dict:
     reasoning = reasoning or ""
-    if form in ("inline", "carried", "compared"):  # the pass is right when every first-written sum is the true running sum
+    if form in task.INLINE_FORMS:  # the pass is right when every first-written sum is the true running sum
         first, marked = inline_pass(reasoning)
         right = [sum(numbers[:k + 1]) for k in range(1, len(numbers))]
         return {"pass_right": first == right, "checked": bool(first), "marked": marked, "answer_right": answer_ok}
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", type=Path, default=REPO / "model" / "assets" / "dsv41-tiny")
     ap.add_argument("--limit", type=int, default=300)
     ap.add_argument("--token-map", type=Path, default=None)
-    ap.add_argument("--form", choices=("terse", "inline", "carried", "compared"), default="terse",
+    ap.add_argument("--form", choices=("terse",) + task.INLINE_FORMS, default="terse",
                     help="the check's form: terse (the 'checked' style, stage 38), inline ('checked-inline', stages "
                          "39-40), carried ('checked-carried', stage 41) or compared ('checked-compared', stage 42)")
     ap.add_argument("--json", type=Path, default=None)

@@ -198,6 +198,7 @@ def _undo_sums(steps: list[tuple[int, int, int]]) -> str:
 
 CHECK_SLIP_DELTAS = (-10, -1, 1, 10)  # a sum written off by one in either digit: the slips a check must catch
 CHECK_FORMS = ("terse", "equations", "inline", "carried", "compared")
+INLINE_FORMS = ("inline", "carried", "compared")  # checked where each step is written: inline_checked_segments
 # each checked style's top-tier check
 CHECK_FORM_OF_STYLE = {"checked": "terse", "checked-inline": "inline", "checked-carried": "carried",
                        "checked-compared": "compared"}
@@ -224,8 +225,12 @@ def checked_segments(numbers: list[int], slip: tuple[int, int] | None = None, fo
     recipes/tiny/README.md "Stages 37-38"), every step a full equation ("10+9=19 not 18"), closed by "So 26."."""
     if form not in CHECK_FORMS:
         raise ValueError(f"check form must be one of {CHECK_FORMS}, got {form!r}")
-    if form in ("inline", "carried", "compared"):
+    if form in INLINE_FORMS:
         return inline_checked_segments(numbers, slip, carry=form != "inline", compare=form == "compared")
+    if isinstance(slip, dict):  # one slip a pass here: {step: delta} of one entry is (step, delta)
+        if len(slip) > 1:
+            raise ValueError(f"the {form} check takes one slip a pass, got {len(slip)}")
+        slip = next(iter(slip.items()), None)
     written, total = [], numbers[0]
     for k, n in enumerate(numbers[1:], 1):
         total += n + (slip[1] if slip and k == slip[0] else 0)
@@ -289,7 +294,8 @@ def inline_checked_segments(numbers: list[int], slip=None, carry: bool = False, 
             if wrong < 0 or wrong - n < 0:
                 raise ValueError("a slip below zero is not one the model makes")
             segments += [Segment(text + head), Segment(str(wrong), train=False)]
-            text = f" ({wrong}-{n}={wrong - n} vs {before} not) " if compare else f" ({wrong}-{n}={wrong - n} not {before}) "
+            verdict = f"vs {before} not" if compare else f"not {before}"
+            text = f" ({wrong}-{n}={wrong - n} {verdict}) "
         text += f"{head}{total} ({total}-{n}={before}{f' vs {before}' if compare else ''} ok)"
         if carry and i < len(steps):
             text += " left " + " ".join(str(x) for x in numbers[i + 1:])
@@ -298,22 +304,20 @@ def inline_checked_segments(numbers: list[int], slip=None, carry: bool = False, 
 
 def random_check_slip(numbers: list[int], rng: random.Random, form: str = "terse") -> tuple[int, int]:
     """A (step, delta) slip of the pass that keeps every written sum (and, inline, every check) at zero or above."""
-    for _ in range(100):
-        slip = (rng.randint(1, len(numbers) - 1), rng.choice(CHECK_SLIP_DELTAS))
-        try:
-            checked_segments(numbers, slip, form)
-        except ValueError:
-            continue
-        return slip
-    return len(numbers) - 1, 1
+    return next(iter(random_check_slips(numbers, rng, form).items()))
 
 
-def random_check_slips(numbers: list[int], rng: random.Random, form: str, step_rate: float) -> dict[int, int]:
-    """{step: delta}: each step of the pass slipped with probability `step_rate` (at least one step), every written
-    sum and check at zero or above (the carried form's training data, stage 41: a check disagrees at a large share
-    of the check steps, so that "ok" after every step is not the check's majority answer)."""
+def random_check_slips(numbers: list[int], rng: random.Random, form: str = "terse",
+                       step_rate: float | None = None) -> dict[int, int]:
+    """{step: delta}, every written sum and check at zero or above: one step (step_rate None), or each step slipped
+    with probability `step_rate`, at least one (the inline forms' training data since stage 41: a check then
+    disagrees at a large share of the check steps, so that "ok" after every step is not its majority answer)."""
     for _ in range(100):
-        steps = [k for k in range(1, len(numbers)) if rng.random() < step_rate] or [rng.randint(1, len(numbers) - 1)]
+        if step_rate is None:
+            steps = [rng.randint(1, len(numbers) - 1)]
+        else:
+            steps = [k for k in range(1, len(numbers)) if rng.random() < step_rate] or [
+                rng.randint(1, len(numbers) - 1)]
         slips = {k: rng.choice(CHECK_SLIP_DELTAS) for k in steps}
         try:
             checked_segments(numbers, slips, form)
