@@ -65,7 +65,8 @@ def test_slips_stay_at_or_above_zero():
         task.checked_segments(numbers, task.random_check_slip(numbers, rng))  # never raises
 
 
-@pytest.mark.parametrize("style", ["checked", "checked-inline", "checked-carried", "checked-compared"])
+@pytest.mark.parametrize("style", ["checked", "checked-inline", "checked-carried", "checked-compared",
+                                   "checked-tagged"])
 def test_lengths_rise_strictly_at_every_list_length(style):
     from dsv41.model.tokenizer import load_tokenizer
 
@@ -197,7 +198,7 @@ def test_build_data_writes_the_inline_family_whose_only_context_is_the_slipped_s
         text = tok.decode(ids[a:b].tolist())
         reasoning = text.split("<think>")[-1].split("</think>")[0]
         untrained = [tok.decode([t]) for t in ids[a:b][mask[a:b] == 0].tolist()]
-        marks = re.findall(r"=(\d+) \(\d+-\d+=\d+ not \d+\)", reasoning)
+        marks = re.findall(r"=(\d+) \(\d+-\d+=\d+ (?:not \d+|vs \d+ not)\)", reasoning)
         slipped += bool(marks)
         assert "".join(untrained) == "".join(marks) and all(u.isdigit() for u in untrained)
     assert slipped == info["conversations_with_a_repaired_slip"] > 0
@@ -212,10 +213,12 @@ def test_check_repair_reads_inline_traces():
     slipped = "".join(s.text for s in task.checked_segments(numbers, (2, -1), "inline"))
     assert C.inline_pass(slipped) == ([10, 18, 21, 26], True)
     assert C.classify(slipped, True, 26, numbers, "inline") == {"pass_right": False, "checked": True,
-                                                                 "marked": True, "answer_right": True}
+                                                                 "marked": True, "answer_right": True,
+                                                                 "origin": "sum"}
     clean = task.reasoning_trace(numbers, 100, "checked-inline")
     assert C.classify(clean, False, 26, numbers, "inline") == {"pass_right": True, "checked": True,
-                                                                "marked": False, "answer_right": False}
+                                                                "marked": False, "answer_right": False,
+                                                                "origin": None}
     # a check that wrongly disagrees on a right pass: marked, the pass still right
     false_alarm = clean.replace("(19-9=10 ok)", "(19-9=11 not 10) +9=19 (19-9=10 ok)")
     assert C.inline_pass(false_alarm) == ([10, 19, 21, 26], True)
@@ -252,11 +255,33 @@ def test_compared_top_tier_copies_the_sum_before_beside_each_check():
     assert "+9=18 (18-9=9 vs 10 not) +9=19 (19-9=10 vs 10 ok) left 2 5" in slipped
 
 
-# one attempt at a step of the carried and compared forms: sum written, undone, the verdict, the numbers left
-_CARRIED_STEP = re.compile(r"(\d+)=(\d+) \((\d+)-(\d+)=(\d+) (?:vs (\d+) )?(ok|not)(?: (\d+))?\)( left [\d ]+)?")
+def test_tagged_top_tier_writes_each_carried_number_after_the_letter_of_its_place():
+    from dsv41.model.tokenizer import load_tokenizer
+
+    numbers = [7, 3, 9, 2, 5]
+    _assert_lower_tiers_are_graded("checked-tagged", numbers)
+    top = task.reasoning_trace(numbers, 100, "checked-tagged")
+    assert top == (
+        "Sum: 7+3=10 (10-3=7 vs 7 ok) left c9 d2 e5, +9=19 (19-9=10 vs 10 ok) left d2 e5, +2=21 (21-2=19 vs 19 ok) "
+        "left e5, +5=26 (26-5=21 vs 21 ok)\nSo the sum is 26.")
+    assert re.sub(r"(?<= )[a-z](?=\d)", "", top) == task.reasoning_trace(numbers, 100, "checked-compared")
+    # a letter and its number are two tokens, as a space and a number are: the tags cost no tokens
+    tok = load_tokenizer()
+    rng = random.Random(3)
+    for _ in range(50):
+        numbers = task.random_numbers(rng)
+        tagged, compared = (task.reasoning_trace(numbers, 100, s) for s in ("checked-tagged", "checked-compared"))
+        assert len(tok.encode(tagged)) == len(tok.encode(compared))
+        # every occurrence of a letter in the trace is followed by the number of its place
+        for letter, digit in re.findall(r" ([a-z])(\d)", tagged):
+            assert numbers[ord(letter) - ord("a")] == int(digit)
 
 
-@pytest.mark.parametrize("form", ["carried", "compared"])
+# one attempt at a step of the carried, compared and tagged forms: sum written, undone, the verdict, the numbers left
+_CARRIED_STEP = re.compile(r"(\d+)=(\d+) \((\d+)-(\d+)=(\d+) (?:vs (\d+) )?(ok|not)(?: (\d+))?\)( left [a-z\d ]+)?")
+
+
+@pytest.mark.parametrize("form", ["carried", "compared", "tagged"])
 @pytest.mark.parametrize("seed", range(40))
 def test_several_slips_are_each_only_context_and_each_check_redoes_its_step(seed, form):
     rng = random.Random(seed)
@@ -275,15 +300,16 @@ def test_several_slips_are_each_only_context_and_each_check_redoes_its_step(seed
     for _, w, _, n, c, compared, verdict, named, left in attempts:  # a slipped step's first attempt, then again
         step, w, n, c = k + 1, int(w), int(n), int(c)
         assert n == numbers[step] and c == w - n
-        # the compared form copies the sum before beside the undoing; the carried form names it on a slip
-        assert (compared if form == "compared" else named or str(before[k])) == str(before[k])
+        # the compared forms copy the sum before beside the undoing; the carried form names it on a slip
+        assert (compared if form != "carried" else named or str(before[k])) == str(before[k])
         if step in slips and not redo:
             assert w == right[k] + slips[step] and verdict == "not" and not left
             redo = True
             continue
         assert w == right[k] and verdict == "ok" and not named
-        assert (left or None) == (f" left {' '.join(map(str, numbers[step + 1:]))}" if step < len(numbers) - 1
-                                  else None)
+        tag = (lambda j: chr(ord("a") + j)) if form == "tagged" else (lambda j: "")
+        carried = " ".join(f"{tag(j)}{x}" for j, x in enumerate(numbers[step + 1:], step + 1))
+        assert (left or None) == (f" left {carried}" if step < len(numbers) - 1 else None)
         redo, k = False, k + 1
     assert text.endswith(f"\nSo the sum is {sum(numbers)}.")
 
@@ -295,23 +321,26 @@ def test_random_check_slips_slips_about_the_step_rate_of_the_steps():
     assert 0.30 < sum(counts) / (7 * len(counts)) < 0.42  # 7 steps, 0.35 each, at least one
 
 
-def test_build_data_writes_the_carried_family_with_several_slips_a_pass(tmp_path):
+@pytest.mark.parametrize("style", ["checked-carried", "checked-tagged"])
+def test_build_data_writes_the_carried_family_with_several_slips_a_pass(tmp_path, style):
     import numpy as np
     from dsv41.model.tokenizer import load_tokenizer
     from dsv41.recipes.tiny import build_data as B
 
     tok = load_tokenizer()
-    info = B.build_reasoning(tmp_path, tok, task.load_items(), 300, "checked-carried", top_share=0.6,
+    info = B.build_reasoning(tmp_path, tok, task.load_items(), 300, style, top_share=0.6,
                              slip_rate=0.8, step_slip_rate=0.5)
-    assert (info["trace_style"], info["check_form"], info["step_slip_rate"]) == ("checked-carried", "carried", 0.5)
-    ids = B.load_tokens(tmp_path / "reasoning_checked_carried.u32.xz")
-    mask = B.load_tokens(tmp_path / "reasoning_checked_carried.mask.u8.xz", np.uint8)
+    assert (info["trace_style"], info["check_form"], info["step_slip_rate"]) == (
+        style, task.CHECK_FORM_OF_STYLE[style], 0.5)
+    family = B.reasoning_family(style)
+    ids = B.load_tokens(tmp_path / f"{family}.u32.xz")
+    mask = B.load_tokens(tmp_path / f"{family}.mask.u8.xz", np.uint8)
     bos = tok.token_to_id("<｜begin▁of▁sentence｜>")
     cuts = np.flatnonzero(ids == bos).tolist() + [ids.size]
     several = 0
     for a, b in itertools.pairwise(cuts):
         reasoning = tok.decode(ids[a:b].tolist()).split("<think>")[-1].split("</think>")[0]
-        marks = re.findall(r"=(\d+) \(\d+-\d+=\d+ not \d+\)", reasoning)
+        marks = re.findall(r"=(\d+) \(\d+-\d+=\d+ (?:not \d+|vs \d+ not)\)", reasoning)
         several += len(marks) > 1
         assert "".join(tok.decode([t]) for t in ids[a:b][mask[a:b] == 0].tolist()) == "".join(marks)
     assert several > 0
@@ -341,3 +370,70 @@ def test_build_data_refuses_a_slip_rate_outside_0_1(tmp_path, flag):
     with pytest.raises(SystemExit) as exit_info:
         B.main(["--out", str(tmp_path / "data"), "--reasoning-only", "checked-carried", flag, "-0.1"])
     assert exit_info.value.code == 2 and not (tmp_path / "data").exists()
+
+
+def test_check_repair_names_where_a_pass_first_goes_wrong():
+    from dsv41.recipes.tiny import check_repair as C
+
+    numbers = [7, 3, 9, 2, 5]
+    right = task.reasoning_trace(numbers, 100, "checked-compared")
+    assert C.pass_origin(right, numbers) is None
+    slipped = "".join(s.text for s in task.checked_segments(numbers, {2: -1}, "compared"))
+    assert C.pass_origin(slipped, numbers) == "sum"
+    # the carried list loses its order: the next step takes the list's first number, which is not the next one
+    wrong_list = right.replace("left 2 5,", "left 5 2,").replace("+2=21 (21-2=19 vs 19 ok)", "+5=24 (24-5=19 vs 19 ok)")
+    assert C.pass_origin(wrong_list, numbers) == "list"
+    # the list is right and the step adds another number
+    assert C.pass_origin(right.replace("+2=21 (21-2=19", "+5=24 (24-5=19"), numbers) == "read"
+    assert C.pass_origin(right.replace("Sum: 7+3", "Sum: 3+7"), numbers) == "read"
+    assert C.pass_origin(right.split(", +5=")[0], numbers) == "short"
+    extra = right.replace("(26-5=21 vs 21 ok)", "(26-5=21 vs 21 ok) left 4, +4=30 (30-4=26 vs 26 ok)")
+    assert C.pass_origin(extra, numbers) == "list"
+    tagged = task.reasoning_trace(numbers, 100, "checked-tagged")
+    assert C.pass_origin(tagged, numbers) is None
+    assert C.pass_origin(tagged.replace("left d2 e5,", "left d5 e2,").replace("+2=21 (21-2", "+5=24 (24-5"),
+                         numbers) == "list"
+    rows = [C.classify(t, False, 26, numbers, "compared") for t in (right, slipped, wrong_list)]
+    assert [r["origin"] for r in rows] == [None, "sum", "list"]
+    assert C.summarize(rows)["wrong_pass_origin"] == {"list": 1, "sum": 1}
+
+
+def test_build_data_moves_the_shortest_lists_to_the_top_tier_at_their_own_share(tmp_path):
+    import numpy as np
+    from dsv41.model.tokenizer import load_tokenizer
+    from dsv41.recipes.tiny import build_data as B
+
+    tok = load_tokenizer()
+    held = task.load_items()
+
+    def build(name, **kw):
+        B.build_reasoning(tmp_path / name, tok, held, 400, "checked-compared", top_share=0.25, slip_rate=1.0,
+                          step_slip_rate=0.5, **kw)
+        return (tmp_path / name / "reasoning_checked_compared.u32.xz").read_bytes()
+
+    for name in ("default", "same", "all"):
+        (tmp_path / name).mkdir()
+    # the same draws: the shortest lists at the common share are the data of before, byte for byte
+    assert build("default") == build("same", shortest_top_share=0.25)
+    build("all", shortest_top_share=1.0)
+    ids = B.load_tokens(tmp_path / "all" / "reasoning_checked_compared.u32.xz")
+    bos = tok.token_to_id("<｜begin▁of▁sentence｜>")
+    cuts = np.flatnonzero(ids == bos).tolist() + [ids.size]
+    top = {True: [0, 0], False: [0, 0]}
+    for a, b in itertools.pairwise(cuts):
+        text = tok.decode(ids[a:b].tolist())
+        shortest = len(re.search(r"Add: ([\d ]+)", text).group(1).split()) == task.MIN_NUMBERS
+        top[shortest][0] += text.split("<think>")[-1].startswith("Sum:")
+        top[shortest][1] += 1
+    assert top[True][0] == top[True][1] > 0  # every shortest list at effort 90-100
+    assert top[False][0] < 0.5 * top[False][1]  # the others about at the common share (0.25 + the draws of 90-100)
+
+
+def test_build_data_refuses_a_shortest_top_share_without_a_checked_style(tmp_path):
+    from dsv41.recipes.tiny import build_data as B
+
+    for argv in (["--reasoning-only", "graded", "--checked-shortest-top-share", "0.5"],
+                 ["--reasoning-only", "checked-compared", "--checked-shortest-top-share", "1.2"]):
+        with pytest.raises(SystemExit) as exit_info:
+            B.main(["--out", str(tmp_path / "data")] + argv)
+        assert exit_info.value.code == 2 and not (tmp_path / "data").exists()

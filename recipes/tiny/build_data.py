@@ -182,7 +182,7 @@ def reasoning_family(style: str) -> str:
 
 def build_reasoning(out: Path, tok, held_items: list[dict], n_train: int, style: str = "reverse-check",
                     top_share: float | None = None, slip_rate: float | None = None,
-                    step_slip_rate: float | None = None) -> dict:
+                    step_slip_rate: float | None = None, shortest_top_share: float | None = None) -> dict:
     """The training conversations of the reasoning task in one trace style -> OUT/{family}.u32.xz.
     The lists and efforts come from one seeded stream, so every style holds the same problems."""
     from dsv41.evals.tasks import tiny_reasoning as task
@@ -193,7 +193,7 @@ def build_reasoning(out: Path, tok, held_items: list[dict], n_train: int, style:
         return build_reasoning_checked(out, tok, rng, excluded, n_train, len(held_items),
                                        CHECKED_TOP_SHARE if top_share is None else top_share,
                                        CHECKED_SLIP_RATE if slip_rate is None else slip_rate, style=style,
-                                       step_slip_rate=step_slip_rate)
+                                       step_slip_rate=step_slip_rate, shortest_top_share=shortest_top_share)
     convos = []
     while len(convos) < n_train:
         numbers = task.random_numbers(rng)
@@ -217,14 +217,18 @@ CHECKED_SLIP_RATE = 0.4
 def build_reasoning_checked(out: Path, tok, rng: random.Random, excluded: set, n_train: int, n_held: int,
                             top_share: float = CHECKED_TOP_SHARE, slip_rate: float = CHECKED_SLIP_RATE,
                             style: str = "checked", form: str | None = None,
-                            step_slip_rate: float | None = None) -> dict:
+                            step_slip_rate: float | None = None, shortest_top_share: float | None = None) -> dict:
     """The "checked" conversations -> OUT/reasoning_checked.u32.xz and its loss mask (0 on a slip's tokens). The
     lists and first efforts are every style's (`rng`, the seeded stream of build_reasoning); a second stream moves
     `top_share` of them to an effort in 90..100 and gives `slip_rate` of the effort-90-100 passes a slip. Stage 38's
     data is the default; stage 37's was top_share=0.25, form="equations"; style="checked-inline" (stages 39-40,
     the inline form) writes OUT/reasoning_checked_inline.u32.xz and its mask. `form`: the check's, by default the
     style's (CHECK_FORM_OF_STYLE). `step_slip_rate` (inline and carried forms; stage 41): a slipped pass slips at
-    each step with this probability (at least one), instead of at one step."""
+    each step with this probability (at least one), instead of at one step. `shortest_top_share`: the top share of
+    the lists of the fewest numbers (task.MIN_NUMBERS) instead of `top_share` (stage 47): after stages 44-46 the
+    first carried list of a 4-number item, the only one of two numbers, went on with a third number (the model's
+    probability of ending it, 0.18-0.23, about the share of such lists among first lists). The draws are the same,
+    so None builds the data of before byte for byte."""
     from dsv41.evals.tasks import tiny_reasoning as task
 
     form = form or task.CHECK_FORM_OF_STYLE[style]
@@ -237,7 +241,8 @@ def build_reasoning_checked(out: Path, tok, rng: random.Random, excluded: set, n
             numbers, effort = task.random_numbers(rng), rng.randint(1, 100)
             if tuple(numbers) not in excluded:
                 break
-        if extra.random() < top_share:
+        share = top_share if shortest_top_share is None or len(numbers) > task.MIN_NUMBERS else shortest_top_share
+        if extra.random() < share:
             effort = extra.randint(task.EFFORT_TIERS[-1], 100)
         slip = None
         if task.effort_tier(effort) == 4 and extra.random() < slip_rate:
@@ -248,6 +253,7 @@ def build_reasoning_checked(out: Path, tok, rng: random.Random, excluded: set, n
     return {"train_documents": n_train, "train_tokens": int(ids.size), "train_bytes": n_bytes,
             "untrained_tokens": int((mask == 0).sum()), "conversations_with_a_repaired_slip": slips,
             "top_share": top_share, "slip_rate": slip_rate, "step_slip_rate": step_slip_rate, "check_form": form,
+            **({"shortest_top_share": shortest_top_share} if shortest_top_share is not None else {}),
             "heldout_documents": n_held, "trace_style": style}
 
 
@@ -378,8 +384,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--checked-slip-rate", type=float, default=CHECKED_SLIP_RATE,
                     help="checked styles: the share of effort-90-100 passes with a slip (stage 41: 0.7)")
     ap.add_argument("--checked-step-slip-rate", type=float, default=None,
-                    help="checked-inline/-carried/-compared: a slipped pass slips at each step with this probability (at "
+                    help="checked-inline/-carried/-compared/-tagged: a slipped pass slips at each step with this probability (at "
                          "least one step; stage 41: 0.35); by default at one step")
+    ap.add_argument("--checked-shortest-top-share", type=float, default=None,
+                    help="checked styles: the share moved to effort 90..100 among the lists of the fewest numbers "
+                         "(stage 47: 0.6); by default --checked-top-share")
     ap.add_argument("--reasoning-v2", action="store_true",
                     help="build only the v2 reasoning family (OUT/reasoning_v2.u32.xz and its loss mask) and add "
                          "it to an existing OUT/manifest.json")
@@ -391,13 +400,15 @@ def main(argv: list[str] | None = None) -> dict:
                          "OUT/manifest.json")
     ap.add_argument("--tool-conversations", type=int, default=TOOL_CONVERSATIONS)
     args = ap.parse_args(argv)
-    for flag in ("checked_top_share", "checked_slip_rate", "checked_step_slip_rate"):
+    for flag in ("checked_top_share", "checked_slip_rate", "checked_step_slip_rate", "checked_shortest_top_share"):
         value = getattr(args, flag)
         if value is not None and not 0.0 <= value <= 1.0:
             ap.error(f"--{flag.replace('_', '-')} must be in 0..1, got {value}")
     if (args.checked_step_slip_rate is not None
             and task.CHECK_FORM_OF_STYLE.get(args.reasoning_only) not in task.INLINE_FORMS):
-        ap.error("--checked-step-slip-rate applies to --reasoning-only checked-inline, -carried or -compared")
+        ap.error("--checked-step-slip-rate applies to --reasoning-only checked-inline, -carried, -compared or -tagged")
+    if args.checked_shortest_top_share is not None and args.reasoning_only not in task.CHECK_FORM_OF_STYLE:
+        ap.error("--checked-shortest-top-share applies to --reasoning-only with a checked style")
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.reasoning_v2:
@@ -410,7 +421,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--reasoning-only adds to a built data directory; {args.out / 'manifest.json'} does not exist")
         return add_family(args.out, reasoning_family(args.reasoning_only), lambda: build_reasoning(
             args.out, load_tokenizer(), task.load_items(), args.reasoning_train, args.reasoning_only,
-            args.checked_top_share, args.checked_slip_rate, args.checked_step_slip_rate))
+            args.checked_top_share, args.checked_slip_rate, args.checked_step_slip_rate,
+            args.checked_shortest_top_share))
     src = fetch_sources(args.sources)
     tok = load_tokenizer()
     manifest: dict = {"tokenizer_fingerprint": tok.fingerprint, "python": sys.version.split()[0],
@@ -438,8 +450,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"reasoning: {manifest['families']['reasoning']}", flush=True)
 
     # the checkpoint's own tokenizer files: the bundled DeepSeek tokenizer with V4.1's token names
-    from dsv41.recipes.tiny.train import v41_tokenizer_json
     from dsv41.model.tokenizer import bundled_tokenizer_path
+    from dsv41.recipes.tiny.train import v41_tokenizer_json
 
     (args.out / "tokenizer").mkdir(exist_ok=True)
     (args.out / "tokenizer" / "tokenizer.json").write_text(v41_tokenizer_json(), encoding="utf-8")

@@ -2,11 +2,13 @@
 `checked_segments`) adds each number of the pass to its own sum and closes with that sum, so it can change the
 answer. This measures, greedy on the held-out tiny-reasoning items at effort 100, whether a checkpoint's check does:
 
-    python -m dsv41.recipes.tiny.check_repair --model DIR [--limit 300] [--form terse|inline|carried|compared] [--json F]
+    python -m dsv41.recipes.tiny.check_repair --model DIR [--limit 300] [--form terse|inline|carried|compared|tagged]
+        [--cases own,slipped,clean] [--json F]
 
 --form inline measures the "checked-inline" style (stage 39), --form carried and compared the "checked-carried" and
-"checked-compared" ones (stages 41-43, the same with the numbers still to add after each step, and the sum before
-copied beside each check): each step of the pass undone where it is written,
+"checked-compared" ones (stages 41-46, the same with the numbers still to add after each step, and the sum before
+copied beside each check), --form tagged the "checked-tagged" one (each number still to add after the letter of its
+place: "left c9 d2 e5"): each step of the pass undone where it is written,
 "+9=18 (18-9=9 not 10) +9=19 (19-9=10 ok)". There the pass is the value first written at each step, the slip is
 injected at its step (the forced text ends with the slipped sum) and the clean control ends at the same step with the
 right sum.
@@ -67,6 +69,46 @@ def inline_pass(reasoning: str) -> tuple[list[int], bool]:
     return first, marked
 
 
+_PASS_PART = re.compile(r"(?P<first>\d+)\+(?P<second>\d+)=(?P<first_sum>\d+) \("
+                        r"|\+(?P<add>\d+)=(?P<sum>\d+) \("
+                        r"|(?P<verdict>ok|not)(?: \d+)?\)"
+                        r"|left(?P<left>(?: [a-z]?\d+)+)")
+
+
+def pass_origin(reasoning: str, numbers: list[int]) -> str | None:
+    """Where an inline-checked pass first leaves the true running sums, in the order the text is written (None: it
+    never does). At the first step whose first-written sum is wrong (redone steps are the check's, not the pass's):
+    "list" = the carried list the step reads its number from was already wrong and the step took its first number;
+    "read" = the number added is not the one the list (or, at the first step, the prompt) gave; "sum" = the number
+    is right and the addition is not; "extra" = the pass adds more numbers than there are ("list" when a carried list held them); "short" = it stops
+    before the last one. Stage 44's wrong passes were mostly "list" (`left 0 9 3 0 9` for `0 9 0 3 3`)."""
+    added, left, redo = 0, None, False  # added: index of the last number added
+    for m in _PASS_PART.finditer(reasoning.split("\n")[0]):
+        if m["first"] is not None:
+            a, b, total = int(m["first"]), int(m["second"]), int(m["first_sum"])
+            if [a, b] != numbers[:2]:
+                return "read"
+            if total != a + b:
+                return "sum"
+            added = 1
+        elif m["add"] is not None:
+            if redo:  # the check's redone step
+                continue
+            added += 1
+            if added >= len(numbers):
+                return "list" if left else "extra"
+            n, total = int(m["add"]), int(m["sum"])
+            if n != numbers[added]:
+                return "list" if left and left != numbers[added:] and n == left[0] else "read"
+            if total != sum(numbers[:added + 1]):
+                return "sum"
+        elif m["verdict"] is not None:
+            redo = m["verdict"] == "not"
+        else:
+            left = [int(x.lstrip("abcdefghijklmnopqrstuvwxyz")) for x in m["left"].split()]  # tagged: "c9"
+    return None if added == len(numbers) - 1 else "short"
+
+
 def pass_total(reasoning: str) -> int | None:
     """The last sum of the pass (the first line of the trace), or None."""
     sums = re.findall(r"=(-?\d+)", reasoning.split("\n")[0])
@@ -79,7 +121,8 @@ def classify(reasoning: str | None, answer_ok: bool, truth: int, numbers: list[i
     if form in task.INLINE_FORMS:  # the pass is right when every first-written sum is the true running sum
         first, marked = inline_pass(reasoning)
         right = [sum(numbers[:k + 1]) for k in range(1, len(numbers))]
-        return {"pass_right": first == right, "checked": bool(first), "marked": marked, "answer_right": answer_ok}
+        return {"pass_right": first == right, "checked": bool(first), "marked": marked, "answer_right": answer_ok,
+                "origin": pass_origin(reasoning, numbers) if first != right else None}
     check = next((line for line in reasoning.splitlines() if line.startswith("Check:")), None)
     first = pass_total(reasoning)
     return {"pass_right": first == truth, "checked": check is not None,
@@ -96,7 +139,11 @@ def summarize(rows: list[dict]) -> dict:
             "broken": count(lambda r: r["pass_right"] and not r["answer_right"]),
             "marked_repaired": count(lambda r: not r["pass_right"] and r["marked"] and r["answer_right"]),
             "wrong_pass_marked": count(lambda r: not r["pass_right"] and r["marked"]),
-            "right_pass_marked": count(lambda r: r["pass_right"] and r["marked"])}
+            "right_pass_marked": count(lambda r: r["pass_right"] and r["marked"]),
+            **({"wrong_pass_origin": {o: count(lambda r, o=o: r["origin"] == o)
+                                      for o in ("list", "read", "sum", "extra", "short", None)
+                                      if count(lambda r, o=o: not r["pass_right"] and r["origin"] == o)}}
+               if rows and "origin" in rows[0] else {})}
 
 
 def run(model, tok, items: list[dict], cases=("own", "slipped", "clean"), form: str = "terse") -> dict:
@@ -126,12 +173,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--token-map", type=Path, default=None)
     ap.add_argument("--form", choices=("terse",) + task.INLINE_FORMS, default="terse",
                     help="the check's form: terse (the 'checked' style, stage 38), inline ('checked-inline', stages "
-                         "39-40), carried ('checked-carried', stage 41) or compared ('checked-compared', stage 42)")
+                         "39-40), carried ('checked-carried', stage 41), compared ('checked-compared', stages 42-46) or tagged "
+                         "('checked-tagged', the carried numbers after the letters of their places)")
+    ap.add_argument("--cases", default="own,slipped,clean",
+                    help="which of own, slipped and clean to run, comma-separated")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
+    cases = tuple(c for c in a.cases.split(",") if c)
+    if not cases or set(cases) - {"own", "slipped", "clean"}:
+        ap.error(f"--cases takes own, slipped and clean, got {a.cases!r}")
     model, tok = E.load_bundled(a.model, "cpu", a.token_map)
     report = {"model": str(a.model), "effort": 100, "slip_seed": SLIP_SEED, "form": a.form,
-              **run(model, tok, task.load_items(limit=a.limit), form=a.form)}
+              **run(model, tok, task.load_items(limit=a.limit), cases, form=a.form)}
     text = json.dumps(report, indent=2)
     if a.json:
         a.json.write_text(text + "\n")

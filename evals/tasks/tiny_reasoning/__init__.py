@@ -58,8 +58,9 @@ An eighth, "checked-inline" (`inline_checked_segments`), checks each step of the
 undoing it ("+9=19 (19-9=10 ok)"; a slipped sum gets "not 10" and the step done again); stages 39-40 trained it
 (recipes/tiny/README.md "Stages 39-40"); neither was kept. "checked-carried" writes the numbers still to add after
 each checked step ("... (10-3=7 ok) left 9 2 5, +9=19 ..."), "checked-compared" also copies the sum before beside
-each check ("(19-9=10 vs 10 ok)"); stages 41-43 trained them (recipes/tiny/README.md "Stages 41-43"): stage 43's
-check corrects, its effort curve falls at 100, and it was not kept.
+each check ("(19-9=10 vs 10 ok)"); stages 41-46 trained them (recipes/tiny/README.md "Stages 41-43", "Stages
+44-46"): the check corrects, the effort curve falls at 100 (the carried lists are copied wrongly), and none was
+kept. "checked-tagged" writes each carried number after the letter of its place ("left c9 d2 e5"), for the copy.
 
 The bundled model is trained on "undo" since stage 13 ("graded" since stage 26). Which style was trained when, what each did to
 accuracy and why the next one followed is recorded in recipes/tiny/README.md ("The reasoning task",
@@ -132,7 +133,7 @@ def _running_steps(numbers: list[int]) -> list[tuple[int, int, int]]:
 
 
 TRACE_STYLES = ("reverse-check", "carry", "twice", "labelled", "undo", "graded", "checked", "checked-inline",
-                "checked-carried", "checked-compared")
+                "checked-carried", "checked-compared", "checked-tagged")
 
 
 def reasoning_trace(numbers: list[int], effort: int, style: str = "reverse-check") -> str:
@@ -197,11 +198,11 @@ def _undo_sums(steps: list[tuple[int, int, int]]) -> str:
 
 
 CHECK_SLIP_DELTAS = (-10, -1, 1, 10)  # a sum written off by one in either digit: the slips a check must catch
-CHECK_FORMS = ("terse", "equations", "inline", "carried", "compared")
-INLINE_FORMS = ("inline", "carried", "compared")  # checked where each step is written: inline_checked_segments
+CHECK_FORMS = ("terse", "equations", "inline", "carried", "compared", "tagged")
+INLINE_FORMS = ("inline", "carried", "compared", "tagged")  # checked where each step is written: inline_checked_segments
 # each checked style's top-tier check
 CHECK_FORM_OF_STYLE = {"checked": "terse", "checked-inline": "inline", "checked-carried": "carried",
-                       "checked-compared": "compared"}
+                       "checked-compared": "compared", "checked-tagged": "tagged"}
 
 
 def checked_segments(numbers: list[int], slip: tuple[int, int] | None = None, form: str = "terse") -> list:
@@ -226,7 +227,8 @@ def checked_segments(numbers: list[int], slip: tuple[int, int] | None = None, fo
     if form not in CHECK_FORMS:
         raise ValueError(f"check form must be one of {CHECK_FORMS}, got {form!r}")
     if form in INLINE_FORMS:
-        return inline_checked_segments(numbers, slip, carry=form != "inline", compare=form == "compared")
+        return inline_checked_segments(numbers, slip, carry=form != "inline", compare=form in ("compared", "tagged"),
+                                       tags=form == "tagged")
     if isinstance(slip, dict):  # one slip a pass here: {step: delta} of one entry is (step, delta)
         if len(slip) > 1:
             raise ValueError(f"the {form} check takes one slip a pass, got {len(slip)}")
@@ -251,7 +253,8 @@ def checked_segments(numbers: list[int], slip: tuple[int, int] | None = None, fo
     return first + [Segment(f"\nCheck: {', '.join(check)}\n{closing}")]
 
 
-def inline_checked_segments(numbers: list[int], slip=None, carry: bool = False, compare: bool = False) -> list:
+def inline_checked_segments(numbers: list[int], slip=None, carry: bool = False, compare: bool = False,
+                            tags: bool = False) -> list:
     """The "checked" style's effort 90-100 reasoning with every step checked where it is written (form="inline",
     stage 39): each new sum is undone by the number just added, and the result must be the sum before it:
 
@@ -278,7 +281,15 @@ def inline_checked_segments(numbers: list[int], slip=None, carry: bool = False, 
     next to what the undoing gave, so that "ok" or "not" compares the two numbers just written (stage 41's checks
     undid the steps right, "19-5=14", but said "ok" after a 13 about a dozen tokens back):
 
-        Sum: 7+3=10 (10-3=7 vs 7 ok) left 9 2 5, +9=18 (18-9=9 vs 10 not) +9=19 (19-9=10 vs 10 ok) left 2 5, ..."""
+        Sum: 7+3=10 (10-3=7 vs 7 ok) left 9 2 5, +9=18 (18-9=9 vs 10 not) +9=19 (19-9=10 vs 10 ok) left 2 5, ...
+
+    tags=True (form="tagged", the "checked-tagged" style, stage 47): each carried number after the letter of its
+    place in the list (a = the first), one token each ("Ġc", "9"), so a list costs the tokens of an untagged one.
+    Stages 44-46 went wrong mostly in copying the carried list (`left 0 9 3 0 9` for `0 9 0 3 3`): untagged, every
+    number follows the same space token, and where a digit repeats the copy cannot tell which one it is at. Tagged,
+    every earlier occurrence of a letter in the trace is followed by the same number, and the letters come in order:
+
+        Sum: 7+3=10 (10-3=7 vs 7 ok) left c9 d2 e5, +9=19 (19-9=10 vs 10 ok) left d2 e5, ..."""
     steps = _running_steps(numbers)
     slips = dict([slip] if isinstance(slip, tuple) else (slip or {}))
     for k in slips:
@@ -298,7 +309,8 @@ def inline_checked_segments(numbers: list[int], slip=None, carry: bool = False, 
             text = f" ({wrong}-{n}={wrong - n} {verdict}) "
         text += f"{head}{total} ({total}-{n}={before}{f' vs {before}' if compare else ''} ok)"
         if carry and i < len(steps):
-            text += " left " + " ".join(str(x) for x in numbers[i + 1:])
+            text += " left " + " ".join(f"{chr(ord('a') + j) if tags else ''}{x}"
+                                        for j, x in enumerate(numbers[i + 1:], i + 1))
     return segments + [Segment(f"{text}\nSo the sum is {sum(numbers)}.")]
 
 
