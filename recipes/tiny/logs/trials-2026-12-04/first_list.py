@@ -20,6 +20,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("model")
 ap.add_argument("sweep")
 ap.add_argument("--form", default="checked-compared")
+ap.add_argument("--engram-off", action="store_true")
 a = ap.parse_args()
 items = {it["id"]: it for it in task.load_items()}
 acc = collections.defaultdict(lambda: [0, 0])
@@ -32,11 +33,23 @@ for effort in (75, 100):
           "  ".join(f"{n}: {acc[(effort, n)][0]:.0f}/{acc[(effort, n)][1]}" for n in range(task.MIN_NUMBERS, task.MAX_NUMBERS + 1)))
 model, tok = E.load_bundled(a.model, "cpu", None)
 comma = tok.encode(",")[-1]
-for n in range(task.MIN_NUMBERS, task.MAX_NUMBERS + 1):
-    ps = []
-    for it in [it for it in items.values() if len(it["numbers"]) == n][:30]:
-        trace = task.reasoning_trace(it["numbers"], 100, a.form)
-        ids = tok.encode(task.prompt_text(it, 100) + trace[:trace.index(",")])  # up to the end of the first list
-        with torch.inference_mode():
-            ps.append(torch.softmax(model(torch.tensor([ids]))[0].float(), -1)[comma].item())
-    print(f"{n} numbers: P(first list ends) mean {statistics.mean(ps):.3f}, above 0.5 in {sum(p > 0.5 for p in ps)}/{len(ps)}")
+
+
+def first_list_ends(label: str) -> None:
+    for n in range(task.MIN_NUMBERS, task.MAX_NUMBERS + 1):
+        ps = []
+        for it in [it for it in items.values() if len(it["numbers"]) == n][:30]:
+            trace = task.reasoning_trace(it["numbers"], 100, a.form)
+            ids = tok.encode(task.prompt_text(it, 100) + trace[:trace.index(",")])  # up to the end of the first list
+            with torch.inference_mode():
+                ps.append(torch.softmax(model(torch.tensor([ids]))[0].float(), -1)[comma].item())
+        print(f"{label}{n} numbers: P(first list ends) mean {statistics.mean(ps):.3f}, "
+              f"above 0.5 in {sum(p > 0.5 for p in ps)}/{len(ps)}")
+
+
+first_list_ends("")
+if a.engram_off:
+    from dsv41.model import engram
+
+    engram.Engram.forward = lambda self, x, rows, token_mask=None: x
+    first_list_ends("Engram off, ")
