@@ -147,9 +147,11 @@ case $STAGE in
   # 44-46"). Stage 47's data: the lists of four numbers at effort 90-100 at a share of 0.6, the rest at 0.25
   # (`build_data --reasoning-only checked-compared --checked-top-share 0.25 --checked-shortest-top-share 0.6
   # --checked-slip-rate 1.0 --checked-step-slip-rate 0.5`). Stage 48's: the same on the "checked-tagged" traces
-  # (each carried number after the letter of its place, "left c9 d2 e5", for the copies of the longer lists)
+  # (each carried number after the letter of its place, "left c9 d2 e5", for the copies of the longer lists).
+  # Both with literature rows again (DATA carries runs/data-t25's literature.u32.xz, 0.8 MB): after stage 46 the
+  # held-out literature was 2.319 bpb against xz's 2.365, with no literature rows since stage 26
   47|48) family=reasoning_checked_compared; if [ "$STAGE" = 48 ]; then family=reasoning_checked_tagged; fi
-            OPTS=(--batch 192 --mix prose=0.15,code=0.15,$family=0.70
+            OPTS=(--batch 192 --mix prose=0.12,code=0.12,literature=0.06,$family=0.70
             --vision-every 2 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
             --think-start-weight 4 --closing-sum-weight 5
             --lr 2e-4 --backbone-seconds 400 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
