@@ -29,7 +29,8 @@
 # (The 2026-12-03 call of stage 29 wrote into the machine's /tmp and sent the shards back split into 15 MiB parts,
 # the device returning at most 16 MiB a file. For stages 30 and 31 the tracked tree had grown to 61 MB, so with the
 # 5.9 MB of data it passed the 64 MiB transfer: recipes/tiny/logs and tests/fixtures, which a stage does not read,
-# were moved out of the working tree for the call, and FROM's shards copied over model/assets/dsv41-tiny.)
+# were moved out of the working tree for the call, and FROM's shards copied over model/assets/dsv41-tiny; since
+# stage 47, `recipes/tiny/device_call.sh prepare FROM` and `collect FILES_AT OUT` do both halves.)
 #
 # Stage 25 (2026-12-02, not kept) ran the same options on a first design of the traces, whose effort-100 check
 # undid every number down to zero (recipes/tiny/logs/trials-2026-12-02/stage25_graded_zero_check.py); stage 26
