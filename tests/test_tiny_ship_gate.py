@@ -59,9 +59,9 @@ def test_judge_only_writes_the_verdict_and_exits_1_when_a_bar_fails(tmp_path):
                "vision_independent": S36 / "vision_independent_s36_n240.json",
                "vision_v1": S36 / "vision_accuracy_s36_n200.json", "evaluate": S36 / "eval_s36_cpu.json",
                "unseen_bpb": S36 / "unseen_bpb_s36.json"}
-    for name, (_, path) in parts.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(sources[name], path)
+    for name, part in parts.items():
+        part.path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(sources[name], part.path)
     assert G.main(["--model", str(model), "--out", str(out), "--judge-only"]) == 1
     verdict = json.loads((out / "gate.json").read_text())
     assert verdict["ship"] is False and len(verdict["rows"]) >= 15

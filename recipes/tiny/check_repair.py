@@ -30,7 +30,9 @@ import argparse
 import json
 import random
 import re
+import string
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -40,6 +42,9 @@ from dsv41.recipes.tiny import evaluate as E
 REPO = Path(__file__).resolve().parents[2]
 MAX_NEW = 213  # the task's evaluation budget (evaluate.reasoning_sweep)
 SLIP_SEED = 4343
+CASES = ("own", "slipped", "clean")
+FORMS = ("terse",) + task.INLINE_FORMS
+ORIGINS = ("list", "read", "sum", "extra", "short", None)  # pass_origin's answers, in the summary's order
 
 
 def forced_pass(numbers: list[int], slip: tuple[int, int] | None, form: str = "terse", step: int | None = None) -> str:
@@ -80,8 +85,8 @@ def pass_origin(reasoning: str, numbers: list[int]) -> str | None:
     never does). At the first step whose first-written sum is wrong (redone steps are the check's, not the pass's):
     "list" = the carried list the step reads its number from was already wrong and the step took its first number;
     "read" = the number added is not the one the list (or, at the first step, the prompt) gave; "sum" = the number
-    is right and the addition is not; "extra" = the pass adds more numbers than there are ("list" when a carried list held them); "short" = it stops
-    before the last one. Stage 44's wrong passes were mostly "list" (`left 0 9 3 0 9` for `0 9 0 3 3`)."""
+    is right and the addition is not; "extra" = the pass adds more numbers than there are ("list" when a carried
+    list held them); "short" = it stops before the last one. Stage 44's wrong passes were mostly "list" (`left 0 9 3 0 9` for `0 9 0 3 3`)."""
     added, left, redo = 0, None, False  # added: index of the last number added
     for m in _PASS_PART.finditer(reasoning.split("\n")[0]):
         if m["first"] is not None:
@@ -105,7 +110,7 @@ def pass_origin(reasoning: str, numbers: list[int]) -> str | None:
         elif m["verdict"] is not None:
             redo = m["verdict"] == "not"
         else:
-            left = [int(x.lstrip("abcdefghijklmnopqrstuvwxyz")) for x in m["left"].split()]  # tagged: "c9"
+            left = [int(x.lstrip(string.ascii_lowercase)) for x in m["left"].split()]  # tagged: "c9"
     return None if added == len(numbers) - 1 else "short"
 
 
@@ -140,13 +145,16 @@ def summarize(rows: list[dict]) -> dict:
             "marked_repaired": count(lambda r: not r["pass_right"] and r["marked"] and r["answer_right"]),
             "wrong_pass_marked": count(lambda r: not r["pass_right"] and r["marked"]),
             "right_pass_marked": count(lambda r: r["pass_right"] and r["marked"]),
-            **({"wrong_pass_origin": {o: count(lambda r, o=o: r["origin"] == o)
-                                      for o in ("list", "read", "sum", "extra", "short", None)
-                                      if count(lambda r, o=o: not r["pass_right"] and r["origin"] == o)}}
-               if rows and "origin" in rows[0] else {})}
+            **({"wrong_pass_origin": _origins(rows)} if rows and "origin" in rows[0] else {})}
 
 
-def run(model, tok, items: list[dict], cases=("own", "slipped", "clean"), form: str = "terse") -> dict:
+def _origins(rows: list[dict]) -> dict:
+    """How many wrong passes first went wrong where (pass_origin), the kinds that occur."""
+    origins = Counter(r["origin"] for r in rows if not r["pass_right"])
+    return {o: origins[o] for o in ORIGINS if origins[o]}
+
+
+def run(model, tok, items: list[dict], cases=CASES, form: str = "terse") -> dict:
     rng = random.Random(SLIP_SEED)
     slips = [task.random_check_slip(it["numbers"], rng, form) for it in items]
     report = {}
@@ -171,17 +179,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", type=Path, default=REPO / "model" / "assets" / "dsv41-tiny")
     ap.add_argument("--limit", type=int, default=300)
     ap.add_argument("--token-map", type=Path, default=None)
-    ap.add_argument("--form", choices=("terse",) + task.INLINE_FORMS, default="terse",
+    ap.add_argument("--form", choices=FORMS, default="terse",
                     help="the check's form: terse (the 'checked' style, stage 38), inline ('checked-inline', stages "
                          "39-40), carried ('checked-carried', stage 41), compared ('checked-compared', stages 42-46) or tagged "
                          "('checked-tagged', the carried numbers after the letters of their places)")
-    ap.add_argument("--cases", default="own,slipped,clean",
+    ap.add_argument("--cases", default=",".join(CASES),
                     help="which of own, slipped and clean to run, comma-separated")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     cases = tuple(c for c in a.cases.split(",") if c)
-    if not cases or set(cases) - {"own", "slipped", "clean"}:
-        ap.error(f"--cases takes own, slipped and clean, got {a.cases!r}")
+    if not cases or set(cases) - set(CASES):
+        ap.error(f"--cases takes {', '.join(CASES)}, got {a.cases!r}")
     model, tok = E.load_bundled(a.model, "cpu", a.token_map)
     report = {"model": str(a.model), "effort": 100, "slip_seed": SLIP_SEED, "form": a.form,
               **run(model, tok, task.load_items(limit=a.limit), cases, form=a.form)}

@@ -29,54 +29,60 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[2]
 UNSEEN = REPO / "runs" / "unseen-corpora"
 VISION_BAR = 0.90
 
 
-def commands(model: Path, out: Path, form: str, token_map: Path | None) -> dict[str, tuple[list[str], Path]]:
-    """Each measurement: its command and the file it leaves (stdout is redirected there where the command prints
-    its JSON)."""
+class Part(NamedTuple):
+    """One measurement: its command and the file it leaves; `prints` = the command prints its JSON, which is
+    written to `path`, instead of writing the file itself."""
+    cmd: list[str]
+    path: Path
+    prints: bool = False
+
+
+def commands(model: Path, out: Path, form: str, token_map: Path | None) -> dict[str, Part]:
     py = [sys.executable, "-m"]
     cli = py + ["dsv41_cli"]
     mapping = ["--token-map", str(token_map)] if token_map else []
     parts = {
-        "sweep": (cli + ["effort-sweep", "tiny-reasoning", "--model", str(model), "--limit", "300",
+        "sweep": Part(cli + ["effort-sweep", "tiny-reasoning", "--model", str(model), "--limit", "300",
                          "--output", str(out / "sweep")], out / "sweep" / "sweep.json"),
-        "check_repair": (py + ["dsv41.recipes.tiny.check_repair", "--model", str(model), "--limit", "300",
+        "check_repair": Part(py + ["dsv41.recipes.tiny.check_repair", "--model", str(model), "--limit", "300",
                                "--form", form, "--json", str(out / "check_repair.json")] + mapping,
                          out / "check_repair.json"),
-        "vision_independent": (py + ["dsv41.recipes.tiny.vision.independent_eval", "--model", str(model),
+        "vision_independent": Part(py + ["dsv41.recipes.tiny.vision.independent_eval", "--model", str(model),
                                      "--n", "240", "--output", str(out / "vision_independent.json")],
                                out / "vision_independent.json"),
-        "vision_v1": (py + ["dsv41.recipes.tiny.vision.accuracy", "--model", str(model), "--n", "200",
-                            "--questions", "colour,shape", "--json"], out / "vision_v1.json"),
-        "evaluate": (py + ["dsv41.recipes.tiny.evaluate", "--model", str(model), "--device", "cpu",
+        "vision_v1": Part(py + ["dsv41.recipes.tiny.vision.accuracy", "--model", str(model), "--n", "200",
+                                "--questions", "colour,shape", "--json"], out / "vision_v1.json", prints=True),
+        "evaluate": Part(py + ["dsv41.recipes.tiny.evaluate", "--model", str(model), "--device", "cpu",
                            "--skip", "reasoning,samples", "--output", str(out / "evaluate.json")] + mapping,
                      out / "evaluate.json"),
     }
     corpora = [UNSEEN / "click-code.jsonl", UNSEEN / "click-docs.jsonl"]
     if all(c.is_file() for c in corpora):
-        parts["unseen_bpb"] = (cli + ["bpb", *map(str, corpora), "--model", str(model), "--json"],
-                               out / "unseen_bpb.json")
+        parts["unseen_bpb"] = Part(cli + ["bpb", *map(str, corpora), "--model", str(model), "--json"],
+                                   out / "unseen_bpb.json", prints=True)
     return parts
 
 
-def run_parts(parts: dict[str, tuple[list[str], Path]]) -> None:
+def run_parts(parts: dict[str, Part]) -> None:
     """Runs the measurements whose file is missing, one after another; a file is written whole or not at all."""
-    todo = [name for name, (_, path) in parts.items() if not path.is_file()]
+    todo = [name for name, part in parts.items() if not part.path.is_file()]
     t0 = time.time()
     for i, name in enumerate(todo):
-        cmd, path = parts[name]
+        cmd, path, prints = parts[name]
         eta = "" if i == 0 else f", about {(time.time() - t0) / i * (len(todo) - i) / 60:.0f} min left"
         print(f"[gate] {i + 1}/{len(todo)} {name}{eta}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
-        captures = name in ("vision_v1", "unseen_bpb")  # these print their JSON
-        done = subprocess.run(cmd, check=False, cwd=REPO, stdout=subprocess.PIPE if captures else None, text=True)
+        done = subprocess.run(cmd, check=False, cwd=REPO, stdout=subprocess.PIPE if prints else None, text=True)
         if done.returncode != 0:
             raise SystemExit(f"[gate] {name} failed (exit {done.returncode}); nothing judged")
-        if captures:
+        if prints:
             tmp = path.with_suffix(".part")
             tmp.write_text(done.stdout)
             tmp.replace(path)
@@ -84,8 +90,8 @@ def run_parts(parts: dict[str, tuple[list[str], Path]]) -> None:
             raise SystemExit(f"[gate] {name} left no {path}")
 
 
-def load(out: Path, parts: dict[str, tuple[list[str], Path]]) -> dict:
-    return {name: json.loads(path.read_text()) for name, (_, path) in parts.items() if path.is_file()}
+def load(parts: dict[str, Part]) -> dict:
+    return {name: json.loads(part.path.read_text()) for name, part in parts.items() if part.path.is_file()}
 
 
 def _row(issue: str, name: str, value: str, bar: str, ok: bool | None) -> dict:
@@ -159,25 +165,23 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dsv41.recipes.tiny import check_repair
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--form", default="compared",
-                    help="the effort-100 check's form for check_repair (terse, inline, carried, compared, tagged)")
+    ap.add_argument("--form", choices=check_repair.FORMS, default="compared",
+                    help="the effort-100 check's form for check_repair")
     ap.add_argument("--token-map", type=Path, default=None,
                     help="a prebuilt Engram token map (build_data's engram_token_map.i32.xz): faster loading")
     ap.add_argument("--judge-only", action="store_true", help="judge the files already in --out, run nothing")
     a = ap.parse_args(argv)
-    from dsv41.evals.tasks import tiny_reasoning as task
-
-    if a.form not in ("terse",) + task.INLINE_FORMS:
-        ap.error(f"--form must be one of {('terse',) + task.INLINE_FORMS}, got {a.form!r}")
     if not (a.model / "config.json").is_file():
         ap.error(f"--model {a.model}: no config.json there")
     parts = commands(a.model.resolve(), a.out.resolve(), a.form, a.token_map)
     if not a.judge_only:
         run_parts(parts)
-    rows = judge(load(a.out, parts))
+    rows = judge(load(parts))
     a.out.mkdir(parents=True, exist_ok=True)
     verdict = all(r["ok"] is not False for r in rows)
     (a.out / "gate.json").write_text(json.dumps({"model": str(a.model), "ship": verdict, "rows": rows}, indent=2)
