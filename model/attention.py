@@ -65,6 +65,16 @@ def window_indices(start_pos: int, seqlen: int, n_prev: int, window: int, device
     return torch.where(pos >= max(base, 0), pos - base, -1)
 
 
+def _per_sequence_linear(xf: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(xf, w) in fp32, xf [B, T, dim], each sequence's GEMM on its own on the CPU: MKL's sgemm sums a
+    row in an order that depends on the GEMM's row count (T = 3 and B * T = 21 differ in the last bit), and a
+    batched prefill (model/engine.py, Scheduler) must give each sequence the bits of its prefill alone."""
+    w = w.float()
+    if xf.size(0) == 1 or xf.is_cuda:
+        return torch.nn.functional.linear(xf, w)
+    return torch.cat([torch.nn.functional.linear(xf[b:b + 1], w) for b in range(xf.size(0))])
+
+
 class Compressor(nn.Module):
     """m tokens -> one pre-RoPE latent. A trailing incomplete group waits in the cache's compressor
     state and is emitted when its last token arrives, so entries appear only when complete."""
@@ -83,8 +93,7 @@ class Compressor(nn.Module):
         if self.ratio == 1:  # nothing to pool: no gate, no fp32
             return self.norm(self.wkv(x))
         xf = x.float()
-        kv = torch.nn.functional.linear(xf, self.wkv.weight.float())
-        score = torch.nn.functional.linear(xf, self.wgate.weight.float())
+        kv, score = _per_sequence_linear(xf, self.wkv.weight), _per_sequence_linear(xf, self.wgate.weight)
         kv, score = state.take(kv, score, self.ratio)
         if kv is None:
             return None

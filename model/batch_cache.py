@@ -109,10 +109,11 @@ class BatchCache:
         return max((length // m for m in self.ratio.values()), default=0)
 
     # ------------------------------------------------------------------ rows in and out
-    def load(self, row: int, kv: KVCache) -> None:
-        """Put the one sequence of `kv` (a prefilled KVCache of batch 1, official FP4 main format) in `row`."""
-        if kv.batch_size != 1 or kv.main_format != "fp4":
-            raise ValueError("a BatchCache row takes a KVCache of one sequence with FP4 main KV")
+    def load(self, row: int, kv: KVCache, src: int = 0) -> None:
+        """Put sequence `src` of `kv` (a prefilled KVCache, official FP4 main format) in `row`. A KVCache of several
+        sequences is a batched prefill's (model/engine.py, Scheduler): its sequences share one length."""
+        if not 0 <= src < kv.batch_size or kv.main_format != "fp4":
+            raise ValueError("a BatchCache row takes one sequence of a KVCache with FP4 main KV")
         if kv.pos > self.max_len:
             raise RowsFull(f"the sequence holds {kv.pos} positions; a row holds {self.max_len}")
         self._grow(self.entries_needed(kv.pos))
@@ -122,10 +123,10 @@ class BatchCache:
             if ring is not None:
                 if ring.differentiable:
                     raise ValueError("a training (differentiable) cache cannot join a batch")
-                self.window_codes[l][row] = ring.parts[0][0]
-                self.window_scales[l][row] = ring.parts[1][0]
+                self.window_codes[l][row] = ring.parts[0][src]
+                self.window_scales[l][row] = ring.parts[1][src]
                 if self.window_values is not None:
-                    self.window_values[l][row] = _decoded(ring.parts[0][0], ring.parts[1][0])
+                    self.window_values[l][row] = _decoded(ring.parts[0][src], ring.parts[1][src])
                 self.dtype = ring.dtype
             floor = kv.window_floor.get(l, 0)
             self.window_floor[l, row] = floor
@@ -137,22 +138,22 @@ class BatchCache:
                 raise ValueError(f"layer {l} holds {n} entries after {kv.pos} positions (ratio {m})")
             self.n_compressed[l][row] = n
             if n:
-                for dst, src in ((self.main[l], lc.main.parts), (self.index_keys[l], lc.index_keys.parts)):
-                    for d, s in zip(dst, src):
-                        d[row, :n] = s[0, :n]
+                for stores, parts in ((self.main[l], lc.main.parts), (self.index_keys[l], lc.index_keys.parts)):
+                    for d, s in zip(stores, parts):
+                        d[row, :n] = s[src, :n]
             if m > 1:
                 state = lc.compressor_state if lc is not None else None
                 r = state.pending if state is not None else 0
                 if r != kv.pos % m:
                     raise ValueError(f"layer {l}: {r} pending projections after {kv.pos} positions (ratio {m})")
                 if r:
-                    self.pending_kv[l][row, :r] = state.kv[0]
-                    self.pending_score[l][row, :r] = state.score[0]
+                    self.pending_kv[l][row, :r] = state.kv[src]
+                    self.pending_score[l][row, :r] = state.score[src]
         if kv.engram_history is not None:
             if self.engram_history is None:
                 self.engram_history = torch.zeros(self.n_rows, kv.engram_history.size(1), dtype=torch.long,
                                                   device=self.device)
-            self.engram_history[row] = kv.engram_history[0]
+            self.engram_history[row] = kv.engram_history[src]
         self.positions[row] = kv.pos
         self.lengths[row] = kv.pos
         self.live[row] = True

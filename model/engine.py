@@ -27,6 +27,7 @@ import torch
 from dsv41.model import dspark
 from dsv41.model.cache import KVCache
 from dsv41.model.checkpoint import CheckpointError
+from dsv41.model.kernels import reference as kernels_reference
 
 
 @dataclass
@@ -581,7 +582,65 @@ class Scheduler:
             if spent and spent + size > self.prefill_chunk:
                 return
             spent += size
-            self._prefill(seq, size, finished)
+            group = self._companions(seq, size, spent)
+            if group:
+                spent += size * len(group)
+                self.prefilling = None
+                self._prefill_group([seq, *group], size, finished)
+            else:
+                self._prefill(seq, size, finished)
+
+    def _companions(self, seq: _Sequence, size: int, spent: int) -> list[_Sequence]:
+        """Waiting requests to prefill in one forward with `seq` (a batched prefill): plain prompts of exactly its
+        length, each whole in one chunk as seq's is, while rows, the token budget and this step's `prefill_chunk`
+        prompt tokens allow (taken out of the queue). On the CPU with one intra-op thread only, where each
+        sequence of the batch gets the bits of its prefill alone (tests/test_batch_engine.py): a forward's fixed
+        cost (its few thousand operators) is then paid once for the group: on the bundled model a 64-token prompt
+        took 68 ms alone and 35 ms a prompt in a group of four (docs/performance.md, `cpu-batched-prefill`)."""
+        n = len(seq.request.prompt_ids)
+        if not (self.groups_prefills and seq.chunked() and seq.done_tokens == 0 and size == n):
+            return []
+        rows = self.max_batch_size - len(self.running) - len(self.speculating) - 1
+        reserved = self._reserved() + seq.need
+        group = []
+        for other in self.waiting:
+            if len(group) == rows or spent + size * (len(group) + 1) > self.prefill_chunk:
+                break
+            if (len(other.request.prompt_ids) == n and other.chunked() and self._next_chunk(other) == n
+                    and reserved + other.need <= self.max_batch_tokens):
+                group.append(other)
+                reserved += other.need
+        for other in group:
+            self.waiting.remove(other)
+            other.started = time.perf_counter()
+            if self.cache.static:
+                self.cache.reserve(other.need)
+        return group
+
+    @property
+    def groups_prefills(self) -> bool:
+        """Whether equal-length prompts prefill together (`_companions`): on the CPU at one intra-op thread, where
+        it is tested bit for bit against each prompt alone; ATen splits an elementwise operator's range between
+        threads at places that depend on the tensor's size, and on CUDA the GEMMs' summation order depends on
+        the row count."""
+        return torch.device(self.gen.device).type == "cpu" and torch.get_num_threads() == 1
+
+    def _prefill_group(self, seqs: list[_Sequence], size: int, finished: list) -> None:
+        """Prefill the whole prompts of `seqs` (all `size` tokens long) in one forward over a KVCache of
+        len(seqs) sequences, then enter each as `_prefill` does; the forward's time is shared among them."""
+        t0 = time.perf_counter()
+        cache = self.model.new_cache(len(seqs))
+        ids = torch.tensor([seq.request.prompt_ids for seq in seqs], device=self.gen.device)
+        with kernels_reference.sequences_apart(len(seqs)):  # each prompt's sigmoid/softplus bits as alone
+            logits = self.model(ids, start_pos=0, cache=cache)
+        _sync(self.gen.device)
+        share = (time.perf_counter() - t0) / len(seqs)
+        for src, seq in enumerate(seqs):
+            seq.done_tokens = size
+            seq.prefill_seconds += share
+            seq.prefill_stats = {"cached_tokens": 0, "replayed_tokens": 0, "prefilled_tokens": size,
+                                 "decoder_tokens": size, "prefix_hit": None}
+            self._enter(seq, logits[src:src + 1], cache, src, None, finished)
 
     def _next_chunk(self, seq: _Sequence) -> int:
         """The prompt tokens `seq`'s next prefill forward takes. A prompt is cut at fixed multiples of the
@@ -607,26 +666,33 @@ class Scheduler:
                 return
             seq.prefill_stats = {"cached_tokens": 0, "replayed_tokens": 0, "prefilled_tokens": len(ids),
                                  "decoder_tokens": len(ids), "prefix_hit": None}
+            taps = None
         else:
             seq.cache, logits, taps, seq.prefill_stats = self.gen._prompt(ids, seq.config, seq.request.images)
         _sync(self.gen.device)
         seq.prefill_seconds += time.perf_counter() - t0
         self.prefilling = None
+        cache, seq.cache = seq.cache, None
+        self._enter(seq, logits, cache, 0, taps, finished)
+
+    def _enter(self, seq: _Sequence, logits: torch.Tensor, cache: KVCache, src: int, taps, finished: list) -> None:
+        """A prompt just prefilled into sequence `src` of `cache` (logits [1, V]): commit its first token, then
+        load it into the next free row, or finish it, or (DSpark) start its speculative steps."""
         seq.started = time.perf_counter()
         check_finite(logits, self.gen.source)
         if seq.config.dspark:  # its first step (next scheduler step) commits the prompt's next token
-            seq.spec = self.gen._speculate(seq.cache, logits, taps, ids, seq.config, seq.sampler, seq.budget,
-                                           seq.request.on_token, seq.out)
+            seq.cache = cache
+            seq.spec = self.gen._speculate(cache, logits, taps, seq.request.prompt_ids, seq.config, seq.sampler,
+                                           seq.budget, seq.request.on_token, seq.out)
             self.speculating.append(seq)
             return
         self._commit(seq, int(logits[0].argmax()) if seq.sampler.greedy else int(seq.sampler(logits[0])))
         if seq.finish:
-            self._store_prefix(seq, seq.cache)
+            seq.kv_bytes_per_token = cache_bytes_per_token(cache)  # per token and sequence: any of a batch
+            self._store_prefix(seq, cache)
             finished.append(seq)
             return
-        row = len(self.running)
-        self.cache.load(row, seq.cache)
-        seq.cache = None
+        self.cache.load(len(self.running), cache, src)
         self.running.append(seq)
 
     def _decode(self, finished: list) -> None:

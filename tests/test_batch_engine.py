@@ -112,6 +112,21 @@ def test_per_row_gives_each_row_its_one_row_bits(fn):
     assert torch.equal(reference.per_row(fn, x).view(torch.int32), fn(x).view(torch.int32))
 
 
+@pytest.mark.parametrize("fn", [torch.sigmoid, torch.nn.functional.softplus], ids=["sigmoid", "softplus"])
+def test_per_row_gives_each_sequence_of_a_batched_prefill_its_bits_alone(fn):
+    """reference.per_row inside sequences_apart(5): five sequences' router scores ([5 x 3 tokens, 8]) give, sequence
+    by sequence, the bits of each sequence's [3, 8] alone. fn over all 120 elements puts the first 96 in ATen's
+    vector code, where alone they are 24 and take its scalar loop (which rounds differently on some CPUs)."""
+    from dsv41.model.kernels import reference
+
+    x = torch.randn(15, 8, generator=torch.Generator().manual_seed(1)) * 6
+    alone = torch.cat([fn(x[3 * i:3 * i + 3].clone()) for i in range(5)])
+    with reference.sequences_apart(5):
+        apart = reference.per_row(fn, x)
+    assert apart.shape == x.shape
+    assert torch.equal(apart.view(torch.int32), alone.view(torch.int32))
+
+
 def test_a_rows_compressor_projections_do_not_depend_on_the_batch(tiny_model, monkeypatch):
     """The decode step's fp32 compressor projections (kv, gate score) of a row are the bits it gets alone. They
     are summed in the fixed order on the CPU: MKL's sgemm sums one row (a GEMV) differently from several, which
@@ -261,6 +276,81 @@ def test_scheduler_matches_each_request_alone(tiny_model):
     assert [r.output_ids for r in together] == alone
     assert sorted(order) == list(range(len(ids))) and order != list(range(len(ids)))  # short ones first
     assert all(len(r.output_ids) == n and r.finish_reason == "length" for r, n in zip(together, lengths))
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as `dsv41` runs a small model (and as the scheduler's batched prefill requires)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def row_state(cache: BatchCache, row: int) -> list[torch.Tensor]:
+    """Everything a BatchCache keeps of one row."""
+    out = []
+    for store in (cache.window_codes, cache.window_scales, cache.window_values or {}, cache.pending_kv,
+                  cache.pending_score, cache.n_compressed):
+        out += [store[layer][row] for layer in sorted(store)]
+    for store in (cache.main, cache.index_keys):
+        out += [t[row] for layer in sorted(store) for t in store[layer]]
+    if cache.engram_history is not None:
+        out.append(cache.engram_history[row])
+    return out + [cache.window_floor[:, row], cache.positions[row]]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("length", [1, 3, 8, 9, 17, 40])
+def test_a_batched_prefill_gives_each_prompt_its_bits_alone(tiny_model, one_thread, length):
+    """Prompts of one length prefilled in one forward (the scheduler's batched prefill): each one's last logits and
+    the row it loads (window ring, compressed entries, index keys, the compressors' open groups, Engram history)
+    are the bits of its prefill alone, and so are its decode steps after it. The compressors' fp32 projections are
+    the part that needed care: MKL's sgemm sums a row differently at 3 rows and at 15 (attention.py)."""
+    ids = prompts([length] * 5, seed=length)
+    kv = tiny_model.new_cache(5)
+    logits = tiny_model(torch.tensor(ids), 0, kv)
+    for src, seq in enumerate(ids):
+        together = BatchCache(tiny_model.args, 16, tiny_model.args.max_seq_len)
+        together.load(0, kv, src)
+        alone_kv, alone_logits = prefilled(tiny_model, seq)
+        alone = BatchCache(tiny_model.args, 16, tiny_model.args.max_seq_len)
+        alone.load(0, alone_kv)
+        assert torch.equal(logits[src], alone_logits), src
+        assert all(torch.equal(a, b) for a, b in zip(row_state(together, 0), row_state(alone, 0))), src
+        for step in range(4):
+            token = torch.tensor([teacher_tokens(step, seq)])
+            assert torch.equal(tiny_model.decode(token, together), tiny_model.decode(token, alone)), (src, step)
+
+
+def test_equal_length_prompts_prefill_together(tiny_model, one_thread, monkeypatch):
+    """The scheduler prefills waiting prompts of one length in one forward, within its per-step prompt tokens
+    (prefill_chunk) and free rows; each request's tokens are those it gets alone. At two intra-op threads it
+    prefills each alone."""
+    gen = Generator(tiny_model)
+    ids = prompts((9, 17, 9, 9, 5, 17, 9, 9, 9), seed=2)
+    lengths = (6, 4, 9, 3, 7, 5, 8, 2, 6)
+    groups = []
+    real = Scheduler._prefill_group
+
+    def spy(self, seqs, size, finished):
+        groups.append((size, len(seqs)))
+        return real(self, seqs, size, finished)
+
+    monkeypatch.setattr(Scheduler, "_prefill_group", spy)
+    alone = [gen.generate(p, greedy(n)).output_ids for p, n in zip(ids, lengths)]
+    assert groups == []  # one request at a time: nothing to group
+    scheduler = Scheduler(gen, max_batch_size=8, prefill_chunk=40)
+    for i, (p, n) in enumerate(zip(ids, lengths)):
+        scheduler.submit(Request(p, greedy(n)), key=i)
+    together = dict(scheduler.run())
+    assert [together[i].output_ids for i in range(len(ids))] == alone
+    assert groups[:2] == [(9, 4), (17, 2)]  # 4 x 9 tokens in the first step's 40, then both 17s
+    assert all(size * n <= 40 for size, n in groups)
+    groups.clear()
+    torch.set_num_threads(2)
+    again = gen.generate_many([Request(p, greedy(n)) for p, n in zip(ids, lengths)], max_batch_size=4)
+    assert [r.output_ids for r in again] == alone and groups == []
 
 
 def test_long_prompts_prefill_in_chunks_between_decode_steps(tiny_model):

@@ -53,14 +53,34 @@ def row_invariant():
         _ROW_INVARIANT.reset(token)
 
 
+# A forward over several sequences of one length that must give each the bits of its forward alone (the
+# scheduler's batched prefill, model/engine.py): `per_row` then computes fn over each sequence's part apart, so
+# that every element sits where it sits in that sequence's own tensor (its place decides vector or scalar code).
+_SEQUENCES = contextvars.ContextVar("dsv41_sequences", default=1)
+
+
+@contextlib.contextmanager
+def sequences_apart(n: int):
+    """Within it, `per_row` computes fn over each of the n equal leading parts of its tensor (sequence-major) on
+    its own."""
+    token = _SEQUENCES.set(n)
+    try:
+        yield
+    finally:
+        _SEQUENCES.reset(token)
+
+
 def per_row(fn, t: torch.Tensor) -> torch.Tensor:
     """fn(t) for an elementwise fn (sigmoid, softplus); inside `row_invariant()` each element computed by ATen's
     scalar loop (t read through a view with a stride of 2 elements), so its bits do not depend on its place.
     Rows of whole vector chunks (a last dim that is a multiple of VECTOR_CHUNK: V4.1's 256 router scores) take
-    the vector code in any batch and are left to it."""
-    if not _ROW_INVARIANT.get() or t.shape[-1] % VECTOR_CHUNK == 0:
-        return fn(t)
-    return fn(torch.stack((t, t), dim=-1)[..., 0])
+    the vector code in any batch and are left to it. Inside `sequences_apart(n)`, fn of each sequence's part."""
+    if _ROW_INVARIANT.get() and t.shape[-1] % VECTOR_CHUNK != 0:
+        return fn(torch.stack((t, t), dim=-1)[..., 0])
+    n = _SEQUENCES.get()
+    if n > 1:
+        return torch.cat([fn(part) for part in t.contiguous().view(n, -1)]).view(t.shape)
+    return fn(t)
 
 
 # --------------------------------------------------------------------------------- sparse attention
