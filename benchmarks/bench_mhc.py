@@ -9,10 +9,11 @@ graphs at 4096 and 16384 tokens (from --sweep-min on) against the default in the
 graph_us, graph_x_floor), each checked against the torch reference (max_rel_err: the largest relative error over
 X', the collapse and the coefficients). --sweep-set old: only the previous default (mhc.OLD_DEFAULT) beside the default; all: every
 schedule of SWEEP too; xonce: OLD_DEFAULT and XONCE_SWEEP (x_once tiles, warps, stages and residual-kernel
-programs per SM around the default). --repeat R times the sweep R times in one run (rows of pass r > 1 end in
+programs per SM around the default); ranges: the channel ranges by the rule before h200-2026-12-04 (mhc.RANGE_RULE
+"fill") beside the default ("waves"). --repeat R times the sweep R times in one run (rows of pass r > 1 end in
 "#r"); each pass times the default first and again last ("default (end)"), so the spread of one schedule within
 the run is in the output.
-Usage: python benchmarks/bench_mhc.py [--json F] [--quick] [--no-sweep] [--sweep-set all|old|xonce]
+Usage: python benchmarks/bench_mhc.py [--json F] [--quick] [--no-sweep] [--sweep-set all|old|xonce|ranges]
        [--repeat R] [--sweep-min M] [--tokens M ...] [--no-ref]
 """
 
@@ -66,6 +67,11 @@ XONCE_SWEEP = [dict(tile=(32, 64, 2), num_warps=4, x_once=True),
                dict(tile=(32, 64, 3), num_warps=4, x_once=True, per_sm=8)]
 
 
+# The residual kernel's channel ranges by the rule before h200-2026-12-04 ("fill": as many ranges as fill the
+# machine, whatever waves they make) against the default ("waves"), same tile.
+RANGES_SWEEP = [dict(ranges="fill")]
+
+
 def _rel_err(out, ref) -> float:
     """The largest relative error (Frobenius) over the step's five outputs."""
     return max(float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)) for a, b in zip(out, ref))
@@ -77,12 +83,12 @@ def run(json_path=None, do_sweep=True, sweep_set="all", tokens=(1, 64, 4096, 163
     from dsv41.model.kernels.mhc import launch_config, mhc_step
 
     sweep = {"old": [mhc.OLD_DEFAULT], "all": [mhc.OLD_DEFAULT] + SWEEP,
-             "xonce": [mhc.OLD_DEFAULT] + XONCE_SWEEP}[sweep_set]
+             "xonce": [mhc.OLD_DEFAULT] + XONCE_SWEEP, "ranges": RANGES_SWEEP}[sweep_set]
     rows = []
     n_mix = (N_S + 2) * N_S
     fn = torch.randn(n_mix, N_S * DIM, device="cuda") * (N_S * DIM) ** -0.5
     scale, base = torch.rand(3, device="cuda"), torch.randn(n_mix, device="cuda") * 0.1
-    target_programs = mhc._target_programs
+    target_programs, range_rule = mhc._target_programs, mhc.RANGE_RULE
     for M in tokens:
         x = torch.randn(M, 1, N_S, DIM, device="cuda", dtype=torch.bfloat16)
         y = torch.randn(M, 1, DIM, device="cuda", dtype=torch.bfloat16)
@@ -106,6 +112,7 @@ def run(json_path=None, do_sweep=True, sweep_set="all", tokens=(1, 64, 4096, 163
                 for i, change in enumerate(schedules):
                     change = dict(change)
                     per_sm = change.pop("per_sm", None)
+                    mhc.RANGE_RULE = change.pop("ranges", range_rule)
                     mhc.TUNE.update(saved, **change)
                     if per_sm:
                         mhc._target_programs = lambda device, k=per_sm: (
@@ -114,6 +121,7 @@ def run(json_path=None, do_sweep=True, sweep_set="all", tokens=(1, 64, 4096, 163
                         g = graph_bench(lambda: mhc_step(*args))
                         name = ("default" if i == 0 else "default (end)" if i == len(schedules) - 1
                                 else "old default" if change == mhc.OLD_DEFAULT
+                                else f"ranges={mhc.RANGE_RULE}" if mhc.RANGE_RULE != range_rule
                                 else dict(change, per_sm=per_sm) if per_sm else change)
                         rows.append(record("mhc_sweep", f"sweep M={M} {name}{f' #{r + 1}' if r else ''}", g, bytes_,
                                            flops, graph_us=g * 1e6, max_rel_err=_rel_err(mhc_step(*args), ref),
@@ -123,6 +131,7 @@ def run(json_path=None, do_sweep=True, sweep_set="all", tokens=(1, 64, 4096, 163
                         print(f"!! sweep {change} per_sm={per_sm}: {type(e).__name__}: {e}")
                     finally:
                         mhc._target_programs = target_programs
+                        mhc.RANGE_RULE = range_rule
             mhc.TUNE.clear()
             mhc.TUNE.update(saved)
     for r in rows:
@@ -137,7 +146,7 @@ if __name__ == "__main__":
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true", help="short timing windows (one short GPU run)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the residual kernel's schedule sweep")
-    ap.add_argument("--sweep-set", choices=("all", "old", "xonce"), default="all",
+    ap.add_argument("--sweep-set", choices=("all", "old", "xonce", "ranges"), default="all",
                     help="old: only the previous default (mhc.OLD_DEFAULT) beside the default; all: SWEEP too; "
                          "xonce: XONCE_SWEEP (x_once tiles, warps, stages, programs per SM) beside OLD_DEFAULT")
     ap.add_argument("--repeat", type=int, default=1, help="time the sweep this many times in the run")

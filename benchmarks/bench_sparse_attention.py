@@ -49,13 +49,14 @@ def make(B, T, N, device="cuda"):
 # programs per SM (fewer partials), pipeline depth, 32-row tiles
 SWEEP = [dict(SPLIT_BK=16, SPLIT_STAGES=2),  # the launch before 2026-12-02
          dict(SPLIT_BK=16, SPLIT_STAGES=1), dict(SPLIT_PER_SM=1), dict(SPLIT_PER_SM=4), dict(SPLIT_STAGES=2),
-         dict(SPLIT_WARPS=4)]
+         dict(SPLIT_WARPS=4),
+         dict(SPLIT_RULE="share")]  # the segments' splits by split_config's shared tile count (before h200-2026-12-04)
 
 
 def sweep(rows, args, label, io_bytes, flops):
     from dsv41.model.kernels import sparse_attention as sa
 
-    base = {k: getattr(sa, k) for k in ("SPLIT_WARPS", "SPLIT_PER_SM", "SPLIT_STAGES", "SPLIT_BK")}
+    base = {k: getattr(sa, k) for k in ("SPLIT_WARPS", "SPLIT_PER_SM", "SPLIT_STAGES", "SPLIT_BK", "SPLIT_RULE")}
     for change in [{}] + SWEEP:
         for k, v in {**base, **change}.items():
             setattr(sa, k, v)
@@ -93,8 +94,9 @@ def run(json_path=None, variant="both", do_sweep=True):
             extra = {"variant": v}
             if v == "split" or (v == "auto" and H <= sa.SPLIT_MAX_HEADS and (T == 1 or sa.PREFILL_VARIANT == "split")):
                 group = min(B * T, sa.SPLIT_GROUP_ROWS)  # _launch_split's split choice: one group's rows
-                _, tiles, seg_splits = sa.split_config(group, [KW, KM], D, sa._sm_count(q.device))
-                extra.update(splits=sum(seg_splits), tiles_per_split=tiles, groups=-(-B * T // group),
+                _, plan = sa.segment_splits(group, [KW, KM], D, sa._sm_count(q.device))
+                seg_splits = [n for _, n in plan]
+                extra.update(splits=sum(seg_splits), tiles_per_split=[t for t, _ in plan], groups=-(-B * T // group),
                              partial_bytes=2 * B * T * sum(seg_splits) * H * D * 4,
                              graph_us=graph_bench(fn) * 1e6)
             if ref_us is not None:
@@ -104,7 +106,7 @@ def run(json_path=None, variant="both", do_sweep=True):
             rows.append(case_rows[v])
         if "split" in case_rows and "tiles" in case_rows:  # the ratio against the previous kernel, same run
             case_rows["split"]["tiles_over_split"] = case_rows["tiles"]["us"] / case_rows["split"]["us"]
-        if do_sweep and B == 64 and N == 4096:
+        if do_sweep and B == 64:
             sweep(rows, args, label, io + kv_bytes, flops)
         args = None  # free the case's tensors before the next one
         del q, wc, ws, mc, ms

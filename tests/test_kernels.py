@@ -183,9 +183,9 @@ def test_sparse_attention_split_decode_interpreted(shape):
         widx[2] = -1
     sink = sink * 3
     B, _, H, D = q.shape
-    from dsv41.model.kernels.sparse_attention import SPLIT_BK, split_config
+    from dsv41.model.kernels.sparse_attention import segment_splits
 
-    _, _, seg_splits = split_config(B, [widx.size(-1), midx.size(-1)], D, 132)
+    seg_splits = [n for _, n in segment_splits(B, [widx.size(-1), midx.size(-1)], D, 132)[1]]
     assert sum(seg_splits) > 1  # the merge is exercised
     calls = []
     launch = sparse_attention._launch_split
@@ -219,7 +219,7 @@ def test_sparse_attention_prefill_takes_split_in_row_groups_interpreted(monkeypa
     0-2, then 3-5 across the batch rows, then a shorter 6-7) the output is bit for bit the one-group output
     (same split choice, same per-token work) and matches the reference; the empty query stays 0."""
     from dsv41.model.kernels import _triton_sparse_attention as kernels
-    from dsv41.model.kernels.sparse_attention import split_config
+    from dsv41.model.kernels.sparse_attention import segment_splits
 
     calls, combines = [], []
     for kind in ("split", "tiles"):
@@ -243,7 +243,7 @@ def test_sparse_attention_prefill_takes_split_in_row_groups_interpreted(monkeypa
     calls.clear()
     B, T, H, D = q.shape
     assert B * T <= sparse_attention.SPLIT_GROUP_ROWS
-    assert split_config(3, [5, 70], D, 132) == split_config(B * T, [5, 70], D, 132)  # what bit for bit needs
+    assert segment_splits(3, [5, 70], D, 132) == segment_splits(B * T, [5, 70], D, 132)  # what bit for bit needs
     for m_codes, m_scales, m_idx in ((mc, ms, midx), (None, None, None)):  # and window-only (one segment)
         args = (q, wc, ws, m_codes, m_scales, sink, widx, m_idx, 0.125)
         whole = sparse_attention.sparse_attention_packed(*args, force_triton=True)
@@ -278,6 +278,30 @@ def test_sparse_attention_split_empty_segments_interpreted():
             assert torch.equal(out, torch.zeros_like(out))
         else:
             assert out.abs().amax() > 0
+
+
+def test_sparse_attention_segment_splits(monkeypatch):
+    """The split path's plan (segment_splits): every tile covered, no split empty; each segment cut on its own into
+    whole waves of SMs x SPLIT_RESIDENT programs. Decode at B = 64 (V4.1: 128 window rows, 512 main rows, 32-row
+    tiles): 2 splits of 2 tiles and 2 of 8 (128 programs a launch), where split_config's shared tile count ("share")
+    gave 1 of 4 (64 programs) and 4 of 4 (256); one sequence: one tile a split; a prefill group of 1024 rows: one
+    split a segment, as before."""
+    from dsv41.model.kernels import sparse_attention as sa
+
+    for rows, counts, D in [(1, [128, 512], 512), (8, [128, 512], 512), (64, [128, 512], 512),
+                            (4096, [128, 512], 512), (3, [70, 150], 64), (1, [5], 64), (2, [0, 33], 512)]:
+        BK, plan = sa.segment_splits(rows, counts, D, 132)
+        assert BK == (sa.SPLIT_BK if D >= 256 else 64)
+        for k, (tiles, n) in zip(counts, plan):
+            n_tiles = -(-k // BK)
+            assert tiles >= 1 and n * tiles >= n_tiles and (n - 1) * tiles < max(n_tiles, 1)  # covered, none empty
+    assert sa.segment_splits(64, [128, 512], 512, 132)[1] == [(2, 2), (8, 2)]
+    assert sa.segment_splits(1, [128, 512], 512, 132)[1] == [(1, 4), (1, 16)]
+    assert sa.segment_splits(1024, [128, 512], 512, 132)[1] == [(4, 1), (16, 1)]
+    assert sa.segment_splits(2, [0, 33], 512, 132)[1][0][1] == 0  # an empty segment: no launch
+    monkeypatch.setattr(sa, "SPLIT_RULE", "share")
+    BK, tiles, seg = sa.split_config(64, [128, 512], 512, 132)
+    assert sa.segment_splits(64, [128, 512], 512, 132) == (BK, [(tiles, n) for n in seg]) == (32, [(4, 1), (4, 4)])
 
 
 def test_sparse_attention_split_config():
@@ -388,6 +412,28 @@ def test_mhc_channel_ranges_interpreted(monkeypatch, programs):
     check_mhc(mhc_case(1, 1, 4, 80, seed=programs), force=True, tol_x=2e-3, tol_c=1e-4)
 
 
+def test_mhc_channel_ranges_fill_whole_waves(monkeypatch):
+    """The residual kernel's channel ranges (mhc._blocks_per_range) at V4.1-Flash width (d = 5120, the 16 x 64 tile:
+    80 channel blocks) on 132 SMs x 4 programs: a grid of whole waves where the rule before it made 1.09-1.45 waves
+    (1024-4096 tokens), the same grids elsewhere (one token: one block per program; 16384 tokens: one range)."""
+    target = 528
+    monkeypatch.setattr(mhc, "_target_programs", lambda device: target)
+    cpu = torch.device("cpu")
+    waves = {}
+    for rule in ("fill", "waves"):
+        monkeypatch.setattr(mhc, "RANGE_RULE", rule)
+        for M in (1, 64, 1024, 2048, 4096, 8192, 16384):
+            cfg = mhc.launch_config(M, 5120, cpu)
+            assert cfg["grid"][1] * cfg["blocks_per_range"] >= 5120 // cfg["BD"]  # every channel block covered
+            waves[rule, M] = cfg["grid"][0] * cfg["grid"][1] / target
+    assert waves["fill", 4096] == 768 / target and waves["waves", 4096] == 512 / target
+    for M in (1024, 2048, 4096, 8192):
+        assert waves["waves", M] <= 1 < waves["fill", M]
+    for M in (1, 64, 16384):
+        assert waves["waves", M] == waves["fill", M]
+    assert mhc.launch_config(1, 5120, cpu)["blocks_per_range"] == 1
+
+
 @interp
 def test_mhc_forced_tile_interpreted(monkeypatch):
     """`launch_config(..., tile=)` (the tile sweep of benchmarks/diagnose_gaps.py): the forced tile is the one
@@ -421,10 +467,10 @@ MHC_TILES = [((64, 16, 2), 4), ((64, 32, 2), 4), ((64, 32, 3), 4), ((128, 32, 2)
 @interp
 @pytest.mark.parametrize("tile,warps", MHC_TILES)
 def test_mhc_x_once_every_tile_interpreted(monkeypatch, tile, warps):
-    """x_once at each tile: 300 tokens (ragged last token block), d = 192 (3 to 12 channel blocks), 30 target
+    """x_once at each tile: 300 tokens (ragged last token block), d = 192 (3 to 12 channel blocks), 40 target
     programs (several channel ranges per token block). With the default TUNE: 300 tokens at d = 96 and 80 (not
     multiples of 64: the 64 x 16 fallback, with x_once), and 37 tokens (the 16 x 32 small-M tile, x_once off)."""
-    monkeypatch.setattr(mhc, "_target_programs", lambda device: 30)
+    monkeypatch.setattr(mhc, "_target_programs", lambda device: 40)
     if tile == mhc.TUNE["tile"]:
         assert mhc.TUNE == dict(tile=tile, num_warps=warps, x_once=True)  # the default, checked as it stands
         for T, d, want in ((300, 96, (64, 16, 2, True, 4)), (300, 80, (64, 16, 2, True, 4)),

@@ -9,8 +9,9 @@ products.
 
 Two kernels. The split kernel runs for decode (T = 1) and prefill when H <= 64 (PREFILL_VARIANT; `variant=
 "split"` forces it): flash-decoding. Each query token's index list, [window ; main] cut into tiles of BK rows (each segment
-padded to whole tiles), is split across programs (split_config: about 2 x SMs programs in all, so decode at
-B = 1 gets one split per tile and a long prefill one split per segment); each split_kernel program takes ALL
+padded to whole tiles), is split across programs (segment_splits: each segment's launch in whole waves of the
+programs the SMs hold, at most about 2 x SMs programs, so decode at B = 1 gets one split per tile and a long
+prefill one split per segment); each split_kernel program takes ALL
 heads of its (token, split), so every gathered row is decoded once and used by every head ([H, D] x [D, BK]
 then [H, BK] x [BK, D]), loads each row as contiguous bytes (the FP4 nibbles are decoded apart and
 interleaved with join + reshape), and writes a normalised fp32 partial output with its max and sum; one
@@ -138,6 +139,46 @@ def split_config(rows: int, counts: list[int], D: int, sms: int) -> tuple[int, i
     return BK, tiles, [-(-n // tiles) for n in seg_tiles]
 
 
+# How the split path cuts each segment's tiles into splits: "waves" (the default since h200-2026-12-04: decode at
+# B=64 103.9 against 124.5 µs GPU time at 128K in the same run) or "share", split_config's rule before it
+# (bench_sparse_attention.py's sweep times the two in one run).
+SPLIT_RULE = "waves"
+# Split-kernel programs an SM holds at once at V4.1's D = 512, H = 64: one (255 registers x 256 threads, 131 KB of
+# shared memory; ncu, h200-2026-12-04). The waves rule counts in units of SMs x this.
+SPLIT_RESIDENT = 1
+
+
+def segment_splits(rows: int, counts: list[int], D: int, sms: int) -> tuple[int, list[tuple[int, int]]]:
+    """(BK, [(tiles per split, splits)] of each segment) for `rows` query tokens whose index lists hold `counts`
+    indices per segment. The segments launch one after the other, so each is cut on its own ("waves"): into the
+    split count whose grid finishes soonest, counted as the waves of sms x SPLIT_RESIDENT programs it makes times the
+    tiles each program walks (ties: fewer splits, fewer fp32 partials), at most about SPLIT_PER_SM x sms programs a
+    segment as split_config allows (each split writes H x D fp32 partials). split_config's shared tile count ("share")
+    gave decode at B = 64 a window launch of 64 programs, one wave on half the SMs, and a main launch of 256, two
+    waves; "waves" gives 128 and 128. Every tile covered, no split empty."""
+    if SPLIT_RULE == "share":
+        BK, tiles, seg = split_config(rows, counts, D, sms)
+        return BK, [(tiles, n) for n in seg]
+    BK = SPLIT_BK if D >= 256 else 64
+    slots = max(1, sms * SPLIT_RESIDENT)
+    most = max(1, -(-SPLIT_PER_SM * sms // max(rows, 1)))  # split_config's bound on rows x splits: the partials
+    plan = []
+    for k in counts:
+        n_tiles = -(-k // BK)
+        if n_tiles == 0:
+            plan.append((1, 0))
+            continue
+        best = None
+        for splits in range(1, min(n_tiles, most) + 1):
+            tiles = -(-n_tiles // splits)
+            used = -(-n_tiles // tiles)  # splits that get a tile (never an empty one)
+            cost = -(-max(rows, 1) * used // slots) * tiles
+            if best is None or cost < best[0]:
+                best = (cost, tiles, used)
+        plan.append(best[1:])
+    return BK, plan
+
+
 def _sm_count(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -161,7 +202,8 @@ def _launch_split(q, sink, scale, segments):
     # one split choice for every group (a full group's, also the last, shorter one's): the partial buffer fits
     # each group, and a token's splits do not depend on the group it falls in
     counts = [idx.size(-1) for _, _, _, idx in segments]
-    BK, tiles, seg_splits = split_config(group_rows, counts, D, _sm_count(q.device))
+    BK, plan = segment_splits(group_rows, counts, D, _sm_count(q.device))
+    seg_splits = [n for _, n in plan]
     splits = max(sum(seg_splits), 1)
     BH = max(16, triton.next_power_of_2(H))
     po = torch.empty(group_rows, splits, H, D, dtype=torch.float32, device=q.device)
@@ -173,18 +215,18 @@ def _launch_split(q, sink, scale, segments):
         po.zero_()
     launched = []  # (fmt, codes, scales, idx, first split, splits) of the segments that have indices
     split0 = 0
-    for (fmt, codes, scales, idx), n in zip(segments, seg_splits):
+    for (fmt, codes, scales, idx), (tiles, n) in zip(segments, plan):
         if n == 0:
             continue
         codes = codes.contiguous()
         scales = codes if scales is None else scales.contiguous()
         idx = idx.to(torch.int32).expand(B, T, -1).contiguous()
-        launched.append((fmt, codes, scales, idx, split0, n))
+        launched.append((fmt, codes, scales, idx, split0, n, tiles))
         split0 += n
     BHC, BD = 16, min(D, 128)
     for row0 in range(0, R, group_rows):
         rows = min(group_rows, R - row0)
-        for fmt, codes, scales, idx, split0, n in launched:
+        for fmt, codes, scales, idx, split0, n, tiles in launched:
             split_kernel[(rows, n)](q, sink, po, pm, pl, q.stride(0), q.stride(1), q.stride(2), T, H, float(scale),
                                     row0, tiles, split0, splits, codes, scales, codes.stride(0), codes.stride(1),
                                     scales.stride(0), scales.stride(1), idx, idx.stride(0), idx.stride(1),
