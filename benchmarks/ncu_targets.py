@@ -8,6 +8,7 @@ it, so `ncu --profile-from-start off --nvtx` records exactly these launches, lab
     indexer dense 64K / 1M        indexer scores, B=4 decode queries, 32 heads x 128, MXFP4 keys
     attention decode 128K         sparse attention, split kernel + combine, B=64, Kw=128, Km=512 of N=64K
     attention prefill 4096        sparse attention prefill, T=4096 tokens over N=4096 entries (the split path)
+    experts T=64 / T=4096         the routed FP4 experts of one MoE layer (384 x 5120 -> 2304 -> 5120, top-6)
 
     ncu --clock-control none --profile-from-start off --nvtx --section SpeedOfLight --section Occupancy \\
         --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \\
@@ -65,7 +66,18 @@ def attention_cases():
         yield label, (lambda a=args: sa.sparse_attention_packed(*a, variant="split"))
 
 
-FAMILIES = {"mhc": mhc_cases, "indexer": indexer_cases, "attention": attention_cases}
+def experts_cases():
+    from bench_experts import LIMIT, make_experts, routed_inputs
+    from dsv41.model.kernels import experts as ek
+
+    ew = make_experts()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T in (64, 4096):
+        x, w, idx = routed_inputs(T, g)
+        yield f"experts T={T}", (lambda a=(x, w, idx): ek.routed_experts(*a, ew, LIMIT))
+
+
+FAMILIES = {"mhc": mhc_cases, "indexer": indexer_cases, "attention": attention_cases, "experts": experts_cases}
 
 
 def main() -> int:

@@ -44,8 +44,8 @@ class ScriptedRows:
         self.key, self.step = [None] * n_rows, [0] * n_rows
         self.lengths = [0] * n_rows
 
-    def load(self, row, kv):
-        self.key[row], self.step[row], self.lengths[row] = kv.key, kv.pos - kv.prompt_len, kv.pos
+    def load(self, row, kv, src=0):
+        self.key[row], self.step[row], self.lengths[row] = kv.key[src], kv.pos - kv.prompt_len, kv.pos
 
     def move(self, src, dst):
         self.key[dst], self.step[dst], self.lengths[dst] = self.key[src], self.step[src], self.lengths[src]
@@ -84,12 +84,12 @@ class ScriptedModel(torch.nn.Module):
         return logits
 
     def forward(self, ids, start_pos=0, cache=None, all_logits=False):
-        assert start_pos == cache.pos and ids.size(0) == 1
-        if start_pos == 0:  # the prompt's first token names the script
-            cache.key = int(ids[0, 0])
+        assert start_pos == cache.pos and ids.size(0) == cache.batch_size
+        if start_pos == 0:  # the prompt's first token names the script (one per sequence: a batched prefill)
+            cache.key = [int(i) for i in ids[:, 0]]
         cache.pos += ids.size(1)
         cache.prompt_len = cache.pos
-        return self._logits([(cache.key, 0)])
+        return self._logits([(key, 0) for key in cache.key])
 
     def decode(self, ids, rows):
         assert ids.dim() == 1 and all(rows.key[r] is not None for r in range(ids.size(0)))
