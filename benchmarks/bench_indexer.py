@@ -36,7 +36,8 @@ def pool_blocks(B: int, N: int, block: int = 8) -> torch.Tensor:
 
 # score-kernel schedules timed against the default (TUNE) in the same run
 SWEEP = [dict(per_sm=2, num_warps=8, num_stages=3, BN=128, decode_bf16=False),  # the schedule before 2026-12-02
-         dict(per_sm=2, num_warps=8, BN=128), dict(BN=128), dict(num_stages=4), dict(per_sm=6), dict(BN=32, per_sm=8)]
+         dict(per_sm=2, num_warps=8, BN=128), dict(BN=128), dict(num_stages=4), dict(per_sm=6), dict(BN=32, per_sm=8),
+         dict(decode_bf16="e4m3"), dict(decode_bf16="e4m3", per_sm=6), dict(decode_bf16=True)]
 
 
 def sweep(rows, q, w, kc, ks, vis, B, N):

@@ -368,6 +368,26 @@ def test_indexer_bf16_key_decode_interpreted(monkeypatch):
 
 
 @interp
+def test_indexer_e4m3_key_decode_interpreted(monkeypatch):
+    """The key decode through the E4M3 conversion (TUNE["decode_bf16"] = "e4m3": the codes / 64, the queries x 64)
+    gives the bits of the decode from bits, in REF's bf16-rounded scores too, over keys holding every E2M1 code
+    (the subnormal 0.5 and -0 included) and scales from 2^-20 to 2^20."""
+    q, w, kc, ks, vis, _ = indexer_case(2, 1, 8, 64, 300, 200, seed=9)
+    kc = torch.arange(kc.numel(), dtype=torch.int64).remainder(256).to(torch.uint8).view_as(kc)  # every byte
+    ks = torch.randint(107, 148, ks.shape, generator=torch.Generator().manual_seed(9), dtype=torch.int64).to(torch.uint8)
+    outs = []
+    for decode in (True, "e4m3"):
+        monkeypatch.setitem(indexer.TUNE, "decode_bf16", decode)
+        outs.append([indexer.indexer_scores(x, w, kc, ks, vis, bf16_scores=b, force_triton=True)
+                     for x in (q, q.bfloat16()) for b in (False, True)])  # fp32 and bf16 queries (the model's)
+    for a, b in zip(*outs):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    ref = reference.indexer_scores(q, w, kc, ks, vis)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(outs[1][0]), finite) and rel_err(outs[1][0][finite], ref[finite]) < 1e-5
+
+
+@interp
 @pytest.mark.parametrize("case", ["distinct", "ties", "few visible", "k > L", "gather"])
 def test_topk_select_interpreted(case):
     """The radix-select Top-K against torch.topk + sort: rows of 1300 scores walked in chunks of 64 by 2
@@ -544,7 +564,7 @@ def test_indexer_gpu(shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("decode_bf16", [False, True])
+@pytest.mark.parametrize("decode_bf16", [False, True, "e4m3"])
 def test_indexer_topk_gpu(monkeypatch, decode_bf16):
     """The fused Top-K at the benchmark's shapes (B=4 decode queries, 32 heads x 128, Top-512): dense over
     200000 entries with visible counts below and above k, and over a 16384-candidate pool; against

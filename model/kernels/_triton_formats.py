@@ -138,6 +138,16 @@ def e2m1_to_bf16(c):
 
 
 @triton.jit
+def e2m1_to_bf16_by_e4m3(c):
+    """4-bit E2M1 codes (int32 0..15, bit 3 = sign) -> bf16 of the value / 64, exact, through the hardware's E4M3
+    conversion: the code's bits placed as an E4M3 byte's, s 0 0 e e m 0 0, read as E4M3 are the E2M1 value times
+    2^-6, subnormals (code 1: 0.5) and the sign of -0 (code 8) included. The caller multiplies the other operand
+    of its product by 64 (exact), so the products are those of e2m1_to_bf16's values."""
+    byte = ((c & 8) << 4) | ((c & 7) << 2)
+    return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
 def e4m3_to_bf16(b):
     """E4M3 bytes (uint8) -> bf16 by the hardware conversion (exact: every E4M3 value is a bf16 value).
     (0x7F/0xFF, the NaN codes, never occur in the cache.)"""

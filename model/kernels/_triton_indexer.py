@@ -5,8 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv41.model.kernels._triton_formats import (as_mma, e2m1_to_bf16, e2m1_to_f32, e8m0_to_bf16, e8m0_to_f32,
-                                                 mul_exact, round_cast)
+from dsv41.model.kernels._triton_formats import (as_mma, e2m1_to_bf16, e2m1_to_bf16_by_e4m3, e2m1_to_f32,
+                                                 e8m0_to_bf16, e8m0_to_f32, mul_exact, round_cast)
 
 
 # a row of topk_select's workspace: 4 histograms of 256 counts, then the two slot counters of the collection
@@ -40,7 +40,12 @@ def score_tile(hist, q_e, q_o, w, t_out, visible, b, tile, codes_ptr, scales_ptr
     key_s = scales_ptr + b * stride_sb + rows[:, None].to(tl.int64) * stride_sr
     byte = tl.load(key_c + cols[None, :], mask=present[:, None], other=0).to(tl.int32)
     sb = tl.load(key_s + tl.arange(0, DK2 // 16)[None, :], mask=present[:, None], other=127)
-    if DECODE_BF16:  # codes and scales straight to bf16 from bits; the power-of-two product is exact in bf16
+    if DECODE_BF16 == 2:  # the codes / 64 by the E4M3 conversion (the queries were multiplied by 64)
+        s = e8m0_to_bf16(sb)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, DK2 // 16, 16)), (BN, DK2))
+        k_e = mul_exact(e2m1_to_bf16_by_e4m3(byte & 15), s, INTERPRET)
+        k_o = mul_exact(e2m1_to_bf16_by_e4m3(byte >> 4), s, INTERPRET)
+    elif DECODE_BF16:  # codes and scales straight to bf16 from bits; the power-of-two product is exact in bf16
         s = e8m0_to_bf16(sb)
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, DK2 // 16, 16)), (BN, DK2))
         k_e = mul_exact(e2m1_to_bf16(byte & 15), s, INTERPRET)
@@ -104,8 +109,11 @@ def scores_kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, cand_ptr, vis_ptr, out_pt
     rmask = (tok < T) & (head < H)
     cols = tl.arange(0, DK2)
     q_row = q_ptr + b * stride_qb + tok[None, :] * stride_qt + head[None, :] * stride_qh  # [1, BT*HP]
-    q_e = as_mma(tl.load(q_row + 2 * cols[:, None], mask=rmask[None, :], other=0.0), INTERPRET)  # [DK2, BT*HP]
-    q_o = as_mma(tl.load(q_row + 2 * cols[:, None] + 1, mask=rmask[None, :], other=0.0), INTERPRET)
+    q_e = tl.load(q_row + 2 * cols[:, None], mask=rmask[None, :], other=0.0)  # [DK2, BT*HP]
+    q_o = tl.load(q_row + 2 * cols[:, None] + 1, mask=rmask[None, :], other=0.0)
+    if DECODE_BF16 == 2:  # the keys come as value / 64: the same products with the queries times 64 (exact)
+        q_e, q_o = q_e.to(tl.float32) * 64.0, q_o.to(tl.float32) * 64.0
+    q_e, q_o = as_mma(q_e, INTERPRET), as_mma(q_o, INTERPRET)
     w = tl.load(w_ptr + b * stride_wb + tok * stride_wt + head, mask=rmask, other=0.0).to(tl.float32)
 
     t_out = t0 + tl.arange(0, BT)

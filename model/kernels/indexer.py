@@ -27,12 +27,16 @@ from dsv41.model.kernels import interpreting, opaque, reference, use_triton
 
 
 # The score kernel's schedule (benchmarks/bench_indexer.py times the alternatives against it in one run):
-# programs per SM, warps, pipeline stages, entries per tile, and the key decode (bf16 from bits, or through
-# fp32 as before). TUNE.update(...) changes it for a benchmark; tests/test_kernels.py runs both decodes.
+# programs per SM, warps, pipeline stages, entries per tile, and the key decode (bf16 from bits, True; through
+# fp32 as before, False; "e4m3": the codes / 64 by the hardware's E4M3 conversion, the queries times 64, the same
+# products). TUNE.update(...) changes it for a benchmark; tests/test_kernels.py runs both decodes.
 # Chosen by h200-2026-12-02-c (graph replays, dense B=4): the bf16 decode takes 1M from 576.9 to 412.6 µs and
 # 64K from 45.3 to 35.8; 64-entry tiles at 4 programs of 4 warps per SM then 405.5 / 34.3 (the best of 8).
-# The previous schedule: per_sm=2, num_warps=8, num_stages=3, BN=128, decode_bf16=False.
-TUNE = dict(per_sm=4, num_warps=4, num_stages=3, BN=64, decode_bf16=True)
+# The previous schedule: per_sm=2, num_warps=8, num_stages=3, BN=128, decode_bf16=False. Since h200-2026-12-04
+# (graph replays, dense B=4, the same run; ncu had found the kernel compute-bound, SM throughput 69-80%, DRAM
+# 12-15%): the E4M3-conversion decode at 6 programs per SM, 28.6 / 308.4 µs at 64K / 1M against 33.9 / 401.7 for
+# the bits decode at 4 (e4m3 at 4: 29.3 / 324.3; bits at 6: 33.9 / 394.1).
+TUNE = dict(per_sm=6, num_warps=4, num_stages=3, BN=64, decode_bf16="e4m3")
 # indexer_topk's method "auto": the fused radix Top-K up to this many scores per row, torch.topk above it
 # (h200-2026-12-02-c, graph replays, B=4: fused 83 / 226 / 786 µs against torch 143 / 274 / 731 at 64K /
 # 256K / 1M entries; four full passes over a 1M row cost more than torch's radix select there)
@@ -66,7 +70,8 @@ def launch_config(B: int, T: int, H: int, N: int, C: int, gather: bool, device: 
     # each program walks several entry tiles (queries loaded once); enough programs to fill the machine
     per_seq = max(1, triton.cdiv(_target_programs(device), B * token_blocks))
     return dict(BT=BT, HP=HP, BN=BN, grid=(B, token_blocks, max(1, min(n_tiles, per_seq))), tiles=n_tiles,
-                num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"], decode_bf16=TUNE["decode_bf16"])
+                num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"],
+                decode_bf16=2 if TUNE["decode_bf16"] == "e4m3" else int(bool(TUNE["decode_bf16"])))
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scales: torch.Tensor,
