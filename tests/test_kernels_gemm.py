@@ -335,16 +335,19 @@ def test_routed_experts_interpreted(fmt):
     ew = ek.ExpertWeights.from_experts(moe.experts)
     w, idx = routing(7, 2, 5, seed=8, empty=(3,))
     outs = {}
-    for dtype, cfg in ((torch.float32, None), (torch.bfloat16, dict(BM=16, BN=32, BK=32)),
-                       (torch.bfloat16, dict(BM=16, BN=32, BK=32, dec16=True))):
+    for dtype, cfg in ((torch.float32, None), (torch.bfloat16, dict(BM=16, BN=32, BK=32, dec16=False)),
+                       (torch.bfloat16, dict(BM=16, BN=32, BK=32, dec16=True)),
+                       (torch.bfloat16, dict(BM=16, BN=32, BK=32, dec16="e4m3"))):
         x = activations(7, 64, dtype, seed=9)
         out = ek.routed_experts(x, w, idx, ew, moe._swiglu_limit(), force_triton=True, config=cfg)
         ref = reference.routed_experts(x, w, idx, ew, moe._swiglu_limit())
         assert out.dtype == torch.float32 and out.shape == ref.shape
         assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-3)
-        outs[bool(cfg and cfg.get("dec16"))] = out
-    # the bf16 decode of the weights gives the same values, so the same sums (FP8 weights ignore the flag)
-    assert torch.equal(outs[True], outs[False])
+        if cfg is not None:
+            outs[cfg["dec16"]] = out
+    # the bf16 decodes of the weights (from bits; the codes / 64 by the E4M3 conversion with the scales x 64) give
+    # the same values, so the same sums (FP8 weights ignore the flag)
+    assert torch.equal(outs[True], outs[False]) and torch.equal(outs["e4m3"], outs[False])
 
 
 @interp
@@ -516,9 +519,9 @@ def test_routed_experts_gpu():
         out = ek.routed_experts(x, w, idx, ew, moe._swiglu_limit())
         ref = reference.routed_experts(x, w, idx, ew, moe._swiglu_limit())
         assert rel_err(out, ref) < 2e-3, T
-        flipped = dict(dec16=not ek.launch_config(T * 6, ew.n_experts, ew.block, 32)["dec16"])
-        other = ek.routed_experts(x, w, idx, ew, moe._swiglu_limit(), config=flipped)
-        assert torch.equal(other, out), T  # the weights' bf16 and fp32 decodes: the same values, the same sums
+        for dec16 in (False, True, "e4m3"):  # the weights' decodes: the same values, the same sums
+            other = ek.routed_experts(x, w, idx, ew, moe._swiglu_limit(), config=dict(dec16=dec16))
+            assert torch.equal(other, out), (T, dec16)
 
 
 @pytest.mark.gpu

@@ -184,12 +184,20 @@ def sort_by_expert(weights: torch.Tensor, indices: torch.Tensor, held: torch.Ten
 def launch_config(R: int, n_held: int, block: int, qw: int) -> dict:
     """Row tile from the mean rows per expert (decode: a few; prefill: tens to hundreds). FP4 weights are
     decoded straight to bf16 (dec16): 0.46x the time of the fp32 decode at 64 tokens and, with 128 output
-    channels per program, 0.45x at 4096 (bench_experts --sweep, h200-2026-12-02-h), the same values."""
+    channels per program, 0.45x at 4096 (bench_experts --sweep, h200-2026-12-02-h), the same values. dec16="e4m3"
+    (the codes / 64 by the E4M3 conversion, the indexer's default since h200-2026-12-04) is an override, not yet
+    timed on the GPU."""
     mean = R / max(n_held, 1)
     BM = 16 if mean <= 16 else 32 if mean <= 32 else 64
     big = BM >= 64
     return dict(BM=BM, BN=128 if big else 64, BK=max(64, block, qw), num_warps=8 if big else 4, num_stages=3,
                 dec16=True)
+
+
+def _dec16(choice) -> int:
+    """weight_tile's DEC16: 0 the fp32 decode, 1 bf16 from bits, 2 ("e4m3") the codes / 64 by the hardware's E4M3
+    conversion with the scales x 64 (the same weight values)."""
+    return 2 if choice == "e4m3" else int(bool(choice))
 
 
 # ------------------------------------------------------------------------------------------ entry
@@ -250,7 +258,7 @@ def up(x, prep, experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor:
                            HAS_LIMIT=swiglu_limit > 0, W_FP4=experts.fmt == "fp4", QA=experts.block,
                            QW=prep["qw"], ALIGNED=prep["aligned"], NK=triton.cdiv(K, cfg["BK"]), BM=cfg["BM"],
                            BN=cfg["BN"], BK=cfg["BK"], INTERPRET=interpreting(),
-                           DEC16=cfg["dec16"] and experts.fmt == "fp4", num_warps=cfg["num_warps"],
+                           DEC16=_dec16(cfg["dec16"]) if experts.fmt == "fp4" else 0, num_warps=cfg["num_warps"],
                            num_stages=cfg["num_stages"])
     return h
 
@@ -273,7 +281,7 @@ def down(h, prep, experts: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:
                              E, K, _packed(experts, K), N, h.stride(0), out.stride(0), w2.stride(0), s2.stride(0),
                              W_FP4=experts.fmt == "fp4", QW=prep["qw"], ALIGNED=prep["aligned"],
                              NK=triton.cdiv(K, cfg["BK"]), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-                             INTERPRET=interpreting(), DEC16=cfg["dec16"] and experts.fmt == "fp4",
+                             INTERPRET=interpreting(), DEC16=_dec16(cfg["dec16"]) if experts.fmt == "fp4" else 0,
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
