@@ -142,7 +142,8 @@ def e2m1_to_bf16_by_e4m3(c):
     """4-bit E2M1 codes (int32 0..15, bit 3 = sign) -> bf16 of the value / 64, exact, through the hardware's E4M3
     conversion: the code's bits placed as an E4M3 byte's, s 0 0 e e m 0 0, read as E4M3 are the E2M1 value times
     2^-6, subnormals (code 1: 0.5) and the sign of -0 (code 8) included. The caller multiplies the other operand
-    of its product by 64 (exact), so the products are those of e2m1_to_bf16's values."""
+    of its product by 64 (exact below 2^121 in magnitude, which queries and UE8M0 scales up to byte 248 are), so
+    the products are those of e2m1_to_bf16's values."""
     byte = ((c & 8) << 4) | ((c & 7) << 2)
     return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
 
