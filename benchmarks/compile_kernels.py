@@ -103,8 +103,8 @@ def cases(quick: bool):
                    table_ptr="*i64", out_ptr="*bf16", E="i32", K="i32", KP="i32", N="i32", stride_h="i32",
                    stride_o="i32", stride_wn="i32", stride_sn="i32")
     shapes = ((16, 4, False), (16, 4, True)) if quick else (
-        (16, 4, False), (32, 4, False), (64, 8, False), (16, 4, True), (64, 8, True))
-    for BM, w, dec16 in shapes:  # dec16: the FP4 weights decoded to bf16 (bench_experts --sweep)
+        (16, 4, False), (32, 4, False), (64, 8, False), (16, 4, True), (64, 8, True), (16, 4, 2), (64, 8, 2))
+    for BM, w, dec16 in shapes:  # dec16: the FP4 weights decoded to bf16 (bench_experts --sweep); 2: by E4M3
         yield ("experts up", K.expert_up_kernel, u_types,
                dict(HAS_LIMIT=True, W_FP4=True, QA=32, QW=32, ALIGNED=True, NK=80, BM=BM, BN=64, BK=64,
                     INTERPRET=False, DEC16=dec16),
@@ -139,7 +139,7 @@ def sparse_attention_cases(quick: bool):
     yield ("sparse combine", S.split_combine_kernel,
            dict(po_ptr="*fp32", pm_ptr="*fp32", pl_ptr="*fp32", sink_ptr="*fp32", o_ptr="*bf16", stride_ob="i32",
                 stride_ot="i32", stride_oh="i32", T="i32", H="i32", ROW0="i32"),
-           dict(SPLITS=5, D=512, BH=16, BD=128, INTERPRET=False), ("po_ptr", "o_ptr", "stride_ob", "stride_oh"), 4, 3)
+           dict(SPLITS=4, D=512, BH=16, BD=128, INTERPRET=False), ("po_ptr", "o_ptr", "stride_ob", "stride_oh"), 4, 3)
     if not quick:
         seg = {f"{p}_{k}": v for p in "ab" for k, v in
                dict(codes="*u8", scales="*u8", cb="i32", cr="i32", sb="i32", sr="i32", idx="*i32", ib="i32",
@@ -174,7 +174,7 @@ def indexer_mhc_cases(quick: bool):
         yield (("indexer gather" if gather else "indexer dense") + (" bf16 scores" if bf16 else ""), I.scores_kernel,
                dict(i_types, q_ptr="*bf16" if bf16 else "*fp32"),
                dict(DK2=64, HP=32, BT=BT, BN=t["BN"], GATHER=gather, MASK_VISIBLE=True, BF16_SCORES=bf16,
-                    DECODE_BF16=t["decode_bf16"], HIST=BT == 1 and not gather, INTERPRET=False),
+                    DECODE_BF16=ix.decode_mode(), HIST=BT == 1 and not gather, INTERPRET=False),
                i_div, t["num_warps"], t["num_stages"])
     m_types = dict(x_ptr="*bf16", y_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", pre_ptr="*fp32",
                    fn_hi_ptr="*bf16", fn_lo_ptr="*bf16", x_new_ptr="*bf16", collapsed_ptr="*bf16", acc_ptr="*fp32",
