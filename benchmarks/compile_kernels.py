@@ -157,6 +157,7 @@ def indexer_mhc_cases(quick: bool):
     pick for V4.1-Flash (32 heads x 128; n = 4, d = 5120, bf16 residual)."""
     from dsv41.model.kernels import _triton_indexer as I
     from dsv41.model.kernels import _triton_mhc as Mh
+    from dsv41.model.kernels import decode_mode
     from dsv41.model.kernels import indexer as ix
     from dsv41.model.kernels import mhc
 
@@ -174,7 +175,7 @@ def indexer_mhc_cases(quick: bool):
         yield (("indexer gather" if gather else "indexer dense") + (" bf16 scores" if bf16 else ""), I.scores_kernel,
                dict(i_types, q_ptr="*bf16" if bf16 else "*fp32"),
                dict(DK2=64, HP=32, BT=BT, BN=t["BN"], GATHER=gather, MASK_VISIBLE=True, BF16_SCORES=bf16,
-                    DECODE_BF16=ix.decode_mode(), HIST=BT == 1 and not gather, INTERPRET=False),
+                    DECODE_BF16=decode_mode(t["decode_bf16"]), HIST=BT == 1 and not gather, INTERPRET=False),
                i_div, t["num_warps"], t["num_stages"])
     m_types = dict(x_ptr="*bf16", y_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", pre_ptr="*fp32",
                    fn_hi_ptr="*bf16", fn_lo_ptr="*bf16", x_new_ptr="*bf16", collapsed_ptr="*bf16", acc_ptr="*fp32",

@@ -441,7 +441,7 @@ class _Sequence:
         self.started = self.finished_at = 0.0
         self.token = -1  # the next input token (the last one committed)
         self.finish: str | None = None
-        self.kv_bytes_per_token: float | None = None  # measured from its row as it finishes
+        self.kv_bytes_per_token: float | None = None  # measured as it finishes (its row, or its prefill's cache)
         self.spec = None  # DSpark: the `Generator._speculate` generator that steps it
         self.dspark_stats: dict | None = None
 
@@ -761,11 +761,9 @@ class Scheduler:
         return (b["main"] + b["index_keys"]) / length if length else 0.0
 
     def _result(self, seq: _Sequence) -> GenerationResult:
-        kv = seq.kv_bytes_per_token
-        if kv is None:  # finished at its first token: the prefill's cache
-            kv = cache_bytes_per_token(seq.cache) if isinstance(seq.cache, KVCache) else 0.0
         return GenerationResult(len(seq.request.prompt_ids), seq.out, seq.finish, seq.prefill_seconds,
-                                seq.finished_at - seq.started, _peak_memory(self.gen.device), kv, seq.dspark_stats,
+                                seq.finished_at - seq.started, _peak_memory(self.gen.device), seq.kv_bytes_per_token,
+                                seq.dspark_stats,
                                 seq.budget.forced, seq.prefill_stats,
                                 seq.prefill_seconds + (seq.engine_seconds if seq.spec is None
                                                        else seq.finished_at - seq.started))

@@ -79,6 +79,33 @@ def keep_launches_opaque() -> None:
     _OPAQUE_APPLIED[0] = True
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative integers, without importing Triton (a launch's host-side arithmetic)."""
+    return -(-a // b)
+
+
+def whole_waves(items: int, groups: int, slots: int, most: int) -> tuple[int, int]:
+    """Cut `items` units of work (a row's channel blocks, a segment's index tiles) into k parts, 1 <= k <= most, for
+    a grid of `groups` x parts programs of which `slots` run at once: the k whose grid finishes soonest, counted as
+    its waves (programs / slots, rounded up) times the units a program walks; ties go to fewer parts (fewer atomics
+    or partial outputs). Returns (units per part, parts), no part empty. Used where a grid of 1.45 waves left its
+    second wave half empty (mhc's channel ranges, sparse attention's splits; h200-2026-12-04)."""
+    best = None
+    for k in range(1, max(1, most) + 1):
+        per = cdiv(items, k)
+        parts = cdiv(items, per)
+        cost = cdiv(groups * parts, slots) * per
+        if best is None or cost < best[0]:
+            best = (cost, per, parts)
+    return best[1], best[2]
+
+
+def decode_mode(choice) -> int:
+    """A kernel's FP4 decode constexpr from its tuning value: 0 (False) through fp32, 1 (True) bf16 from bits,
+    2 ("e4m3") the codes / 64 by the hardware's E4M3 conversion, the other operand times 64 (the same products)."""
+    return 2 if choice == "e4m3" else int(bool(choice))
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

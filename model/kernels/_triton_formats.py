@@ -149,6 +149,16 @@ def e2m1_to_bf16_by_e4m3(c):
 
 
 @triton.jit
+def e2m1_decode_bf16(c, MODE: tl.constexpr):
+    """The bf16 decodes of 4-bit E2M1 codes by kernels.decode_mode: 1 the value from bits (e2m1_to_bf16), 2 the value
+    / 64 by the E4M3 conversion (e2m1_to_bf16_by_e4m3; the caller scales the other operand by 64)."""
+    if MODE == 2:
+        return e2m1_to_bf16_by_e4m3(c)
+    else:
+        return e2m1_to_bf16(c)
+
+
+@triton.jit
 def e4m3_to_bf16(b):
     """E4M3 bytes (uint8) -> bf16 by the hardware conversion (exact: every E4M3 value is a bf16 value).
     (0x7F/0xFF, the NaN codes, never occur in the cache.)"""

@@ -11,8 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv41.model.kernels._triton_formats import (as_mma, e2m1_to_bf16, e2m1_to_bf16_by_e4m3, e2m1_to_f32,
-                                                 e2m1_to_f32_bits, e8m0_to_f32,
+from dsv41.model.kernels._triton_formats import (as_mma, e2m1_decode_bf16, e2m1_to_f32, e2m1_to_f32_bits, e8m0_to_f32,
                                                  e8m0_to_f32_every_byte, f32_to_e4m3_value, mul_exact, round_cast)
 
 
@@ -81,11 +80,10 @@ def weight_tile(w_ptr, s, rows, rmask, k0, KP, stride_wn,
         cols = k0 // 2 + kb[:, None] * (QW // 2) + half[None, :]  # byte columns [KB, QW/2]
         mask = rmask[:, None, None] & (cols[None, :, :] < KP)
         b = tl.load(w_ptr + r64[:, None, None] * stride_wn + cols[None, :, :], mask=mask, other=0).to(tl.int32)
-        if DEC16 == 2:  # the codes / 64 by the E4M3 conversion, the scales x 64 (one multiply per 32 weights)
-            v = tl.join(e2m1_to_bf16_by_e4m3(b & 15), e2m1_to_bf16_by_e4m3(b >> 4))
-            v = mul_exact(v, (s * 64.0).to(tl.bfloat16)[:, :, None, None], INTERPRET)
-        elif DEC16:
-            v = tl.join(e2m1_to_bf16(b & 15), e2m1_to_bf16(b >> 4))
+        if DEC16:
+            v = tl.join(e2m1_decode_bf16(b & 15, DEC16), e2m1_decode_bf16(b >> 4, DEC16))
+            if DEC16 == 2:  # the codes came / 64: the scales x 64 (one multiply per 32 weights)
+                s = s * 64.0
             v = mul_exact(v, s.to(tl.bfloat16)[:, :, None, None], INTERPRET)
         else:
             v = tl.join(e2m1_to_f32(b & 15), e2m1_to_f32(b >> 4))  # [BN, KB, QW/2, 2]: elements 2i, 2i+1

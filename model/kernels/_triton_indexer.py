@@ -5,8 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv41.model.kernels._triton_formats import (as_mma, e2m1_to_bf16, e2m1_to_bf16_by_e4m3, e2m1_to_f32,
-                                                 e8m0_to_bf16, e8m0_to_f32, mul_exact, round_cast)
+from dsv41.model.kernels._triton_formats import (as_mma, e2m1_decode_bf16, e2m1_to_f32, e8m0_to_bf16, e8m0_to_f32,
+                                                 mul_exact, round_cast)
 
 
 # a row of topk_select's workspace: 4 histograms of 256 counts, then the two slot counters of the collection
@@ -40,16 +40,12 @@ def score_tile(hist, q_e, q_o, w, t_out, visible, b, tile, codes_ptr, scales_ptr
     key_s = scales_ptr + b * stride_sb + rows[:, None].to(tl.int64) * stride_sr
     byte = tl.load(key_c + cols[None, :], mask=present[:, None], other=0).to(tl.int32)
     sb = tl.load(key_s + tl.arange(0, DK2 // 16)[None, :], mask=present[:, None], other=127)
-    if DECODE_BF16 == 2:  # the codes / 64 by the E4M3 conversion (the queries were multiplied by 64)
+    if DECODE_BF16:  # codes and scales straight to bf16 (2: the codes / 64, the queries were multiplied by 64);
+        # the power-of-two product is exact in bf16
         s = e8m0_to_bf16(sb)
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, DK2 // 16, 16)), (BN, DK2))
-        k_e = mul_exact(e2m1_to_bf16_by_e4m3(byte & 15), s, INTERPRET)
-        k_o = mul_exact(e2m1_to_bf16_by_e4m3(byte >> 4), s, INTERPRET)
-    elif DECODE_BF16:  # codes and scales straight to bf16 from bits; the power-of-two product is exact in bf16
-        s = e8m0_to_bf16(sb)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, DK2 // 16, 16)), (BN, DK2))
-        k_e = mul_exact(e2m1_to_bf16(byte & 15), s, INTERPRET)
-        k_o = mul_exact(e2m1_to_bf16(byte >> 4), s, INTERPRET)
+        k_e = mul_exact(e2m1_decode_bf16(byte & 15, DECODE_BF16), s, INTERPRET)
+        k_o = mul_exact(e2m1_decode_bf16(byte >> 4, DECODE_BF16), s, INTERPRET)
     else:
         s = e8m0_to_f32(sb.to(tl.int32))  # [BN, DK/32]: one scale per 16 code bytes (32 values)
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, DK2 // 16, 16)), (BN, DK2))

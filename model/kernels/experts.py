@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.model import formats
-from dsv41.model.kernels import interpreting, opaque, reference, use_triton
+from dsv41.model.kernels import decode_mode, interpreting, opaque, reference, use_triton
 
 _NAMES = ("w1", "s1", "w3", "s3", "w2", "s2")
 
@@ -194,12 +194,6 @@ def launch_config(R: int, n_held: int, block: int, qw: int) -> dict:
                 dec16=True)
 
 
-def _dec16(choice) -> int:
-    """weight_tile's DEC16: 0 the fp32 decode, 1 bf16 from bits, 2 ("e4m3") the codes / 64 by the hardware's E4M3
-    conversion with the scales x 64 (the same weight values)."""
-    return 2 if choice == "e4m3" else int(bool(choice))
-
-
 # ------------------------------------------------------------------------------------------ entry
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: ExpertWeights,
                    swiglu_limit: float, force_triton: bool = False, config: dict | None = None) -> torch.Tensor:
@@ -258,7 +252,7 @@ def up(x, prep, experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor:
                            HAS_LIMIT=swiglu_limit > 0, W_FP4=experts.fmt == "fp4", QA=experts.block,
                            QW=prep["qw"], ALIGNED=prep["aligned"], NK=triton.cdiv(K, cfg["BK"]), BM=cfg["BM"],
                            BN=cfg["BN"], BK=cfg["BK"], INTERPRET=interpreting(),
-                           DEC16=_dec16(cfg["dec16"]) if experts.fmt == "fp4" else 0, num_warps=cfg["num_warps"],
+                           DEC16=decode_mode(cfg["dec16"]) if experts.fmt == "fp4" else 0, num_warps=cfg["num_warps"],
                            num_stages=cfg["num_stages"])
     return h
 
@@ -281,7 +275,7 @@ def down(h, prep, experts: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:
                              E, K, _packed(experts, K), N, h.stride(0), out.stride(0), w2.stride(0), s2.stride(0),
                              W_FP4=experts.fmt == "fp4", QW=prep["qw"], ALIGNED=prep["aligned"],
                              NK=triton.cdiv(K, cfg["BK"]), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-                             INTERPRET=interpreting(), DEC16=_dec16(cfg["dec16"]) if experts.fmt == "fp4" else 0,
+                             INTERPRET=interpreting(), DEC16=decode_mode(cfg["dec16"]) if experts.fmt == "fp4" else 0,
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.model.kernels import interpreting, opaque, reference, use_triton
+from dsv41.model.kernels import decode_mode, interpreting, opaque, reference, use_triton
 
 
 # The score kernel's schedule (benchmarks/bench_indexer.py times the alternatives against it in one run):
@@ -70,12 +70,8 @@ def launch_config(B: int, T: int, H: int, N: int, C: int, gather: bool, device: 
     # each program walks several entry tiles (queries loaded once); enough programs to fill the machine
     per_seq = max(1, triton.cdiv(_target_programs(device), B * token_blocks))
     return dict(BT=BT, HP=HP, BN=BN, grid=(B, token_blocks, max(1, min(n_tiles, per_seq))), tiles=n_tiles,
-                num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"], decode_bf16=decode_mode())
-
-
-def decode_mode() -> int:
-    """The score kernel's DECODE_BF16 for TUNE["decode_bf16"]: 0 through fp32, 1 bf16 from bits, 2 "e4m3"."""
-    return 2 if TUNE["decode_bf16"] == "e4m3" else int(bool(TUNE["decode_bf16"]))
+                num_warps=TUNE["num_warps"], num_stages=TUNE["num_stages"],
+                decode_bf16=decode_mode(TUNE["decode_bf16"]))
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scales: torch.Tensor,

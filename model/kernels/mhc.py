@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from dsv41.model.kernels import host, interpreting, opaque, reference, use_triton
+from dsv41.model.kernels import cdiv, host, interpreting, opaque, reference, use_triton, whole_waves
 
 _FN_SPLIT: dict = {}
 
@@ -48,9 +48,9 @@ def _split_fn(fn: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 # one run): the tile (BM tokens, BD channels, pipeline stages), warps, and whether a block's n stream tiles
 # are loaded once (x_once) or once per output stream (before). TUNE.update(...) changes it for a benchmark.
 # x_once at 16 x 64 (2 stages, 2 warps) since h200-2026-12-02-g (CUDA-graph GPU time, x the bytes floor, 4096 /
-# 16384 tokens, two runs): 2.25x / 1.67x (1.85x / 1.67x with RANGE_RULE "waves", h200-2026-12-04), against 2.61x / 1.96x for the x_once default before it (32 x 64, 2 stages,
-# 4 warps; 0.86x / 0.86x its time in the same run) and 4.02x / 3.21x for OLD_DEFAULT (64 x 32, x_once off); at 1024
-# tokens 1.05x the time of 32 x 64. Its sweep (bench_mhc --sweep-set xonce) found nothing faster at both sizes:
+# 16384 tokens, two runs): 2.25x / 1.67x (1.85x / 1.67x with RANGE_RULE "waves", h200-2026-12-04), against
+# 2.61x / 1.96x for the x_once default before it (32 x 64, 2 stages, 4 warps; 0.86x / 0.86x its time in the same
+# run) and 4.02x / 3.21x for OLD_DEFAULT (64 x 32, x_once off); at 1024 tokens 1.05x the time of 32 x 64. Its sweep (bench_mhc --sweep-set xonce) found nothing faster at both sizes:
 # 32 x 64 at 3 stages 0.92x / 0.95x, 16 x 64 at 4 warps or 3 stages 0.80x at 4096 but 1.07x / 0.92x at 16384; the
 # tiles that spill in an offline sm_90 compile (32 x 64 at 2 warps, 32 x 128 and 64 x 64 at 4, 16 x 128 at 2,
 # 16 x 64 at 1; 255 registers, 840-1024 spill bytes) 1.4-3.8x. In h200-2026-12-02-f
@@ -100,29 +100,17 @@ def launch_config(M: int, d: int, device: torch.device, tile: tuple[int, int, in
 RANGE_RULE = "waves"
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _blocks_per_range(token_blocks: int, n_blocks: int, target: int) -> int:
     """Channel blocks each program walks. More ranges fill the machine (at most `target` programs run at once:
     4 per SM at the default tile's 255 registers) but cost atomics and W_fn re-reads, so the ranges are as long
     as filling the machine allows; a decode step of one token gets one block per program. "waves": of the range
-    counts up to that, the one whose grid finishes soonest, counted as the waves of `target` programs it makes
-    times the blocks each program walks (ties: fewer ranges). At 4096 tokens the "fill" rule's 3 ranges made 768
-    programs, 1.45 waves, whose second wave ran half empty (ncu, h200-2026-12-04: DRAM at 40% of its peak
-    against 54% at 16384 tokens, 1.94 waves); 2 ranges make 512, one wave."""
-    most = max(1, min(n_blocks, _cdiv(target, token_blocks)))
+    counts up to that, the one whose grid finishes soonest (kernels.whole_waves). At 4096 tokens the "fill" rule's
+    3 ranges made 768 programs, 1.45 waves, whose second wave ran half empty (ncu, h200-2026-12-04: DRAM at 40% of
+    its peak against 54% at 16384 tokens, 1.94 waves); 2 ranges make 512, one wave."""
+    most = max(1, min(n_blocks, cdiv(target, token_blocks)))
     if RANGE_RULE == "fill":
-        return _cdiv(n_blocks, most)
-    best = None
-    for ranges in range(1, most + 1):
-        per_range = _cdiv(n_blocks, ranges)
-        programs = token_blocks * _cdiv(n_blocks, per_range)
-        cost = _cdiv(programs, target) * per_range
-        if best is None or cost < best[0]:
-            best = (cost, per_range)
-    return best[1]
+        return cdiv(n_blocks, most)
+    return whole_waves(n_blocks, token_blocks, target, most)[0]
 
 
 def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.model.kernels import interpreting, opaque, reference, use_triton
+from dsv41.model.kernels import cdiv, interpreting, opaque, reference, use_triton, whole_waves
 
 DENSE, FP8, FP4, NONE = 0, 1, 2, 3
 
@@ -151,8 +151,8 @@ SPLIT_RESIDENT = 1
 def segment_splits(rows: int, counts: list[int], D: int, sms: int) -> tuple[int, list[tuple[int, int]]]:
     """(BK, [(tiles per split, splits)] of each segment) for `rows` query tokens whose index lists hold `counts`
     indices per segment. The segments launch one after the other, so each is cut on its own ("waves"): into the
-    split count whose grid finishes soonest, counted as the waves of sms x SPLIT_RESIDENT programs it makes times the
-    tiles each program walks (ties: fewer splits, fewer fp32 partials), at most about SPLIT_PER_SM x sms programs a
+    split count whose grid finishes soonest in waves of sms x SPLIT_RESIDENT programs (kernels.whole_waves; ties:
+    fewer splits, fewer fp32 partials), at most about SPLIT_PER_SM x sms programs a
     segment as split_config allows (each split writes H x D fp32 partials). split_config's shared tile count ("share")
     gave decode at B = 64 a window launch of 64 programs, one wave on half the SMs, and a main launch of 256, two
     waves; "waves" gives 128 and 128. Every tile covered, no split empty."""
@@ -160,22 +160,12 @@ def segment_splits(rows: int, counts: list[int], D: int, sms: int) -> tuple[int,
         BK, tiles, seg = split_config(rows, counts, D, sms)
         return BK, [(tiles, n) for n in seg]
     BK = SPLIT_BK if D >= 256 else 64
-    slots = max(1, sms * SPLIT_RESIDENT)
-    most = max(1, -(-SPLIT_PER_SM * sms // max(rows, 1)))  # split_config's bound on rows x splits: the partials
+    most = max(1, cdiv(SPLIT_PER_SM * sms, max(rows, 1)))  # split_config's bound on rows x splits: the partials
     plan = []
     for k in counts:
-        n_tiles = -(-k // BK)
-        if n_tiles == 0:
-            plan.append((1, 0))
-            continue
-        best = None
-        for splits in range(1, min(n_tiles, most) + 1):
-            tiles = -(-n_tiles // splits)
-            used = -(-n_tiles // tiles)  # splits that get a tile (never an empty one)
-            cost = -(-max(rows, 1) * used // slots) * tiles
-            if best is None or cost < best[0]:
-                best = (cost, tiles, used)
-        plan.append(best[1:])
+        n_tiles = cdiv(k, BK)
+        plan.append(whole_waves(n_tiles, max(rows, 1), max(1, sms * SPLIT_RESIDENT), min(n_tiles, most))
+                    if n_tiles else (1, 0))
     return BK, plan
 
 
