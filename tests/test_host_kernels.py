@@ -385,3 +385,78 @@ def _prefilled(model, n):
     kv = model.new_cache(1)
     model(torch.arange(3, 3 + n).view(1, -1), 0, kv)
     return kv
+
+
+# ------------------------------------------------------------------------------ scoring a block of logits
+def _score_inputs(R: int, V: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(R, V, generator=g) * 6
+    targets = torch.randint(0, V, (R,), generator=g)
+    if V >= 8:
+        logits[0, 3] = logits[0, 6] = logits[0].max() + 1  # a tie for the maximum: its first index
+        logits[-1, :4] = torch.tensor([-100.0, -87.5, -0.0, 88.0])  # terms flushed to 0, -0.0, a large logit
+    return logits, targets
+
+
+@pytest.mark.parametrize("R,V", [(1, 1), (2, 15), (3, 16), (4, 17), (2, 1024), (3, 1040), (5, 2049), (1, 129280)])
+def test_score_logits_bits(R, V):
+    """Rows shorter than, equal to and past one group of 16 lanes and one 1024-element chunk, V4.1's vocabulary:
+    the reference's bits for the log-probabilities, the log-sum-exp and the argmax; within 1e-5 of torch's
+    logsumexp, and torch's argmax (ties go to the first index), on every ISA version this CPU runs."""
+    logits, targets = _score_inputs(R, V, R * V)
+    expected = reference.score_logits(logits, targets)
+    order = ["base", "avx2", "avx512"]
+    for version in [None, *order[: order.index(host.head_isa()) + 1]]:
+        for got, want in zip(host.score_logits(logits, targets, version), expected):
+            assert_same(got, want)
+    lp, lse, argmax = expected
+    assert torch.allclose(lse, torch.logsumexp(logits, -1), rtol=1e-6, atol=1e-5)
+    assert torch.equal(argmax, logits.argmax(-1))
+    assert torch.equal(lp, logits.gather(-1, targets[:, None])[:, 0] - lse)
+    rows = torch.tensor([0, R - 1])  # strided rows: a block's first rows of a wider buffer
+    wide = torch.cat([logits, logits], 1)[rows, :V]
+    assert_same(host.score_logits(wide, targets[rows])[1], lse[rows])
+
+
+def test_score_logits_nan_and_infinite_rows():
+    """A NaN is the maximum at its first index and makes the row's scores NaN; a +inf maximum gives an infinite
+    log-sum-exp; a row of -inf has a -inf log-sum-exp (torch's argmax and logsumexp agree on each)."""
+    logits = torch.randn(4, 40)
+    logits[1, 7] = logits[1, 30] = torch.nan
+    logits[2, 3] = torch.inf
+    logits[3] = -torch.inf
+    targets = torch.tensor([0, 1, 2, 3])
+    expected = reference.score_logits(logits, targets)
+    for got, want in zip(host.score_logits(logits, targets), expected):
+        assert_same(got, want)
+    lp, lse, argmax = expected
+    assert torch.equal(argmax, logits.argmax(-1))
+    assert torch.allclose(lse[[0, 2, 3]], torch.logsumexp(logits, -1)[[0, 2, 3]], atol=1e-5)
+    assert lse[1].isnan() and lp[1].isnan() and lse[2] == torch.inf and lse[3] == -torch.inf
+
+
+def test_exp_poly_accuracy():
+    """The fixed exp: within 2e-7 relative of exp where it counts (-87 <= d <= 0), exactly 1 at 0, 0 below."""
+    d = torch.linspace(-87, 0, 400_001)
+    got = reference.exp_poly(d).double()
+    want = torch.exp(d.double())
+    assert float(((got - want) / want).abs().max()) < 2e-7
+    assert reference.exp_poly(torch.tensor([0.0, -0.0]))[0] == 1.0
+    assert torch.equal(reference.exp_poly(torch.tensor([-87.01, -1e4, -torch.inf])), torch.zeros(3))
+
+
+def test_score_positions_takes_the_scoring_pass_with_or_without_the_library(tiny_model, monkeypatch):
+    """bpb.score_positions on the CPU: the C pass and, without the library, its torch reference give the same
+    log-probabilities and greedy flags."""
+    from dsv41.evals import bpb
+
+    model = tiny_model
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(bpb.HEAD_ROWS + 5, model.args.dim, generator=g)
+    targets = torch.randint(0, model.args.vocab_size, (hidden.size(0),), generator=g)
+    with torch.inference_mode():
+        lp, hit, _ = bpb.score_positions(model, hidden, targets)
+        without_host(monkeypatch)
+        lp_ref, hit_ref, _ = bpb.score_positions(model, hidden, targets)
+    assert_same(lp, lp_ref)
+    assert torch.equal(hit, hit_ref)

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -148,4 +149,20 @@ def test_plain_encoding_needs_no_second_tokenizer_without_markup(tok):
         assert tok.encode(text, allow_special=False) == plain.encode(text, add_special_tokens=False).ids
     assert not tok._may_hold_added("Ordinary prose < > | without any marker")
     assert tok._may_hold_added("before <｜Assistant｜> after") and tok._may_hold_added("x</think>y")
+
+
+def test_plain_ids_are_the_plain_tokenizers(tok):
+    """encode(allow_special=False) of text with markup takes the full tokenizer's pre-tokenizer and BPE model
+    piece by piece (no second tokenizer); its ids are the plain tokenizer's on prose, code, other scripts, runs of
+    spaces and newlines, markers glued to words, and this repository's own sources."""
+    plain = tok._plain_backend()
+    texts = ["<｜User｜>héllo 🤖 wörld\n\n\t  x<think>ok</think>  " * 3,
+             "a <｜ b ｜>   c\r\n\r\n   \u3000你好，世界！<｜tool▁calls▁begin｜>{\"x\": 1}<｜end▁of▁sentence｜>",
+             "    def f(x):\n        return x  # 3.14159 <think>\n\n\n" + "  " * 40 + "end"]
+    texts += [p.read_text(encoding="utf-8") for p in sorted(Path(__file__).parents[1].glob("model/*.py"))[:6]]
+    for text in texts:
+        ids = plain.encode(text, add_special_tokens=False).ids
+        assert tok._plain_ids(text) == ids
+        assert tok.encode(text + "<think>", allow_special=False) == plain.encode(text + "<think>",
+                                                                                 add_special_tokens=False).ids
 

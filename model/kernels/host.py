@@ -116,6 +116,10 @@ def library() -> ctypes.CDLL | None:
             getattr(lib, name).argtypes = [ptr, i64, i64, ptr, i64, ptr]
             getattr(lib, name).restype = None
     lib.dsv41_head_isa.restype = ctypes.c_int
+    for name in ("dsv41_score_logits", *SCORE_VERSIONS.values()):
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
+            getattr(lib, name).restype = None
     _STATUS[0] = "loaded"
     return lib
 
@@ -227,6 +231,26 @@ def head_logits(x: torch.Tensor, wt: torch.Tensor, version: str | None = None) -
     fn = getattr(library(), f"dsv41_head_logits_{version}")
     fn(x.data_ptr(), R, K, wt.data_ptr(), V, out.data_ptr())
     return out
+
+
+# host_kernels.c's versions of the scoring pass, as HEAD_VERSIONS
+SCORE_VERSIONS = {0: "dsv41_score_logits_base", 1: "dsv41_score_logits_avx2", 2: "dsv41_score_logits_avx512"}
+
+
+def score_logits(logits: torch.Tensor, targets: torch.Tensor, version: str | None = None):
+    """reference.score_logits: fp32 logits [R, V] (rows contiguous, possibly strided) and int64 targets [R] in
+    0..V-1 -> (ln p(target) fp32 [R], log-sum-exp fp32 [R], argmax int64 [R]), one C call. version as in
+    head_logits."""
+    R, V = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1 or logits.is_cuda:
+        raise ValueError("host.score_logits needs fp32 CPU logits with contiguous rows")
+    targets = targets.to(torch.int64).contiguous()
+    logprob, lse = torch.empty(R, dtype=torch.float32), torch.empty(R, dtype=torch.float32)
+    argmax = torch.empty(R, dtype=torch.int64)
+    fn = getattr(library(), "dsv41_score_logits" if version is None else f"dsv41_score_logits_{version}")
+    fn(logits.data_ptr(), R, V, logits.stride(0), targets.data_ptr(), logprob.data_ptr(), lse.data_ptr(),
+       argmax.data_ptr())
+    return logprob, lse, argmax
 
 
 def fixed_order_matmul(x: torch.Tensor, wt: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

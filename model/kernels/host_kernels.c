@@ -296,3 +296,134 @@ int dsv41_fp8_linear(const void *x, int x_bf16, int64_t R, int64_t K, int64_t bl
     free(xq);
     return 0;
 }
+
+
+/* ---------------------------------------------------------------- scoring a block of head logits */
+
+/* ln p(target), the log-sum-exp and the argmax of each row of fp32 logits [R, V] (row r at logits + r * ld):
+ * what `dsv41 bpb` and the log-likelihoods need of the head, in three passes over a row that stays in cache,
+ * where torch took a log-sum-exp, a gather and an argmax over the whole block. reference.score_logits is the
+ * same arithmetic in torch, and these are its bits on every CPU:
+ *   m     the row's maximum, the logit at its first index (argmax; a NaN, when there is one, is the maximum
+ *         at its first index and makes the log-probabilities NaN, as torch's argmax and logsumexp have it)
+ *   e_j   exp(l_j - m) by exp_poly: 0 below -87, else 2^n p(r) with n = round(d log2 e), r = d - n ln2 in two
+ *         parts, p the degree-7 Taylor polynomial (Horner); only fp32 multiplies and adds, so no libm whose
+ *         version or vector width could change a bit
+ *   sum   16 fp32 partial sums (element j into lane j mod 16, in order), restarted every 1024 elements and
+ *         added into 16 fp64 sums, then the 16 halved in a fixed tree: the same order whatever the vector width
+ *   lse   (float)(m + log(sum)) in fp64, log by its atanh series (log_series); logprob = l_t - lse in fp32.
+ * The AVX-512, AVX2 and baseline versions differ only in how many lanes one instruction holds. */
+#define SCORE_LANES 16
+#define SCORE_CHUNK 1024
+#define EXP_FLOOR (-87.0f)
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+
+/* ln(x) for a finite x >= 1 (a sum whose largest term is exactly 1): x = f 2^e with f in [sqrt(1/2), sqrt(2)),
+ * ln f = 2 atanh(s) = 2 (s + s^3/3 + s^5/5 + ...), s = (f - 1) / (f + 1), |s| < 0.172: 14 terms reach 2^-53. */
+static double log_series(double x) {
+    int e;
+    double f = frexp(x, &e) * 2.0;  /* [1, 2), exact */
+    e -= 1;
+    if (f > 1.4142135623730951) { f = f * 0.5; e += 1; }
+    const double s = (f - 1.0) / (f + 1.0), s2 = s * s;
+    double term = s, acc = 0.0;
+    for (int k = 0; k < 14; k++) { acc = acc + term / (double)(2 * k + 1); term = term * s2; }
+    return (double)e * 0.6931471805599453 + 2.0 * acc;
+}
+
+#define SCORE_KERNEL(NAME, TARGET, VT, VU, IT, VW)                                                              \
+TARGET static VT NAME##_exp(VT d) {                                                                             \
+    const VT t = d * 1.44269504088896341f + 12582912.0f; /* + 1.5 * 2^23: n rounded to nearest, in the low bits */\
+    const VT n = t - 12582912.0f;                                                                               \
+    const VT r = (d - n * 0.693145751953125f) - n * 1.428606765330187e-06f;                                    \
+    VT p = r * 1.98412698e-04f + 1.38888889e-03f;                                                               \
+    p = p * r + 8.33333333e-03f;                                                                                \
+    p = p * r + 4.16666667e-02f;                                                                                \
+    p = p * r + 1.66666667e-01f;                                                                                \
+    p = p * r + 0.5f;                                                                                           \
+    p = p * r + 1.0f;                                                                                           \
+    p = p * r + 1.0f;                                                                                           \
+    const IT keep = d >= EXP_FLOOR;            /* -1 where the term counts, 0 where it is flushed to 0 */      \
+    const IT biased = (__builtin_convertvector(n, IT) + 127) & keep; /* 1..127 where kept: 2^n's exponent */     \
+    const IT bits = biased << 23;                                                                               \
+    return (VT)(((IT)(p * (VT)bits)) & keep);                                                                   \
+}                                                                                                               \
+TARGET void NAME(const float *logits, int64_t R, int64_t V, int64_t ld, const int64_t *targets, float *logprob, \
+                 float *lse, int64_t *argmax) {                                                                 \
+    enum { NV = SCORE_LANES / (VW) };                                                                           \
+    for (int64_t r = 0; r < R; r++) {                                                                          \
+        const float *l = logits + r * ld;                                                                       \
+        const int64_t full = V / SCORE_LANES * SCORE_LANES;                                                     \
+        /* pass 1: the maximum (NaN aside) and whether there is a NaN */                                         \
+        VT mx[NV];                                                                                              \
+        IT nan[NV];                                                                                             \
+        for (int c = 0; c < NV; c++) { mx[c] = (VT){0} - __builtin_inff(); nan[c] = (IT){0}; }                  \
+        for (int64_t j = 0; j < full; j += SCORE_LANES)                                                         \
+            for (int c = 0; c < NV; c++) {                                                                      \
+                const VT v = *(const VU *)(l + j + (VW) * c);                                                   \
+                const IT gt = v > mx[c];                                                                        \
+                mx[c] = (VT)(((IT)v & gt) | ((IT)mx[c] & ~gt));                                                 \
+                nan[c] |= (v != v);                                                                             \
+            }                                                                                                   \
+        float m = -__builtin_inff();                                                                            \
+        int has_nan = 0;                                                                                        \
+        for (int c = 0; c < NV; c++)                                                                            \
+            for (int i = 0; i < (VW); i++) { if (mx[c][i] > m) m = mx[c][i]; has_nan |= nan[c][i] != 0; }       \
+        for (int64_t j = full; j < V; j++) { if (l[j] > m) m = l[j]; has_nan |= l[j] != l[j]; }                  \
+        /* the first index of the maximum (of the first NaN, when there is one) */                              \
+        int64_t at = 0;                                                                                         \
+        if (has_nan) { while (l[at] == l[at]) at++; }                                                           \
+        else { while (at < V - 1 && !(l[at] == m)) at++; }                                                      \
+        m = l[at];                                                                                              \
+        argmax[r] = at;                                                                                         \
+        double total;                                                                                           \
+        if (has_nan || __builtin_isinf(m)) {                                                                    \
+            total = 1.0; /* unused: lse is m (NaN, or an infinite maximum: torch's logsumexp gives it) */       \
+        } else {                                                                                                \
+            /* pass 2: the 16 lanes' sums of exp(l - m), fp32 within a chunk, fp64 across chunks */              \
+            double dsum[SCORE_LANES] = {0};                                                                     \
+            const VT mv = (VT){0} + m;                                                                          \
+            for (int64_t j0 = 0; j0 < V; j0 += SCORE_CHUNK) {                                                   \
+                const int64_t j1 = j0 + SCORE_CHUNK < V ? j0 + SCORE_CHUNK : V;                                 \
+                const int64_t jv = j1 < full ? j1 : full;                                                       \
+                VT acc[NV];                                                                                     \
+                for (int c = 0; c < NV; c++) acc[c] = (VT){0};                                                  \
+                for (int64_t j = j0; j < jv; j += SCORE_LANES)                                                  \
+                    for (int c = 0; c < NV; c++)                                                                \
+                        acc[c] = acc[c] + NAME##_exp(*(const VU *)(l + j + (VW) * c) - mv);                     \
+                float lanes[SCORE_LANES];                                                                       \
+                for (int c = 0; c < NV; c++) *(VU *)(lanes + (VW) * c) = acc[c];                                \
+                for (int64_t j = jv > j0 ? jv : j0; j < j1; j++) { /* the row's last, partial group of 16 */    \
+                    VT one = (VT){0} + (l[j] - m);                                                              \
+                    lanes[j % SCORE_LANES] = lanes[j % SCORE_LANES] + NAME##_exp(one)[0];                       \
+                }                                                                                               \
+                for (int i = 0; i < SCORE_LANES; i++) dsum[i] = dsum[i] + (double)lanes[i];                     \
+            }                                                                                                   \
+            for (int w = SCORE_LANES / 2; w >= 1; w /= 2)                                                       \
+                for (int i = 0; i < w; i++) dsum[i] = dsum[i] + dsum[i + w];                                    \
+            total = dsum[0];                                                                                    \
+        }                                                                                                       \
+        const float s = (has_nan || __builtin_isinf(m)) ? m : (float)((double)m + log_series(total));          \
+        lse[r] = s;                                                                                             \
+        logprob[r] = l[targets[r]] - s;                                                                         \
+    }                                                                                                           \
+}
+
+SCORE_KERNEL(dsv41_score_logits_base, HEAD_OPT, f32x4, f32x4u, i32x4, 4)
+#if defined(__x86_64__) && defined(__GNUC__)
+SCORE_KERNEL(dsv41_score_logits_avx2, HEAD_OPT __attribute__((target("avx2"))), f32x8, f32x8u, i32x8, 8)
+SCORE_KERNEL(dsv41_score_logits_avx512, HEAD_OPT __attribute__((target("avx512f"))), f32x16, f32x16u, i32x16, 16)
+#endif
+
+void dsv41_score_logits(const float *logits, int64_t R, int64_t V, int64_t ld, const int64_t *targets,
+                        float *logprob, float *lse, int64_t *argmax) {
+    static int isa = -1;
+    if (isa < 0) isa = dsv41_head_isa();
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (isa == 2) { dsv41_score_logits_avx512(logits, R, V, ld, targets, logprob, lse, argmax); return; }
+    if (isa == 1) { dsv41_score_logits_avx2(logits, R, V, ld, targets, logprob, lse, argmax); return; }
+#endif
+    dsv41_score_logits_base(logits, R, V, ld, targets, logprob, lse, argmax);
+}

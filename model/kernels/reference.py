@@ -336,6 +336,72 @@ def head_logits(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     return fixed_order_matmul(x, wt)
 
 
+# ------------------------------------------------------------------------ scoring a block of logits
+SCORE_LANES, SCORE_CHUNK, EXP_FLOOR = 16, 1024, -87.0  # host_kernels.c's constants
+
+
+def exp_poly(d: torch.Tensor) -> torch.Tensor:
+    """exp(d) for fp32 d <= 0 with fp32 multiplies and adds only (host_kernels.c's exp, the same bits on any CPU):
+    2^n p(r), n = round(d log2 e), r = d - n ln2 (ln2 in two parts), p the degree-7 Taylor polynomial; 0 below
+    EXP_FLOOR (-87, where 2^n would leave the normal range; such a term is under 2^-125 of the sum)."""
+    t = d * 1.44269504088896341 + 12582912.0  # + 1.5 * 2^23 rounds n to nearest into the low bits
+    n = t - 12582912.0
+    r = (d - n * 0.693145751953125) - n * 1.428606765330187e-06
+    p = r * 1.98412698e-04 + 1.38888889e-03
+    for c in (8.33333333e-03, 4.16666667e-02, 1.66666667e-01, 0.5, 1.0, 1.0):
+        p = p * r + c
+    keep = d >= EXP_FLOOR
+    scale = ((torch.where(keep, n, 0.0).to(torch.int32) + 127) << 23).view(torch.float32)
+    return torch.where(keep, p * scale, 0.0)
+
+
+def _log_series(x: torch.Tensor) -> torch.Tensor:
+    """ln x for fp64 x >= 1 (host_kernels.c's log_series): x = f 2^e, f in [sqrt(1/2), sqrt(2)), and
+    ln f = 2 atanh(s), s = (f - 1) / (f + 1), by 14 terms of its series."""
+    mant, e = torch.frexp(x)
+    f, e = mant * 2.0, e.double() - 1.0
+    high = f > 1.4142135623730951
+    f, e = torch.where(high, f * 0.5, f), torch.where(high, e + 1.0, e)
+    s = (f - 1.0) / (f + 1.0)
+    s2, term, acc = s * s, s, torch.zeros_like(s)
+    for k in range(14):
+        acc = acc + term / float(2 * k + 1)
+        term = term * s2
+    return e * 0.6931471805599453 + 2.0 * acc
+
+
+def score_logits(logits: torch.Tensor, targets: torch.Tensor):
+    """(ln p(target) fp32 [R], log-sum-exp fp32 [R], argmax int64 [R]) of fp32 logits [R, V] on the CPU, in
+    host_kernels.c's order (dsv41_score_logits): the maximum m at the row's first index of it (a NaN's, when there
+    is one: then NaN, as torch's argmax and logsumexp give), e_j = exp_poly(l_j - m) summed in 16 fp32 lanes
+    (element j into lane j mod 16) restarted every 1024 elements and carried in fp64, the lanes halved in a fixed
+    tree, lse = m + ln(sum) in fp64 rounded to fp32."""
+    R, V = logits.shape
+    nan = logits.isnan()
+    has_nan = nan.any(-1)
+    m = logits.nan_to_num(nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf).amax(-1)
+    first = lambda hit: hit.int().argmax(-1)  # noqa: E731 - the first True (a row has one)
+    at = torch.where(has_nan, first(nan), first(logits == m.unsqueeze(-1)))
+    m = logits.gather(-1, at.unsqueeze(-1))  # [R, 1]
+    chunks = -(-V // SCORE_CHUNK)
+    d = F.pad(logits - m, (0, chunks * SCORE_CHUNK - V), value=-torch.inf)
+    e = exp_poly(d).view(R, chunks, SCORE_CHUNK // SCORE_LANES, SCORE_LANES)
+    lanes = e[:, :, 0]
+    for i in range(1, SCORE_CHUNK // SCORE_LANES):
+        lanes = lanes + e[:, :, i]
+    total = torch.zeros(R, SCORE_LANES, dtype=torch.float64)
+    for c in range(chunks):
+        total = total + lanes[:, c].double()
+    w = SCORE_LANES // 2
+    while w >= 1:
+        total = total[:, :w] + total[:, w:2 * w]
+        w //= 2
+    m = m.squeeze(-1)
+    special = has_nan | m.isinf()
+    lse = torch.where(special, m, (m.double() + _log_series(torch.where(special, 1.0, total[:, 0]))).float())
+    return logits.gather(-1, targets.view(-1, 1)).squeeze(-1) - lse, lse, at.long()
+
+
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Input mixing: sum_j pre_j X_j. [B,T,n,d] x [B,T,n] -> [B,T,d] in x's dtype.
 
