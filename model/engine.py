@@ -27,6 +27,7 @@ import torch
 from dsv41.model import dspark
 from dsv41.model.cache import KVCache
 from dsv41.model.checkpoint import CheckpointError
+from dsv41.model.kernels import host
 from dsv41.model.kernels import reference as kernels_reference
 
 
@@ -101,6 +102,15 @@ class NonFiniteLogits(CheckpointError):
     overflow. The CLI prints the one-line message and exits 2."""
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) of [R, V] logits: on the CPU one C pass a row (host.argmax_rows, the same answer: the
+    first index of the maximum), elsewhere torch's."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(-1) == 1 and host.available()):
+        return host.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Greedy at temperature 0, else multinomial from the tempered, top-p filtered distribution,
     drawn from a seeded generator so a run is reproducible. Every row of logits it picks from is
@@ -127,7 +137,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         self.check(logits)
         if self.greedy:
-            return logits.argmax(dim=-1)
+            return greedy_ids(logits.unsqueeze(0))[0] if logits.dim() == 1 else greedy_ids(logits)
         return self.draw(token_distribution(logits, self.sampling))
 
     def uniform(self) -> float:
@@ -386,7 +396,7 @@ class Generator:
         n = 0
         for i, d in enumerate(drafts):
             if sampler.greedy:
-                want = int(target_logits[i].argmax())
+                want = int(greedy_ids(target_logits[i:i + 1])[0])
                 if d != want:
                     return n, want
             else:
@@ -686,7 +696,7 @@ class Scheduler:
                                            seq.budget, seq.request.on_token, seq.out)
             self.speculating.append(seq)
             return
-        self._commit(seq, int(logits[0].argmax()) if seq.sampler.greedy else int(seq.sampler(logits[0])))
+        self._commit(seq, int(greedy_ids(logits[:1])[0]) if seq.sampler.greedy else int(seq.sampler(logits[0])))
         if seq.finish:
             seq.kv_bytes_per_token = cache_bytes_per_token(cache)  # per token and sequence: any of a batch
             self._store_prefix(seq, cache)
@@ -700,7 +710,7 @@ class Scheduler:
         ids = torch.tensor([seq.token for seq in self.running], device=self.gen.device)
         logits = self.decode(ids)
         check_finite(logits, self.gen.source)
-        greedy = logits.argmax(dim=-1).tolist() if any(seq.sampler.greedy for seq in self.running) else None
+        greedy = greedy_ids(logits).tolist() if any(seq.sampler.greedy for seq in self.running) else None
         done = []
         for row, seq in enumerate(self.running):
             self._commit(seq, greedy[row] if seq.sampler.greedy else int(seq.sampler(logits[row])))

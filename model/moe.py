@@ -16,7 +16,7 @@ from torch import nn
 from dsv41.model import formats
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.kernels import experts as expert_kernels
-from dsv41.model.kernels import reference
+from dsv41.model.kernels import host, reference
 from dsv41.model.kernels.host import fixed_order_linear
 from dsv41.model.layers import FP4, Linear, host_path_applies, linear_pair, qat, storage_dtype, weight_grid
 
@@ -132,6 +132,10 @@ class MoE(nn.Module):
             return expert_kernels.routed_experts(x, weights, indices, weights_, self._swiglu_limit())
         if self._trainable():
             return self._routed_trainable(x, weights, indices)
+        if every_row is None:
+            host_path = self._host_experts(x, indices)
+            if host_path is not None:
+                return self._routed_host(x, weights, indices, *host_path)
         y = torch.zeros_like(x, dtype=torch.float32)
         if every_row is not None:
             dense = torch.zeros(x.size(0), self.n_routed, dtype=weights.dtype, device=x.device).scatter_(
@@ -150,6 +154,55 @@ class MoE(nn.Module):
             # is 1.4-3.6x faster than index_add_, which goes through the thread pool even for one row and waits
             # on a busy core (docs/performance.md, cpu-moe-scatter)
             y.index_put_((rows,), self.experts[e](x[rows], weights[rows, slot, None]).float(), accumulate=True)
+        return y
+
+    def _host_experts(self, x: torch.Tensor, indices: torch.Tensor):
+        """(tokens per expert, the experts in use) when `routed`'s loop can run as `_routed_host`: every expert held
+        here, each one in use with its three weights cached for Linear's fused host path (host.fp8_linear) and one
+        block size, x contiguous bf16/fp32 and every hidden and output width whole vector chunks of ATen's
+        elementwise loops (so silu computes each element as in the loop, whatever the rows beside it). Else None
+        (the loop runs; its first call also fills the weight caches)."""
+        if not self._sums_rows_alone(x) or any(e is None for e in self.experts):
+            return None
+        first = self.experts[0]
+        if (first.w1.out_features % reference.VECTOR_CHUNK or first.w2.out_features % reference.VECTOR_CHUNK
+                or not x.is_contiguous()):
+            return None
+        counts = torch.bincount(indices.flatten(), minlength=self.n_routed).tolist()
+        used = [e for e, c in enumerate(counts) if c]
+        for e in used:
+            for lin in (self.experts[e].w1, self.experts[e].w3, self.experts[e].w2):
+                if lin._host_weight(x) is None or not lin._fused_host(x) or lin.block != first.w1.block:
+                    return None
+        return counts, used
+
+    def _routed_host(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, counts: list[int],
+                     used: list[int]) -> torch.Tensor:
+        """`routed`'s loop with its bits in a dozen operators instead of a dozen per expert (the CPU decode step's
+        largest share of operator launches): the (token, slot) assignments sorted by expert (stable, so each
+        expert's rows come in the loop's ascending order), every expert's w1/w3 pair and its w2 in one C call each
+        over its own consecutive rows (host.fp8_linear_grouped: each group the bits of the loop's call on it),
+        the SwiGLU between them on all rows at once (elementwise), and each token's expert outputs added to 0 in
+        ascending expert order, as the loop's accumulating index_put_ adds them."""
+        n_tok, k = indices.shape
+        flat = indices.flatten()
+        order = torch.argsort(flat, stable=True)
+        rows = torch.div(order, k, rounding_mode="floor")
+        lins = [self.experts[e] for e in used]
+        ptr = lambda lin: lin._dequantized[4]  # noqa: E731 - the transposed weight's address, kept by the layer
+        counts_used = [counts[e] for e in used]
+        first = lins[0]
+        gate, up = host.fp8_linear_grouped(x[rows], first.w1.block, counts_used, [ptr(e.w1) for e in lins],
+                                           first.w1.out_features, [ptr(e.w3) for e in lins], first.w3.out_features)
+        h = first._hidden(gate.float(), up.float(), weights.flatten()[order].unsqueeze(-1)).to(x.dtype)
+        out = host.fp8_linear_grouped(h, first.w2.block, counts_used, [ptr(e.w2) for e in lins],
+                                      first.w2.out_features).float()
+        place = torch.empty_like(order)
+        place[order] = torch.arange(order.numel())
+        place = place.view(n_tok, k).gather(1, indices.argsort(dim=-1, stable=True))  # each token's slots by expert
+        y = torch.zeros(n_tok, self.dim, dtype=torch.float32)
+        for j in range(k):
+            y += out[place[:, j]]
         return y
 
     def every_row(self, x: torch.Tensor, rows_in_use: int | None = None) -> torch.Tensor:

@@ -460,3 +460,57 @@ def test_score_positions_takes_the_scoring_pass_with_or_without_the_library(tiny
         lp_ref, hit_ref, _ = bpb.score_positions(model, hidden, targets)
     assert_same(lp, lp_ref)
     assert torch.equal(hit, hit_ref)
+
+
+@pytest.mark.parametrize("R,V", [(1, 1), (3, 15), (2, 16), (4, 33), (16, 1031), (2, 129280)])
+def test_argmax_rows_is_torchs(R, V):
+    """Greedy decoding's argmax (engine.greedy_ids on the CPU): torch's answer on random rows, ties (the first
+    index), NaN (the first NaN), infinities and rows of -inf; strided rows."""
+    from dsv41.model.engine import greedy_ids
+
+    g = torch.Generator().manual_seed(R * V)
+    logits = torch.randn(R, V, generator=g)
+    if V >= 8:
+        logits[0, 2] = logits[0, 5] = logits[0].max() + 1
+        logits[-1, 1], logits[-1, 6] = torch.nan, torch.nan
+    if R >= 3:
+        logits[1, V // 2] = torch.inf
+        logits[2] = -torch.inf
+    assert torch.equal(host.argmax_rows(logits), logits.argmax(-1))
+    assert torch.equal(greedy_ids(logits), logits.argmax(-1))
+    wide = torch.cat([logits, logits], 1)[:, :V]
+    assert torch.equal(host.argmax_rows(wide), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("n_tok", [1, 5, 33])
+def test_routed_moe_host_path_is_the_loops_bits(tiny_model, monkeypatch, n_tok):
+    """MoE.routed's host path (every expert's rows in one grouped C call per product, the SwiGLU on all rows at
+    once, each token's outputs added in ascending expert order) against the per-expert loop it replaces: the same
+    bits, at one token, a few and more tokens than experts; an expert not held here (expert parallelism) sends
+    the layer back to the loop."""
+    from dsv41.model import moe as moe_module
+
+    layers_moe = [b.ffn for b in tiny_model.layers if isinstance(b.ffn, moe_module.MoE)]
+    assert layers_moe
+    calls = []
+    real = host.fp8_linear_grouped
+    monkeypatch.setattr(host, "fp8_linear_grouped", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(n_tok)
+    for moe in layers_moe:
+        x = (torch.randn(n_tok, moe.dim, generator=g) * 2).bfloat16()
+        with torch.inference_mode():
+            weights, indices = moe.gate(x)
+            with monkeypatch.context() as m:
+                m.setattr(moe_module.MoE, "_host_experts", lambda self, x, i: None)
+                loop = moe.routed(x, weights, indices)  # (also fills the weight caches)
+            fused = moe.routed(x, weights, indices)
+        assert_same(fused, loop)
+    assert len(calls) == 2 * len(layers_moe), "the host path did not run"
+    moe, last = layers_moe[0], str(len(layers_moe[0].experts) - 1)
+    held, moe.experts._modules[last] = moe.experts._modules[last], None
+    try:
+        x = torch.randn(n_tok, moe.dim, generator=g).bfloat16()
+        with torch.inference_mode():
+            assert moe._host_experts(x, torch.zeros(n_tok, 2, dtype=torch.long)) is None
+    finally:
+        moe.experts._modules[last] = held

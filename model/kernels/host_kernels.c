@@ -350,33 +350,44 @@ TARGET static VT NAME##_exp(VT d) {                                             
     const IT bits = biased << 23;                                                                               \
     return (VT)(((IT)(p * (VT)bits)) & keep);                                                                   \
 }                                                                                                               \
+/* the row's maximum (NaN aside) and the first index of it, or of the first NaN when there is one */            \
+TARGET static int64_t NAME##_argmax(const float *l, int64_t V, int *has_nan_out) {                              \
+    enum { NV = SCORE_LANES / (VW) };                                                                           \
+    const int64_t full = V / SCORE_LANES * SCORE_LANES;                                                         \
+    VT mx[NV];                                                                                                  \
+    IT nan[NV];                                                                                                 \
+    for (int c = 0; c < NV; c++) { mx[c] = (VT){0} - __builtin_inff(); nan[c] = (IT){0}; }                      \
+    for (int64_t j = 0; j < full; j += SCORE_LANES)                                                             \
+        for (int c = 0; c < NV; c++) {                                                                          \
+            const VT v = *(const VU *)(l + j + (VW) * c);                                                       \
+            const IT gt = v > mx[c];                                                                            \
+            mx[c] = (VT)(((IT)v & gt) | ((IT)mx[c] & ~gt));                                                     \
+            nan[c] |= (v != v);                                                                                 \
+        }                                                                                                       \
+    float m = -__builtin_inff();                                                                                \
+    int has_nan = 0;                                                                                            \
+    for (int c = 0; c < NV; c++)                                                                                \
+        for (int i = 0; i < (VW); i++) { if (mx[c][i] > m) m = mx[c][i]; has_nan |= nan[c][i] != 0; }           \
+    for (int64_t j = full; j < V; j++) { if (l[j] > m) m = l[j]; has_nan |= l[j] != l[j]; }                      \
+    int64_t at = 0;                                                                                             \
+    if (has_nan) { while (l[at] == l[at]) at++; }                                                               \
+    else { while (at < V - 1 && !(l[at] == m)) at++; }                                                          \
+    *has_nan_out = has_nan;                                                                                     \
+    return at;                                                                                                  \
+}                                                                                                               \
+TARGET void NAME##_argmax_rows(const float *logits, int64_t R, int64_t V, int64_t ld, int64_t *argmax) {         \
+    int has_nan;                                                                                                \
+    for (int64_t r = 0; r < R; r++) argmax[r] = NAME##_argmax(logits + r * ld, V, &has_nan);                     \
+}                                                                                                               \
 TARGET void NAME(const float *logits, int64_t R, int64_t V, int64_t ld, const int64_t *targets, float *logprob, \
                  float *lse, int64_t *argmax) {                                                                 \
     enum { NV = SCORE_LANES / (VW) };                                                                           \
     for (int64_t r = 0; r < R; r++) {                                                                          \
         const float *l = logits + r * ld;                                                                       \
         const int64_t full = V / SCORE_LANES * SCORE_LANES;                                                     \
-        /* pass 1: the maximum (NaN aside) and whether there is a NaN */                                         \
-        VT mx[NV];                                                                                              \
-        IT nan[NV];                                                                                             \
-        for (int c = 0; c < NV; c++) { mx[c] = (VT){0} - __builtin_inff(); nan[c] = (IT){0}; }                  \
-        for (int64_t j = 0; j < full; j += SCORE_LANES)                                                         \
-            for (int c = 0; c < NV; c++) {                                                                      \
-                const VT v = *(const VU *)(l + j + (VW) * c);                                                   \
-                const IT gt = v > mx[c];                                                                        \
-                mx[c] = (VT)(((IT)v & gt) | ((IT)mx[c] & ~gt));                                                 \
-                nan[c] |= (v != v);                                                                             \
-            }                                                                                                   \
-        float m = -__builtin_inff();                                                                            \
-        int has_nan = 0;                                                                                        \
-        for (int c = 0; c < NV; c++)                                                                            \
-            for (int i = 0; i < (VW); i++) { if (mx[c][i] > m) m = mx[c][i]; has_nan |= nan[c][i] != 0; }       \
-        for (int64_t j = full; j < V; j++) { if (l[j] > m) m = l[j]; has_nan |= l[j] != l[j]; }                  \
-        /* the first index of the maximum (of the first NaN, when there is one) */                              \
-        int64_t at = 0;                                                                                         \
-        if (has_nan) { while (l[at] == l[at]) at++; }                                                           \
-        else { while (at < V - 1 && !(l[at] == m)) at++; }                                                      \
-        m = l[at];                                                                                              \
+        int has_nan;                                                                                            \
+        const int64_t at = NAME##_argmax(l, V, &has_nan);                                                       \
+        const float m = l[at];                                                                                  \
         argmax[r] = at;                                                                                         \
         double total;                                                                                           \
         if (has_nan || __builtin_isinf(m)) {                                                                    \
@@ -426,4 +437,37 @@ void dsv41_score_logits(const float *logits, int64_t R, int64_t V, int64_t ld, c
     if (isa == 1) { dsv41_score_logits_avx2(logits, R, V, ld, targets, logprob, lse, argmax); return; }
 #endif
     dsv41_score_logits_base(logits, R, V, ld, targets, logprob, lse, argmax);
+}
+
+/* argmax[r] of each row of fp32 logits [R, V] (row r at logits + r * ld): torch.argmax's answer (the first index of
+ * the maximum; of the first NaN when there is one), for greedy decoding on the CPU in one vector pass a row. */
+void dsv41_argmax_rows(const float *logits, int64_t R, int64_t V, int64_t ld, int64_t *argmax) {
+    static int isa = -1;
+    if (isa < 0) isa = dsv41_head_isa();
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (isa == 2) { dsv41_score_logits_avx512_argmax_rows(logits, R, V, ld, argmax); return; }
+    if (isa == 1) { dsv41_score_logits_avx2_argmax_rows(logits, R, V, ld, argmax); return; }
+#endif
+    dsv41_score_logits_base_argmax_rows(logits, R, V, ld, argmax);
+}
+
+/* dsv41_fp8_linear over consecutive groups of x's rows, each with its own weights (the routed experts of a MoE
+ * layer, their rows sorted by expert: MoE.routed's host path): group g's counts[g] rows times wts[g] (and
+ * wts_b[g] when wts_b is not NULL), written at the same rows of out (out_b). The rows of each group get exactly
+ * the bits of one dsv41_fp8_linear call on them. Returns 0, or -1 when scratch memory cannot be had. */
+int dsv41_fp8_linear_grouped(const void *x, int x_bf16, int64_t K, int64_t block, float amax_floor, float ratio,
+                             int64_t G, const int64_t *counts, const float *const *wts, int64_t N, void *out,
+                             const float *const *wts_b, int64_t Nb, void *out_b, int out_bf16) {
+    const size_t in_size = x_bf16 ? 2 : 4, out_size = out_bf16 ? 2 : 4;
+    int64_t row = 0;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t R = counts[g];
+        if (R > 0 && dsv41_fp8_linear((const char *)x + (size_t)(row * K) * in_size, x_bf16, R, K, block,
+                                      amax_floor, ratio, wts[g], N, (char *)out + (size_t)(row * N) * out_size,
+                                      wts_b ? wts_b[g] : NULL, Nb,
+                                      wts_b ? (char *)out_b + (size_t)(row * Nb) * out_size : NULL, out_bf16))
+            return -1;
+        row += R;
+    }
+    return 0;
 }
