@@ -24,7 +24,9 @@
 #   DATA=runs/data-t44-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 46   (stage 45 over the assets)
 #   DATA=runs/data-t47-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 47   (stage 46 over the assets)
 #   DATA=runs/data-t48-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 48   (stage 46 over the assets)
-#       (47 and 48 prepared 2026-12-04, not yet run)
+#       (47 and 48 ran 2026-12-04 and were lost with the machine before they were measured)
+#   DATA=runs/data-t49-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 49   (from stage 36, shipped)
+#   DATA=runs/data-t49-carry RUNS=/tmp/r LOGS=/tmp/r/logs bash recipes/tiny/graded_device.sh 50   (stage 49 over the assets)
 #
 # (The 2026-12-03 call of stage 29 wrote into the machine's /tmp and sent the shards back split into 15 MiB parts,
 # the device returning at most 16 MiB a file. For stages 30 and 31 the tracked tree had grown to 61 MB, so with the
@@ -156,7 +158,15 @@ case $STAGE in
             --vision-every 2 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
             --think-start-weight 4 --closing-sum-weight 5
             --lr 2e-4 --backbone-seconds 400 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
-  *) echo "unknown stage $STAGE (25, 26, 29-48)" >&2; exit 2 ;;
+  # stages 49-50 (2026-12-04): stage 48's design started again from the shipped stage 36, since stages 44-48 were
+  # lost with a machine (recipes/tiny/README.md, "Stages 47-48"): the "checked-tagged" traces with the top tier at a
+  # quarter (the four-number lists at 0.6), every top-tier pass slipped at each step with probability 0.5, literature
+  # rows again; each call stage 45's (400 s of joint steps, the drafter 70 s); 50 from 49
+  49|50) OPTS=(--batch 192 --mix prose=0.12,code=0.12,literature=0.06,reasoning_checked_tagged=0.70
+            --vision-every 2 --vision-batch 256 --vision-workers 14 --vision-variety-share 0.8 --vision-robust
+            --think-start-weight 4 --closing-sum-weight 5
+            --lr 2e-4 --backbone-seconds 400 --dspark-seconds 70 --dspark-batch 128 --dspark-lr 1.5e-3) ;;
+  *) echo "unknown stage $STAGE (25, 26, 29-50)" >&2; exit 2 ;;
 esac
 bash recipes/tiny/device_run.sh --init-from "$FROM" --out "$RUNS/s$STAGE" "${OPTS[@]}" \
     --history "$LOGS/stage${STAGE}_history.json" --log "$LOGS/stage${STAGE}_train.log" "$@"
