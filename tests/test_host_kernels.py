@@ -490,6 +490,7 @@ def test_routed_moe_host_path_is_the_loops_bits(tiny_model, monkeypatch, n_tok):
     the layer back to the loop."""
     from dsv41.model import moe as moe_module
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set by the kernel tests: the Triton path's checks
     layers_moe = [b.ffn for b in tiny_model.layers if isinstance(b.ffn, moe_module.MoE)]
     assert layers_moe
     calls = []
