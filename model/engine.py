@@ -103,11 +103,11 @@ class NonFiniteLogits(CheckpointError):
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(-1) of [R, V] logits: on the CPU one C pass a row (host.argmax_rows, the same answer: the
-    first index of the maximum), elsewhere torch's."""
-    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+    """logits.argmax(-1) of [V] or [R, V] logits: on the CPU one C pass a row (host.argmax_rows, the same answer:
+    the first index of the maximum), elsewhere torch's."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() in (1, 2)
             and logits.stride(-1) == 1 and host.available()):
-        return host.argmax_rows(logits)
+        return host.argmax_rows(logits.view(-1, logits.size(-1))).view(logits.shape[:-1])
     return logits.argmax(dim=-1)
 
 
@@ -137,7 +137,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         self.check(logits)
         if self.greedy:
-            return greedy_ids(logits.unsqueeze(0))[0] if logits.dim() == 1 else greedy_ids(logits)
+            return greedy_ids(logits)
         return self.draw(token_distribution(logits, self.sampling))
 
     def uniform(self) -> float:
@@ -396,7 +396,7 @@ class Generator:
         n = 0
         for i, d in enumerate(drafts):
             if sampler.greedy:
-                want = int(greedy_ids(target_logits[i:i + 1])[0])
+                want = int(greedy_ids(target_logits[i]))
                 if d != want:
                     return n, want
             else:
@@ -696,7 +696,7 @@ class Scheduler:
                                            seq.budget, seq.request.on_token, seq.out)
             self.speculating.append(seq)
             return
-        self._commit(seq, int(greedy_ids(logits[:1])[0]) if seq.sampler.greedy else int(seq.sampler(logits[0])))
+        self._commit(seq, int(greedy_ids(logits[0])) if seq.sampler.greedy else int(seq.sampler(logits[0])))
         if seq.finish:
             seq.kv_bytes_per_token = cache_bytes_per_token(cache)  # per token and sequence: any of a batch
             self._store_prefix(seq, cache)

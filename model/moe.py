@@ -159,18 +159,18 @@ class MoE(nn.Module):
     def _host_experts(self, x: torch.Tensor, indices: torch.Tensor):
         """(tokens per expert, the experts in use) when `routed`'s loop can run as `_routed_host`: every expert held
         here, each one in use with its three weights cached for Linear's fused host path (host.fp8_linear) and one
-        block size, x contiguous bf16/fp32 and every hidden and output width whole vector chunks of ATen's
-        elementwise loops (so silu computes each element as in the loop, whatever the rows beside it). Else None
-        (the loop runs; its first call also fills the weight caches)."""
+        block size (whole blocks in w2's input width too), x contiguous bf16/fp32 and every hidden and output width
+        whole vector chunks of ATen's elementwise loops (so silu computes each element as in the loop, whatever the
+        rows beside it). Else None (the loop runs; its first call also fills the weight caches)."""
         if not self._sums_rows_alone(x) or any(e is None for e in self.experts):
             return None
         first = self.experts[0]
         if (first.w1.out_features % reference.VECTOR_CHUNK or first.w2.out_features % reference.VECTOR_CHUNK
-                or not x.is_contiguous()):
+                or first.w2.in_features % first.w2.block):  # w2's input is the hidden state, not x
             return None
         counts = torch.bincount(indices.flatten(), minlength=self.n_routed).tolist()
         used = [e for e, c in enumerate(counts) if c]
-        for e in used:
+        for e in used:  # (w2's _fused_host asks of x what its own input, the hidden state, also has: see above)
             for lin in (self.experts[e].w1, self.experts[e].w3, self.experts[e].w2):
                 if lin._host_weight(x) is None or not lin._fused_host(x) or lin.block != first.w1.block:
                     return None

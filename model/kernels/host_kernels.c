@@ -248,19 +248,26 @@ int dsv41_head_isa(void) {
     return 0;
 }
 
+/* Run the widest version of a kernel the CPU has: BASE##_avx512, BASE##_avx2 or BASE##_base (SUFFIX: a name's
+ * tail after the ISA, e.g. _strided), all of the same bits; the ISA asked once per function. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define ISA_DISPATCH(BASE, SUFFIX, ARGS)                                                                     \
+    static int isa = -1;                                                                                     \
+    if (isa < 0) isa = dsv41_head_isa();                                                                     \
+    if (isa == 2) { BASE##_avx512##SUFFIX ARGS; return; }                                                    \
+    if (isa == 1) { BASE##_avx2##SUFFIX ARGS; return; }                                                      \
+    BASE##_base##SUFFIX ARGS;
+#else
+#define ISA_DISPATCH(BASE, SUFFIX, ARGS) BASE##_base##SUFFIX ARGS;
+#endif
+
 /* out[r, n] = sum_k x[r, k] wt[k, n] in the head's fixed order, for any GEMM of the decode step (the model's
  * linear layers, the MoE gate, the mHC projection, the grouped wo_a): rows x[r * ldx ..] (K contiguous floats
  * each), outputs out[r * ldo ..] (N contiguous floats each), so a group's columns of a wider tensor are read
  * and written in place. */
 void dsv41_fixed_order_matmul(const float *x, int64_t R, int64_t K, int64_t ldx, const float *wt, int64_t N,
                               float *out, int64_t ldo) {
-    static int isa = -1;
-    if (isa < 0) isa = dsv41_head_isa();
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (isa == 2) { dsv41_head_logits_avx512_strided(x, R, K, ldx, wt, N, out, ldo); return; }
-    if (isa == 1) { dsv41_head_logits_avx2_strided(x, R, K, ldx, wt, N, out, ldo); return; }
-#endif
-    dsv41_head_logits_base_strided(x, R, K, ldx, wt, N, out, ldo);
+    ISA_DISPATCH(dsv41_head_logits, _strided, (x, R, K, ldx, wt, N, out, ldo))
 }
 
 
@@ -389,10 +396,10 @@ TARGET void NAME(const float *logits, int64_t R, int64_t V, int64_t ld, const in
         const int64_t at = NAME##_argmax(l, V, &has_nan);                                                       \
         const float m = l[at];                                                                                  \
         argmax[r] = at;                                                                                         \
-        double total;                                                                                           \
-        if (has_nan || __builtin_isinf(m)) {                                                                    \
-            total = 1.0; /* unused: lse is m (NaN, or an infinite maximum: torch's logsumexp gives it) */       \
-        } else {                                                                                                \
+        /* a NaN, or an infinite maximum: lse is m, as torch's logsumexp gives it */                              \
+        const int special = has_nan || __builtin_isinf(m);                                                      \
+        double total = 1.0;                                                                                     \
+        if (!special) {                                                                                         \
             /* pass 2: the 16 lanes' sums of exp(l - m), fp32 within a chunk, fp64 across chunks */              \
             double dsum[SCORE_LANES] = {0};                                                                     \
             const VT mv = (VT){0} + m;                                                                          \
@@ -416,7 +423,7 @@ TARGET void NAME(const float *logits, int64_t R, int64_t V, int64_t ld, const in
                 for (int i = 0; i < w; i++) dsum[i] = dsum[i] + dsum[i + w];                                    \
             total = dsum[0];                                                                                    \
         }                                                                                                       \
-        const float s = (has_nan || __builtin_isinf(m)) ? m : (float)((double)m + log_series(total));          \
+        const float s = special ? m : (float)((double)m + log_series(total));                                  \
         lse[r] = s;                                                                                             \
         logprob[r] = l[targets[r]] - s;                                                                         \
     }                                                                                                           \
@@ -430,25 +437,13 @@ SCORE_KERNEL(dsv41_score_logits_avx512, HEAD_OPT __attribute__((target("avx512f"
 
 void dsv41_score_logits(const float *logits, int64_t R, int64_t V, int64_t ld, const int64_t *targets,
                         float *logprob, float *lse, int64_t *argmax) {
-    static int isa = -1;
-    if (isa < 0) isa = dsv41_head_isa();
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (isa == 2) { dsv41_score_logits_avx512(logits, R, V, ld, targets, logprob, lse, argmax); return; }
-    if (isa == 1) { dsv41_score_logits_avx2(logits, R, V, ld, targets, logprob, lse, argmax); return; }
-#endif
-    dsv41_score_logits_base(logits, R, V, ld, targets, logprob, lse, argmax);
+    ISA_DISPATCH(dsv41_score_logits, , (logits, R, V, ld, targets, logprob, lse, argmax))
 }
 
 /* argmax[r] of each row of fp32 logits [R, V] (row r at logits + r * ld): torch.argmax's answer (the first index of
  * the maximum; of the first NaN when there is one), for greedy decoding on the CPU in one vector pass a row. */
 void dsv41_argmax_rows(const float *logits, int64_t R, int64_t V, int64_t ld, int64_t *argmax) {
-    static int isa = -1;
-    if (isa < 0) isa = dsv41_head_isa();
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (isa == 2) { dsv41_score_logits_avx512_argmax_rows(logits, R, V, ld, argmax); return; }
-    if (isa == 1) { dsv41_score_logits_avx2_argmax_rows(logits, R, V, ld, argmax); return; }
-#endif
-    dsv41_score_logits_base_argmax_rows(logits, R, V, ld, argmax);
+    ISA_DISPATCH(dsv41_score_logits, _argmax_rows, (logits, R, V, ld, argmax))
 }
 
 /* dsv41_fp8_linear over consecutive groups of x's rows, each with its own weights (the routed experts of a MoE

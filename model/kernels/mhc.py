@@ -50,7 +50,8 @@ def _split_fn(fn: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 # x_once at 16 x 64 (2 stages, 2 warps) since h200-2026-12-02-g (CUDA-graph GPU time, x the bytes floor, 4096 /
 # 16384 tokens, two runs): 2.25x / 1.67x (1.85x / 1.67x with RANGE_RULE "waves", h200-2026-12-04), against
 # 2.61x / 1.96x for the x_once default before it (32 x 64, 2 stages, 4 warps; 0.86x / 0.86x its time in the same
-# run) and 4.02x / 3.21x for OLD_DEFAULT (64 x 32, x_once off); at 1024 tokens 1.05x the time of 32 x 64. Its sweep (bench_mhc --sweep-set xonce) found nothing faster at both sizes:
+# run) and 4.02x / 3.21x for OLD_DEFAULT (64 x 32, x_once off); at 1024 tokens 1.05x the time of 32 x 64. Its
+# sweep (bench_mhc --sweep-set xonce) found nothing faster at both sizes:
 # 32 x 64 at 3 stages 0.92x / 0.95x, 16 x 64 at 4 warps or 3 stages 0.80x at 4096 but 1.07x / 0.92x at 16384; the
 # tiles that spill in an offline sm_90 compile (32 x 64 at 2 warps, 32 x 128 and 64 x 64 at 4, 16 x 128 at 2,
 # 16 x 64 at 1; 255 registers, 840-1024 spill bytes) 1.4-3.8x. In h200-2026-12-02-f
