@@ -61,9 +61,11 @@ def kind_of(name: str) -> str | None:
 def count(prof) -> dict:
     out = Counter()
     names = Counter()
+    kernels, aten = Counter(), Counter()  # what the GPU ran and the operators called, by name
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             out["gpu_kernels_run"] += 1
+            kernels[e.name[:120]] += 1
             continue
         k = kind_of(e.name)
         if k:
@@ -71,10 +73,33 @@ def count(prof) -> dict:
             names[e.name] += 1
         elif e.name.startswith("aten::"):
             out["aten_ops"] += 1
+            aten[e.name] += 1
     res = {k: out.get(k, 0) for k in ("kernel_launches", "graph_launches", "memcpy_calls", "memset_calls", "syncs",
                                       "gpu_kernels_run", "aten_ops")}
     res["runtime_calls"] = dict(names)
+    res["gpu_kernels_by_name"] = dict(kernels.most_common())
+    res["aten_ops_by_name"] = dict(aten.most_common())
+    res["launches_by_site"] = launch_sites(prof)
     return res
+
+
+def launch_sites(prof) -> dict:
+    """Kernel launches by the model's source line that caused them: each launch's outermost operator, the first
+    frame of its Python stack inside model/ (needs the profile's with_stack; Triton launches have no operator
+    above them and count under their own stack or "triton")."""
+    sites = Counter()
+    try:
+        for e in prof.events():
+            if kind_of(e.name) != "kernel_launches":
+                continue
+            top = e
+            while top.cpu_parent is not None:
+                top = top.cpu_parent
+            frames = [f for f in (top.stack or e.stack or []) if "/model/" in f]
+            sites[frames[0].split("/model/")[-1] if frames else ("triton" if top is e else top.name)] += 1
+    except Exception as err:  # the breakdown is a diagnosis: never fail the count for it
+        return {"error": f"{type(err).__name__}: {err}"[:300]}
+    return dict(sites.most_common())
 
 
 def capture_inputs(model, layer_ids, ids, cache):
@@ -132,7 +157,7 @@ def eager(block, args, cuda: bool, expected: torch.Tensor, ring) -> dict:
     same = (again.float() - expected.float()).abs().max().item()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     restore_ring(ring)
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=True) as prof:
         block(*args)
         if cuda:
             torch.cuda.synchronize()

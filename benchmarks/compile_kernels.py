@@ -6,7 +6,7 @@ weight loads got.
 Triton's NVIDIA backend (its bundled ptxas) compiles to a cubin with no device present, so a kernel that does
 not lower, or that spills, shows up before any GPU time is spent. Usage (not under TRITON_INTERPRET=1):
 
-    python benchmarks/compile_kernels.py [--quick] [--only gemm|sparse_attention|indexer_mhc]
+    python benchmarks/compile_kernels.py [--quick] [--only gemm|sparse_attention|indexer_mhc|small]
 
 Exit status 1 if a launched configuration fails to compile or spills (alternatives and KNOWN_SPILLS are
 printed "SPILL*" and do not count); prints "no NVIDIA backend" and exits 0 when Triton has no CUDA backend here.
@@ -202,6 +202,52 @@ def indexer_mhc_cases(quick: bool):
                        mhc.TUNE["num_warps"] if BM == big[0] else 4, stages)
 
 
+def small_cases(quick: bool):
+    """The one-launch pieces of a decode step at V4.1-Flash widths (dim 5120, q rank 1280, head 512 with a
+    64-channel RoPE tail, 64 heads, 384 experts top-6, expert width 2304, 4 streams), at the configurations their
+    launchers pick: RMSNorm, RoPE, the router, the shared SwiGLU (kernels/norm.py, rope.py, routing.py), the
+    block's last mHC update (kernels/mhc.py expand) and the expert sort (kernels/experts.py)."""
+    import triton
+
+    from dsv41.model.kernels import _triton_gemm as K
+    from dsv41.model.kernels import _triton_mhc as Mh
+    from dsv41.model.kernels import _triton_small as S
+
+    norm = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", M="i32", D="i32", stride_x="i32", eps="fp32")
+    for D in ((5120,) if quick else (5120, 1280, 512)):
+        BD = triton.next_power_of_2(D)
+        yield (f"rms_norm {D}", S.rms_norm_kernel, norm,
+               dict(BD=BD, BM=max(1, min(16, 4096 // BD)), OUT_BF16=True, INTERPRET=False),
+               ("x_ptr", "w_ptr", "y_ptr", "D", "stride_x"), 4 if BD <= 2048 else 8, 3)
+    rope = dict(x_ptr="*bf16", f_ptr="*fp32", out_ptr="*bf16", T="i32", H="i32", D="i32", first="i32",
+                PER_ROW="constexpr")
+    for H in ((64,) if quick else (64, 1)):
+        yield (f"rope_tail H={H}", S.rope_tail_kernel, rope,
+               dict(PER_ROW=True, BH=min(H, 16), BD=512, INVERSE=False, OUT_BF16=True, INTERPRET=False),
+               ("x_ptr", "f_ptr", "out_ptr", "D"), 4, 3)
+    yield ("route 384 top-6", S.route_kernel,
+           dict(s_ptr="*fp32", b_ptr="*fp32", w_ptr="*fp32", i_ptr="*i64", E="i32", stride_s="i32", stride_b="i32",
+                gate_temp="fp32", route_scale="fp32"),
+           dict(K=6, KP=8, BE=512, TEMP=False, NORM=True), ("s_ptr", "b_ptr", "w_ptr", "i_ptr"), 4, 3)
+    yield ("swiglu 2304", S.swiglu_kernel,
+           dict(g_ptr="*bf16", u_ptr="*bf16", h_ptr="*bf16", M="i32", N="i32", stride_g="i32", stride_u="i32",
+                limit="fp32"),
+           dict(BM=2, BN=1024, HAS_LIMIT=True, OUT_BF16=True, INTERPRET=False), ("g_ptr", "u_ptr", "h_ptr"), 4, 3)
+    yield ("mhc expand", Mh.expand_kernel,
+           dict(y_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", out_ptr="*bf16", M="i32", d="i32"),
+           dict(N=4, BD=1024, INTERPRET=False), ("y_ptr", "x_ptr", "post_ptr", "comb_ptr", "out_ptr", "d"), 4, 3)
+    for T in ((1,) if quick else (1, 64)):  # decode: 1 and 64 rows of 6 assignments, BM 16 (launch_config)
+        R = T * 6
+        n_tiles = -(-R // 16) + min(384, R)
+        yield (f"expert sort T={T}", K.expert_sort_kernel,
+               dict(w_ptr="*fp32", idx_ptr="*i64", held_ptr="*u8", token_ptr="*i32", route_ptr="*fp32",
+                    off_ptr="*i32", tile_e_ptr="*i32", tile_r_ptr="*i32", pos_ptr="*i32", scratch_ptr="*i32",
+                    T="i32", R="i32", E="i32", k="i32", n_tiles="i32", BM="i32"),
+               dict(RP=triton.next_power_of_2(R), EP=512, JP=triton.next_power_of_2(-(-R // 16)),
+                    NTP=triton.next_power_of_2(n_tiles), TP=triton.next_power_of_2(T), KP=8), (),
+               4 if T == 1 else 8, 3)
+
+
 # Kernels whose spills are known and documented (docs/performance.md), printed "SPILL*" without failing the run:
 # the sparse-attention tile kernel (variant="tiles" and H > 64 since decode and prefill moved to the split kernel).
 # The mHC x_once variant spilled 8 bytes at 255 registers at the 64 x 32 tile; at its default tiles, 32 x 64
@@ -216,7 +262,7 @@ KNOWN_SPILLS = {"sparse tiles", "mhc residual x_once", "sparse split"}
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one decode and one prefill configuration per kernel")
-    ap.add_argument("--only", choices=("gemm", "sparse_attention", "indexer_mhc"), help="one kernel family")
+    ap.add_argument("--only", choices=("gemm", "sparse_attention", "indexer_mhc", "small"), help="one kernel family")
     ap.add_argument("--json", help="also write one row per compiled configuration into this file")
     args = ap.parse_args()
     quick = args.quick
@@ -231,7 +277,8 @@ def main() -> int:
         return 0
     target = GPUTarget("cuda", 90, 32)
     bad, rows = 0, []
-    families = {"gemm": cases, "sparse_attention": sparse_attention_cases, "indexer_mhc": indexer_mhc_cases}
+    families = {"gemm": cases, "sparse_attention": sparse_attention_cases, "indexer_mhc": indexer_mhc_cases,
+                "small": small_cases}
     chosen = [families[args.only]] if args.only else list(families.values())
     for name, fn, types, consts, div, warps, stages in (c for f in chosen for c in f(quick)):
         shown = {k: v for k, v in consts.items() if k != "INTERPRET"}

@@ -19,6 +19,8 @@ back to position 0 so the shared cache can keep one rotated form.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -57,7 +59,20 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
 def window_indices(start_pos: int, seqlen: int, n_prev: int, window: int, device) -> torch.Tensor:
     """For queries at start_pos..start_pos+T-1 over window KV laid out as [n_prev cached ; T new]
     (the cached part holding positions start_pos-n_prev..start_pos-1): the causal window
-    [t-window+1, t] as indices into that layout, -1 where the window reaches before position 0. [T, min(window, n_prev+T)]"""
+    [t-window+1, t] as indices into that layout, -1 where the window reaches before position 0. [T, min(window, n_prev+T)]
+    A decode step's (T = 1) on a GPU is kept for the step's other layers (read only): seven launches each."""
+    if seqlen == 1 and torch.device(device).type != "cpu":
+        return _decode_window_indices(start_pos, n_prev, window, torch.device(device))
+    return _window_indices(start_pos, seqlen, n_prev, window, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _decode_window_indices(start_pos: int, n_prev: int, window: int, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # an ordinary tensor: usable by a later forward that records gradients
+        return _window_indices(start_pos, 1, n_prev, window, device)
+
+
+def _window_indices(start_pos: int, seqlen: int, n_prev: int, window: int, device) -> torch.Tensor:
     base = start_pos - n_prev
     t = torch.arange(start_pos, start_pos + seqlen, device=device).unsqueeze(1)
     width = min(window, n_prev + seqlen)
@@ -227,9 +242,9 @@ class Attention(nn.Module):
         position p_b (model/batch_cache.py). The same equations as `forward` over the same stored bytes,
         with per-row positions and REF's decode widths: each row attends to its W window slots (-1 past
         its newest) and `index_topk` main entries (-1 where fewer are visible), whatever the other rows hold."""
-        pos = cache.positions[:cache.rows]
         stop = cache.rope_stop()
-        freqs = self.freqs(pos.unsqueeze(1), x.device, stop=stop)  # [R, 1, rope/2]
+        freqs = cache.step_memo(("freqs", self.rope, stop),  # the same rows for every layer of one RoPE
+                                lambda: self.freqs(cache.positions[:cache.rows].unsqueeze(1), x.device, stop=stop))
         qr, q = self.query(x, freqs)
         cache.write_window(self.spec.id, WINDOW_CODEC.pack(self.window_latent(x, freqs)))
         main_codes = main_scales = top = None

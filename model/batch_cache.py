@@ -47,6 +47,9 @@ class BatchCache:
         self.args, self.n_rows, self.max_len = args, n_rows, max_len
         self.window_size = W = args.window_size
         self.positions = torch.zeros(n_rows, dtype=torch.long, device=self.device)
+        # what every layer of one step derives from the positions alone (window slots and indices, RoPE rows),
+        # computed by the first layer that asks: a dozen launches a layer on CUDA (`step_memo`)
+        self._memo: dict = {}
         self.live = torch.zeros(n_rows, dtype=torch.bool, device=self.device)  # rows holding a sequence
         self.lengths = [0] * n_rows  # the positions, on the host (the scheduler's bookkeeping)
         S, D = n_rows, args.head_dim
@@ -265,10 +268,28 @@ class BatchCache:
         shapes and addresses), the RoPE table, which layers have window floors."""
         return self.rows, self.capacity, self.rope_stop(), tuple(self.floored)
 
+    def begin_step(self) -> None:
+        """A decode step starts (Transformer.decode_rows): the positions it reads are those of this step."""
+        self._memo.clear()
+
+    def step_memo(self, key, make):
+        """make(), computed once per step for `key`: a value of the step's positions that several layers use
+        (cleared by begin_step and advance_positions; inside a captured step the first layer's launches
+        compute it at every replay, and the later layers read it)."""
+        value = self._memo.get(key)
+        if value is None:
+            value = self._memo[key] = make()
+        return value
+
     def window_index(self, layer_id: int) -> torch.Tensor:
         """Ring slots of each row's window after this step's row is written, as REF's decode lays them out
         (model.py get_window_topk_idxs): the positions max(0, floor, p-W+1)..p oldest first, then -1 up to
         the full width W. [R, 1, W]"""
+        if self.floored[layer_id]:
+            return self._window_index(layer_id)
+        return self.step_memo("window_index", lambda: self._window_index(layer_id))
+
+    def _window_index(self, layer_id: int) -> torch.Tensor:
         p = self.positions[:self.rows].unsqueeze(1)
         first = (p - self.window_size + 1).clamp_min(0)
         if self.floored[layer_id]:  # SWA Bounded Replay: nothing before the row's replay segment
@@ -279,7 +300,7 @@ class BatchCache:
     def write_window(self, layer_id: int, packed: tuple[torch.Tensor, torch.Tensor]) -> None:
         """This step's window row of each row (packed FP8 [R, 1, D] and scales) at slot p mod W."""
         rows = self.row_ids
-        slots = self.positions[:self.rows] % self.window_size
+        slots = self.step_memo("window_slots", lambda: self.positions[:self.rows] % self.window_size)
         self.window_codes[layer_id][rows, slots] = packed[0][:, 0]
         self.window_scales[layer_id][rows, slots] = packed[1][:, 0]
         if self.window_values is not None:
@@ -338,6 +359,7 @@ class BatchCache:
     def advance_positions(self) -> None:
         """The step's last write (on the device, inside a captured step): every live row moved one position."""
         self.positions[:self.rows] += self.live[:self.rows]
+        self._memo.clear()
 
     def advance(self) -> None:
         """After a step, on the host: every row in use consumed one token."""

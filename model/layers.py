@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41.model import formats, kernels
-from dsv41.model.kernels import host
+from dsv41.model.kernels import host, reference, rope
+from dsv41.model.kernels.norm import rms_norm
 # How FP8/FP4 GEMMs are evaluated ("fast" or "exact"): the flag lives with the GEMMs (model/kernels/gemm.py);
 # Linear reads it, and `dsv41.model.layers.set_gemm_mode` stays importable.
 from dsv41.model.kernels.gemm import GEMM_MODE, set_gemm_mode  # noqa: F401
@@ -40,11 +41,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        # the weight joins as it is stored: the multiply promotes it to fp32 exactly (one call fewer than
-        # weight.float() * xf, the same products)
-        return torch.mul(self.weight, xf).to(x.dtype)
+        # reference.rms_norm's torch arithmetic; on CUDA at inference one kernel (model/kernels/norm.py)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -319,27 +317,13 @@ def _rope_table(rope_dim, max_len, base, original_seq_len, factor, beta_fast, be
     return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate adjacent pairs (2i, 2i+1) of x's last dim by freqs (interleaved / GPT-J layout).
-
-    x: [B, T, r] or [B, T, H, r]; freqs: [T, r/2] complex, or [B, T, r/2] when the rows of the batch sit
-    at different positions. Returns a new tensor in x's dtype; `inverse` applies the conjugate rotation
-    (used to un-rotate the attention output)."""
-    # the shapes are read once from x and freqs (each size or dim query is an operator call); the complex
-    # product sees the same operands as ever (its vectorized and scalar paths round differently)
-    shape = x.shape
-    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
-    f = freqs.conj() if inverse else freqs
-    fshape = f.shape
-    lead = fshape[0] if len(fshape) == 3 else 1
-    f = f.view(lead, shape[1], *([1] * (len(shape) - 3)), shape[-1] // 2)
-    return torch.view_as_real(xc * f).flatten(-2).to(x.dtype)
+# the torch arithmetic of RoPE lives with the kernels' references (model/kernels/reference.py)
+apply_rope = reference.apply_rope
 
 
 def rope_tail(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
     """RoPE on the LAST rope_dim channels only; the leading channels carry no position."""
     if host.takes(x) and host.rope_fits(x, freqs):  # one C call, the same bits (kernels/host.py)
         return host.rope_tail(x, freqs, rope_dim, inverse)
-    head, tail = x.tensor_split([-rope_dim], dim=-1)  # x[..., :-rope_dim], x[..., -rope_dim:] in one call
-    return torch.cat([head, apply_rope(tail, freqs, inverse)], dim=-1)
+    return rope.rope_tail(x, freqs, rope_dim, inverse)  # one kernel on CUDA at inference, else reference's
 

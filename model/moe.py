@@ -16,7 +16,7 @@ from torch import nn
 from dsv41.model import formats
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.kernels import experts as expert_kernels
-from dsv41.model.kernels import host, reference
+from dsv41.model.kernels import host, reference, routing
 from dsv41.model.kernels.host import fixed_order_linear
 from dsv41.model.layers import FP4, Linear, host_path_applies, linear_pair, qat, storage_dtype, weight_grid
 
@@ -36,22 +36,13 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
         """x [N, d] -> (weights [N, k] fp32, indices [N, k])."""
         scores = fixed_order_linear(x, self.weight)  # F.linear in fp32 (in a fixed order on the CPU)
-        if self.gate_temp != 1.0:  # (x / 1.0 is x, bit for bit)
-            scores = scores / self.gate_temp
-        if self.score_func == "softmax":
-            scores = scores.softmax(dim=-1)
-        elif self.score_func == "sigmoid":
-            scores = reference.per_row(torch.sigmoid, scores)
-        else:
-            scores = reference.per_row(F.softplus, scores).sqrt()
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)
-        indices = (scores + bias).topk(self.topk, dim=-1).indices
-        weights = scores.gather(-1, indices)
-        if self.norm_topk_prob and self.topk > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.route_scale, indices
+        # the scores, the biased Top-k and the weights: reference.route's torch arithmetic (one kernel on CUDA
+        # at inference, model/kernels/routing.py)
+        return routing.route(scores, bias, self.topk, self.score_func, self.gate_temp, self.norm_topk_prob,
+                             self.route_scale)
 
 
 class Expert(nn.Module):
@@ -66,6 +57,8 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = linear_pair(self.w1, self.w3, x)  # one FP8 rounding of x for both where it can
+        if weights is None:  # the shared expert: _hidden's arithmetic, one kernel on CUDA (kernels/routing.py)
+            return self.w2(routing.swiglu(gate, up, self.limit, x.dtype))
         return self.w2(self._hidden(gate.float(), up.float(), weights).to(x.dtype))
 
     def _hidden(self, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -104,22 +97,36 @@ class MoE(nn.Module):
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, dense, args.fp8_block_size, args.swiglu_limit,
                                      args.trainable)
         self._quantized_experts: bool | None = None  # every routed expert FP8/FP4 inference weights (every_row)
+        self._chosen: torch.Tensor | None = None  # the last forward's expert indices, and their counts (`load`)
+        self._load: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.dim)
         weights, indices = self.gate(x, None if image_mask is None else image_mask.reshape(-1))
-        # tokens per expert: read by training to update the selection bias (aux-loss-free balancing).
-        # (scatter_add, not bincount: on CUDA bincount reads the largest index back to size its output)
-        flat = indices.flatten()
-        if flat.device.type == "cpu":  # the same counts in one operator
-            self.load = torch.bincount(flat, minlength=self.n_routed)
-        else:
-            self.load = torch.zeros(self.n_routed, dtype=torch.int64, device=x.device).scatter_add_(
-                0, flat, torch.ones_like(flat))
+        self._chosen, self._load = indices, None  # `load` counts them when read (training), not every forward
         y = self.routed(x, weights, indices)
         y += self.shared_experts(x).float()
         return y.to(x.dtype).reshape(shape)
+
+    @property
+    def load(self) -> torch.Tensor | None:
+        """Tokens per expert in the last forward [n_routed] int64: read by training to update the selection bias
+        (aux-loss-free balancing). Counted on first read, so inference, which never reads it, launches nothing
+        for it (three launches a layer on CUDA). (scatter_add, not bincount, on CUDA: bincount reads the largest
+        index back to size its output.)"""
+        if self._load is None and self._chosen is not None:
+            flat = self._chosen.flatten()
+            if flat.device.type == "cpu":  # the same counts in one operator
+                self._load = torch.bincount(flat, minlength=self.n_routed)
+            else:
+                self._load = torch.zeros(self.n_routed, dtype=torch.int64, device=flat.device).scatter_add_(
+                    0, flat, torch.ones_like(flat))
+        return self._load
+
+    @load.setter
+    def load(self, value: torch.Tensor | None) -> None:
+        self._chosen, self._load = None, value
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
                every_row: int | None = None) -> torch.Tensor:

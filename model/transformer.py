@@ -304,6 +304,7 @@ class Transformer(nn.Module):
     def _decode_rows(self, ids: torch.Tensor, cache, head_rows: int | None) -> torch.Tensor:
         ids = ids.view(-1, 1)
         R = ids.size(0)
+        cache.begin_step()
         rows = None
         if self.hasher is not None:
             rows, cache.engram_history[:R] = self.hasher(ids, None, cache.engram_history[:R])

@@ -715,13 +715,13 @@ def test_every_launch_function_is_kept_opaque_for_torch_compile():
 import ast, inspect, sys
 import dsv41.model.transformer  # every kernel module, as the model imports them
 from dsv41.model import kernels
-from dsv41.model.kernels import experts, gemm, indexer, mhc, quant, sparse_attention
+from dsv41.model.kernels import experts, gemm, indexer, mhc, norm, quant, rope, routing, sparse_attention
 assert "torch._dynamo" not in sys.modules, "the model imported torch._dynamo"
 launching = set()
 def launches(c):  # a call `..._kernel[grid](...)` / `kernel[grid](...)`
     return (isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript) and isinstance(c.func.value, ast.Name)
             and c.func.value.id.endswith("kernel"))
-for module in (experts, gemm, indexer, mhc, quant, sparse_attention):
+for module in (experts, gemm, indexer, mhc, norm, quant, rope, routing, sparse_attention):
     for node in ast.walk(ast.parse(inspect.getsource(module))):
         if isinstance(node, ast.FunctionDef) and any(launches(c) for c in ast.walk(node)):
             launching.add((module.__name__, node.name))

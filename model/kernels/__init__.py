@@ -11,6 +11,10 @@ One module per kernel:
                        activation quantized to FP8 on the way in (Linear's "fast" gemm mode)
     experts            the routed experts of an MoE layer as grouped GEMMs over expert-sorted tokens (FP4 or
                        FP8 weights, SwiGLU and the routing weight fused, combine in MoE.routed's order)
+    norm               RMSNorm in one launch
+    rope               RoPE on the last channels in one launch
+    routing            the MoE router after its GEMM (sqrt-softplus, biased Top-k, weights) in one launch, and
+                       the shared expert's SwiGLU in one
 
 `reference.py` holds the reference of every kernel with the same signature, built from the model's own
 arithmetic, which lives there and which the model imports (the sparse attention loop of model/attention.py,
@@ -111,7 +115,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def pending_on() -> bool:
+    """Whether the kernels that no GPU run has tested and timed yet run on CUDA (DSV41_PENDING_KERNELS=1; off by
+    default). They are tested under the interpreter and compiled offline for sm_90 (benchmarks/compile_kernels.py);
+    the next GPU run tests them, times them against the torch code and makes them the default. Now: the expert
+    sort (experts.sort_by_expert) and the block's last mHC update (mhc.expand)."""
+    return os.environ.get("DSV41_PENDING_KERNELS", "0") == "1"
+
+
 _FORCED = [False]
+
+
+def forcing() -> bool:
+    """True inside `forced()`."""
+    return _FORCED[0]
 
 
 @contextlib.contextmanager

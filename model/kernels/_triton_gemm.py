@@ -309,3 +309,51 @@ def expert_combine_kernel(out_ptr, pos_ptr, y_ptr, T, N, stride_o, stride_y,
                     mask=present[:, None] & nmask[None, :], other=0.0)
         acc = tl.where(present[:, None], acc + v.to(tl.float32), acc)
     tl.store(y_ptr + t.to(tl.int64)[:, None] * stride_y + n[None, :], acc, mask=tmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def expert_sort_kernel(w_ptr, idx_ptr, held_ptr, token_ptr, route_ptr, off_ptr, tile_e_ptr, tile_r_ptr, pos_ptr,
+                       scratch_ptr, T, R, E, k, n_tiles, BM,
+                       RP: tl.constexpr, EP: tl.constexpr, JP: tl.constexpr, NTP: tl.constexpr, TP: tl.constexpr,
+                       KP: tl.constexpr):
+    """experts.sort_by_expert in one program (a decode step's few assignments): the same outputs. Keys are the
+    experts (E for one not held), counted by a histogram; the stable order is a sort of key * RP + row; each
+    token's slots get their sorted rows through a scratch row; the tile table is scattered expert by expert."""
+    r = tl.arange(0, RP)
+    rm = r < R
+    expert = tl.load(idx_ptr + r, mask=rm, other=0).to(tl.int32)
+    held = tl.load(held_ptr + expert, mask=rm, other=0)
+    key = tl.where(held != 0, expert, E)
+    bins = tl.arange(0, EP)
+    counts = tl.histogram(key, EP, mask=rm)
+    starts = tl.cumsum(counts, axis=0) - counts  # offsets[e]: rows of the experts before e
+    tl.store(off_ptr + bins, starts, mask=bins <= E)
+    order = tl.sort(tl.where(rm, key * RP + r, EP * RP + r)) % RP  # stable: equal keys keep their row order
+    tl.store(token_ptr + r, order // k, mask=rm)
+    tl.store(route_ptr + r, tl.load(w_ptr + order, mask=rm, other=0.0), mask=rm)
+    tl.store(scratch_ptr + order, r, mask=rm)  # the sorted row of each assignment
+    tl.debug_barrier()
+    t = tl.arange(0, TP)[:, None]
+    j = tl.arange(0, KP)[None, :]
+    m2 = (t < T) & (j < k)
+    a = t * k + j
+    row = tl.load(scratch_ptr + a, mask=m2, other=0)
+    slot_held = tl.load(held_ptr + tl.load(idx_ptr + a, mask=m2, other=0).to(tl.int32), mask=m2, other=0)
+    row = tl.where(slot_held != 0, row, -1)
+    row = tl.sort(tl.where(m2, row, 2147483647), dim=1)  # ascending, -1 (not held) first, padding last
+    tl.store(pos_ptr + a, row, mask=m2)
+    tiles = tl.where(bins < E, (counts + BM - 1) // BM, 0)
+    tile_start = tl.cumsum(tiles, axis=0) - tiles
+    total = tl.sum(tiles, axis=0)
+    jj = tl.arange(0, JP)[None, :]
+    real = jj < tiles[:, None]
+    at = tile_start[:, None] + jj
+    tl.store(tile_e_ptr + at, tl.broadcast_to(bins[:, None], (EP, JP)), mask=real)
+    tl.store(tile_r_ptr + at, starts[:, None] + jj * BM, mask=real)
+    # tiles past the real ones: expert E, and the row the searchsorted formula gives them (clamped to E - 1)
+    last_start = tl.sum(tl.where(bins == E - 1, starts, 0), axis=0)
+    last_tile = tl.sum(tl.where(bins == E - 1, tile_start, 0), axis=0)
+    tv = tl.arange(0, NTP)
+    pad = (tv >= total) & (tv < n_tiles)
+    tl.store(tile_e_ptr + tv, tl.zeros((NTP,), dtype=tl.int32) + E, mask=pad)
+    tl.store(tile_r_ptr + tv, last_start + (tv - last_tile) * BM, mask=pad)

@@ -129,3 +129,22 @@ def coefficient_kernel(acc_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr
     tl.store(pre_ptr + r64[:, None] * N + streams[None, :], pre, mask=m2)
     tl.store(post_ptr + r64[:, None] * N + streams[None, :], post, mask=m2)
     tl.store(comb_ptr + r64[:, None, None] * (N * N) + jk[None, :, :], comb, mask=rmask[:, None, None])
+
+
+@triton.jit
+def expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, M, d,
+                  N: tl.constexpr, BD: tl.constexpr, INTERPRET: tl.constexpr):
+    """Program (token, BD channels): X'_k = post_k y + sum_j comb_jk X_j for every stream k, the sum over j in
+    order, in fp32, rounded to y's dtype (reference.expand: a block's last residual update). x / out [M, N, d],
+    y [M, d], post [M, N], comb [M, N, N], all contiguous."""
+    m = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BD + tl.arange(0, BD)
+    cm = c < d
+    y = tl.load(y_ptr + m * d + c, mask=cm, other=0.0).to(tl.float32)
+    for k in tl.static_range(N):
+        mixed = tl.load(comb_ptr + m * (N * N) + k) * tl.load(x_ptr + m * N * d + c, mask=cm, other=0.0).to(tl.float32)
+        for j in tl.static_range(1, N):
+            mixed += tl.load(comb_ptr + m * (N * N) + j * N + k) * \
+                tl.load(x_ptr + (m * N + j) * d + c, mask=cm, other=0.0).to(tl.float32)
+        out = tl.load(post_ptr + m * N + k) * y + mixed
+        tl.store(out_ptr + (m * N + k) * d + c, round_cast(out, out_ptr.dtype.element_ty, INTERPRET), mask=cm)

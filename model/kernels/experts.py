@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.model import formats
-from dsv41.model.kernels import decode_mode, interpreting, opaque, reference, use_triton
+from dsv41.model.kernels import decode_mode, forcing, interpreting, opaque, pending_on, reference, use_triton
 
 _NAMES = ("w1", "s1", "w3", "s3", "w2", "s2")
 
@@ -147,14 +147,25 @@ def usable(experts, x: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ routing
-def sort_by_expert(weights: torch.Tensor, indices: torch.Tensor, held: torch.Tensor, BM: int):
+SORT_KERNEL_MAX = 512  # assignments (T k) and experts up to which one program sorts them (decode steps; no spill
+# at 8 warps there, benchmarks/compile_kernels.py --only small)
+
+
+def sort_by_expert(weights: torch.Tensor, indices: torch.Tensor, held: torch.Tensor, BM: int,
+                   force_triton: bool = False):
     """The assignments grouped by expert, without a host synchronisation.
 
     Returns (token [R] int32, route weight [R] fp32, offsets [E+1] int32, tile expert [TILES] int32 (E =
     no tile), tile first row [TILES] int32, pos [T, k] int32: the sorted row of each of a token's slots in
     ascending order, -1 for experts not held). R = T k; assignments to experts not held sort last and lie
-    beyond offsets[E]."""
+    beyond offsets[E]. Up to SORT_KERNEL_MAX assignments and experts, one kernel (`_sort_kernel`, the same
+    outputs) where torch takes about thirty launches: forced under the interpreter, and on CUDA with
+    kernels.pending_on() until a GPU run has tested and timed it."""
     T, k = indices.shape
+    if (0 < T * k <= SORT_KERNEL_MAX and held.numel() <= SORT_KERNEL_MAX
+            and (indices.is_cuda and pending_on() or force_triton or forcing())
+            and use_triton(indices, force=force_triton)):
+        return _sort_kernel(weights, indices, held, BM)
     E = held.numel()
     R = T * k
     dev = indices.device
@@ -179,6 +190,28 @@ def sort_by_expert(weights: torch.Tensor, indices: torch.Tensor, held: torch.Ten
     pos = torch.where(is_held, pos, -1).view(T, k).sort(dim=1).values
     i32 = lambda v: v.to(torch.int32).contiguous()  # noqa: E731
     return token, route, i32(offsets), i32(tile_expert), i32(tile_row), i32(pos)
+
+
+@opaque
+def _sort_kernel(weights: torch.Tensor, indices: torch.Tensor, held: torch.Tensor, BM: int):
+    import triton
+
+    from dsv41.model.kernels._triton_gemm import expert_sort_kernel
+
+    T, k = indices.shape
+    E, R = held.numel(), T * k
+    dev = indices.device
+    n_tiles = -(-R // BM) + min(E, R)
+    i32 = lambda *shape: torch.empty(*shape, dtype=torch.int32, device=dev)  # noqa: E731
+    token, offsets, tile_e, tile_r, pos, scratch = i32(R), i32(E + 1), i32(n_tiles), i32(n_tiles), i32(T, k), i32(R)
+    route = torch.empty(R, dtype=torch.float32, device=dev)
+    p2 = triton.next_power_of_2
+    wide = p2(E + 1) * p2(-(-R // BM)) > 4096  # the tile table's [EP, JP] scatter: 8 warps keep it in registers
+    expert_sort_kernel[(1,)](weights.reshape(-1).float().contiguous(), indices.reshape(-1).contiguous(),
+                             held.view(torch.uint8), token, route, offsets, tile_e, tile_r, pos, scratch,
+                             T, R, E, k, n_tiles, BM, RP=p2(R), EP=p2(E + 1), JP=p2(-(-R // BM)), NTP=p2(n_tiles),
+                             TP=p2(T), KP=p2(k), num_warps=8 if wide else 4)
+    return token, route, offsets, tile_e, tile_r, pos
 
 
 def launch_config(R: int, n_held: int, block: int, qw: int) -> dict:

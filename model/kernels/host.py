@@ -354,6 +354,23 @@ def transposed(w: torch.Tensor, groups: int | None = None) -> torch.Tensor:
     return hit[1]
 
 
+_WIDENED = WeakTensorKeyDictionary()
+
+
+def widened(w: torch.Tensor) -> torch.Tensor:
+    """w.float(), kept while w lives and is unchanged when no gradient flows to w: the router's weight on CUDA,
+    widened once instead of copied (a launch and the whole matrix written) at every step."""
+    if w.dtype == torch.float32 or (torch.is_grad_enabled() and w.requires_grad):
+        return w.float()
+    key = (-1 if w.is_inference() else w._version, w.data_ptr(), tuple(w.shape))
+    hit = _WIDENED.get(w)
+    if hit is None or hit[0] != key:
+        with torch.inference_mode(False), torch.no_grad():
+            hit = (key, w.detach().float())
+        _WIDENED[w] = hit
+    return hit[1]
+
+
 def fixed_order_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether fixed_order_linear sums x w^T in its fixed order: a CPU x, the C library loaded, and no graph to
     record through x or w (inference)."""
@@ -369,7 +386,7 @@ def fixed_order_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     gets the numbers it gets alone (model/batch_cache.py). w [N, K] in any float dtype (widened and transposed
     once: `transposed`). Elsewhere (CUDA, a graph to record, no C library) it is F.linear in fp32."""
     if not fixed_order_applies(x, w):
-        return F.linear(x.float(), w.float())
+        return F.linear(x.float(), widened(w))
     lead, K = x.shape[:-1], x.size(-1)
     x2 = x.reshape(-1, K).float()
     if x2.stride(-1) != 1:

@@ -21,7 +21,8 @@ import weakref
 
 import torch
 
-from dsv41.model.kernels import cdiv, host, interpreting, opaque, reference, use_triton, whole_waves
+from dsv41.model.kernels import (cdiv, forcing, host, interpreting, opaque, pending_on, reference, use_triton,
+                                 whole_waves)
 
 _FN_SPLIT: dict = {}
 
@@ -147,11 +148,35 @@ def _host_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, c
     return x_new, collapsed, pre_n, post_n, comb_n
 
 
-def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """reference.expand (the residual update after the last sub-layer of a block), one C call on the CPU."""
+def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+           force_triton: bool = False) -> torch.Tensor:
+    """reference.expand (the residual update after the last sub-layer of a block): one C call on the CPU; one
+    kernel (in torch, seven launches a block) forced under the interpreter, and on CUDA at inference with
+    kernels.pending_on() until a GPU run has tested and timed it."""
     if host.takes(y, residual, post, comb):
         return host.expand(y, residual, post, comb)
+    if ((y.is_cuda and pending_on() or force_triton or forcing()) and y.dtype in (torch.bfloat16, torch.float32)
+            and residual.dim() >= 2 and y.shape == residual.shape[:-2] + residual.shape[-1:]
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (y, residual, post, comb)))
+            and use_triton(y, residual, force=force_triton)):
+        return _launch_expand(y, residual, post, comb)
     return reference.expand(y, residual, post, comb)
+
+
+@opaque
+def _launch_expand(y, residual, post, comb):
+    import triton
+
+    from dsv41.model.kernels._triton_mhc import expand_kernel
+
+    *lead, n, d = residual.shape
+    M = y.numel() // d
+    out = torch.empty(*lead, n, d, dtype=y.dtype, device=y.device)
+    f32 = lambda t: t.float().contiguous()  # noqa: E731
+    BD = min(1024, triton.next_power_of_2(d))
+    expand_kernel[(M, triton.cdiv(d, BD))](y.contiguous(), residual.contiguous(), f32(post), f32(comb), out, M, d,
+                                           N=n, BD=BD, INTERPRET=interpreting(), num_warps=4)
+    return out
 
 
 @opaque

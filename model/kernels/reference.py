@@ -83,6 +83,70 @@ def per_row(fn, t: torch.Tensor) -> torch.Tensor:
     return fn(t)
 
 
+# ------------------------------------------------------------------- RMSNorm, router, shared SwiGLU
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = w * x / sqrt(mean(x^2) + eps) in fp32, cast back to x's dtype (model/layers.py RMSNorm)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    # the weight joins as it is stored: the multiply promotes it to fp32 exactly (one call fewer than
+    # weight.float() * xf, the same products)
+    return torch.mul(weight, xf).to(x.dtype)
+
+
+def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str = "sqrtsoftplus",
+          gate_temp: float = 1.0, norm_topk_prob: bool = True, route_scale: float = 1.0):
+    """The MoE router after its GEMM (model/moe.py Gate): fp32 scores [N, E] (x W_g^T), the selection bias [E] or
+    [N, E] -> (weights [N, k] fp32, indices [N, k] int64, descending by biased score)."""
+    if gate_temp != 1.0:  # (x / 1.0 is x, bit for bit)
+        scores = scores / gate_temp
+    if score_func == "softmax":
+        scores = scores.softmax(dim=-1)
+    elif score_func == "sigmoid":
+        scores = per_row(torch.sigmoid, scores)
+    else:
+        scores = per_row(F.softplus, scores).sqrt()
+    indices = (scores + bias).topk(topk, dim=-1).indices
+    weights = scores.gather(-1, indices)
+    if norm_topk_prob and topk > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * route_scale, indices
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:
+    """silu(min(gate, L)) * clamp(up, -L, L) in fp32 (no clamp for L <= 0), cast to dtype: an Expert's hidden
+    layer without routing weight (model/moe.py Expert._hidden: the shared expert)."""
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    return (F.silu(gate) * up).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------- RoPE
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate adjacent pairs (2i, 2i+1) of x's last dim by freqs (interleaved / GPT-J layout).
+
+    x: [B, T, r] or [B, T, H, r]; freqs: [T, r/2] complex, or [B, T, r/2] when the rows of the batch sit
+    at different positions. Returns a new tensor in x's dtype; `inverse` applies the conjugate rotation
+    (used to un-rotate the attention output)."""
+    # the shapes are read once from x and freqs (each size or dim query is an operator call); the complex
+    # product sees the same operands as ever (its vectorized and scalar paths round differently)
+    shape = x.shape
+    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+    f = freqs.conj() if inverse else freqs
+    fshape = f.shape
+    lead = fshape[0] if len(fshape) == 3 else 1
+    f = f.view(lead, shape[1], *([1] * (len(shape) - 3)), shape[-1] // 2)
+    return torch.view_as_real(xc * f).flatten(-2).to(x.dtype)
+
+
+def rope_tail(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
+    """RoPE on the LAST rope_dim channels of x only (model/layers.py rope_tail); the leading channels carry no
+    position and are returned as they are."""
+    head, tail = x.tensor_split([-rope_dim], dim=-1)  # x[..., :-rope_dim], x[..., -rope_dim:] in one call
+    return torch.cat([head, apply_rope(tail, freqs, inverse)], dim=-1)
+
+
 # --------------------------------------------------------------------------------- sparse attention
 SPARSE_BLOCK = 64  # indices per block of REF's sparse-attention kernel
 
