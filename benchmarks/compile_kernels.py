@@ -204,9 +204,10 @@ def indexer_mhc_cases(quick: bool):
 
 def small_cases(quick: bool):
     """The one-launch pieces of a decode step at V4.1-Flash widths (dim 5120, q rank 1280, head 512 with a
-    64-channel RoPE tail, 64 heads, 384 experts top-6, expert width 2304, 4 streams), at the configurations their
-    launchers pick: RMSNorm, RoPE, the router, the shared SwiGLU (kernels/norm.py, rope.py, routing.py), the
-    block's last mHC update (kernels/mhc.py expand) and the expert sort (kernels/experts.py)."""
+    64-channel RoPE tail, 64 heads, 384 experts top-6, expert width 2304, 4 streams, 128-channel index heads), at
+    the configurations their launchers pick: RMSNorm, RoPE, the router, the shared SwiGLU (kernels/norm.py, rope.py,
+    routing.py), the block's last mHC update (kernels/mhc.py expand), the MXFP4 rounding of the indexer's queries
+    and keys (kernels/quant.py) and the expert sort (kernels/experts.py)."""
     import triton
 
     from dsv41.model.kernels import _triton_gemm as K
@@ -236,6 +237,13 @@ def small_cases(quick: bool):
     yield ("mhc expand", Mh.expand_kernel,
            dict(y_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", out_ptr="*bf16", M="i32", d="i32"),
            dict(N=4, BD=1024, INTERPRET=False), ("y_ptr", "x_ptr", "post_ptr", "comb_ptr", "out_ptr", "d"), 4, 3)
+    from dsv41.model.kernels import _triton_quant as Q
+
+    for fake in (True, False):  # the indexer's queries (values) and keys (packed), 128 channels, BM 32
+        yield ("mxfp4 " + ("fake quant" if fake else "pack"), Q.mxfp4_kernel,
+               dict(x_ptr="*bf16", out_ptr="*bf16", codes_ptr="*u8", scales_ptr="*u8", M="i32", stride_x="i32"),
+               dict(D=128, BM=32, AMAX_FLOOR=6 * 2.0**-126, FAKE=fake, OUT_BF16=True, INTERPRET=False),
+               ("x_ptr", "out_ptr", "codes_ptr", "scales_ptr", "stride_x"), 4, 3)
     for T in ((1,) if quick else (1, 64)):  # decode: 1 and 64 rows of 6 assignments, BM 16 (launch_config)
         R = T * 6
         n_tiles = -(-R // 16) + min(384, R)

@@ -23,6 +23,7 @@ from torch import nn
 from dsv41.model import formats
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.kernels import indexer as kernels_indexer
+from dsv41.model.kernels import quant as kernels_quant
 from dsv41.model.kernels import use_triton
 from dsv41.model.kernels.reference import weighted_relu_scores  # score = sum_h w_h ReLU(q_h . k)
 from dsv41.model.layers import Linear, RMSNorm, qat, rope_tail, storage_dtype
@@ -159,7 +160,7 @@ class Indexer(nn.Module):
         Under tensor parallelism (model/parallel.py) each rank holds some heads and the partial sums
         are all-reduced before Top-K, so every rank selects the same entries."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = qat(formats.mxfp4_fake_quant, rope_tail(q, freqs, self.rope_dim), 32)
+        q = qat(kernels_quant.mxfp4_fake_quant, rope_tail(q, freqs, self.rope_dim), 32)  # formats' rounding
         bf16 = self.score_dtype == "bf16" and not torch.is_grad_enabled()  # REF's precision (inference only)
         w = self.weights_proj(x).to(torch.bfloat16 if bf16 else torch.float32) * self.weight_scale
         if isinstance(keys, tuple):  # packed bytes: model/kernels/indexer.py (Triton on CUDA)

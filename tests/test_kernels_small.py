@@ -245,6 +245,28 @@ def test_decode_window_indices_kept_per_step_are_the_same():
     assert not attention._decode_window_indices(5, 4, 4, torch.device("cpu")).is_inference()
 
 
+# ------------------------------------------------------------------------------------------- MXFP4
+@pytest.mark.parametrize("shape", [(1, 1, 4, 128), (3, 128), (2, 5, 64), (7, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_kernels_are_formats_bit_for_bit(shape, dtype):
+    needs_triton()
+    from dsv41.model import formats
+    from dsv41.model.kernels import quant
+
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g) * torch.logspace(-3, 3, shape[-1]) ** torch.rand(shape[-1], generator=g)
+    x.view(-1)[:3] = torch.tensor([0.0, -0.0, 1e-30])  # zeros and a value under the amax floor's scale
+    x.view(-1)[3:6] = torch.tensor([0.75, 1.75, -3.5]) * 2.0 ** 3  # ties of the E2M1 grid
+    x = x.to(dtype).to(DEV)
+    codes, scales = quant.pack_mxfp4(x, force_triton=True)
+    want_codes, want_scales = formats.pack_mxfp4(x, formats.MXFP4_BLOCK)
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+    fake = quant.mxfp4_fake_quant(x, 32, force_triton=True)
+    want = formats.mxfp4_fake_quant(x, 32)
+    assert fake.dtype == dtype and torch.equal(fake.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                                               want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
 # ------------------------------------------------------------------------------------ expert sort
 @pytest.mark.parametrize("T,k,E,BM,unheld", [(1, 6, 384, 16, ()), (1, 2, 8, 16, ()), (9, 3, 6, 4, (3,)),
                                              (64, 6, 384, 16, (0, 5, 200)), (5, 8, 16, 32, (1, 2)),
@@ -347,6 +369,13 @@ def test_small_kernels_gpu():
             finally:
                 ek.SORT_KERNEL_MAX = limit
             assert all(torch.equal(a, b) for a, b in zip(got, want))
+        from dsv41.model import formats
+        from dsv41.model.kernels import quant
+        q = torch.randn(64, 1, 64, 128, device="cuda").bfloat16()
+        assert torch.equal(quant.mxfp4_fake_quant(q, 32, force_triton=True).view(torch.int16),
+                           formats.mxfp4_fake_quant(q, 32).view(torch.int16))
+        assert all(torch.equal(a, b) for a, b in zip(quant.pack_mxfp4(q, force_triton=True),
+                                                     formats.pack_mxfp4(q, formats.MXFP4_BLOCK)))
         g, u = torch.randn(2, 64, 2048, device="cuda").bfloat16().unbind(0)
         assert ulps_bf16(routing.swiglu(g, u, 10.0, torch.bfloat16).cpu(),
                          reference.swiglu(g, u, 10.0, torch.bfloat16).cpu()) <= 1

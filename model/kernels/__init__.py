@@ -6,7 +6,8 @@ One module per kernel:
                        packed FP8 window KV and packed FP4 main KV and dequantizing in the kernel
     mhc                single-pass mHC: residual update, next collapse and next coefficients in one pass
     indexer            ReLU-weighted MXFP4 query-key scores over packed keys (dense or over a candidate pool)
-    quant              fused quantize-and-pack of KV entries (FP4 with E4M3 scales; FP8 with UE8M0 scales)
+    quant              fused quantize-and-pack of KV entries (FP4 with E4M3 scales; FP8 with UE8M0 scales; MXFP4
+                       index keys) and the MXFP4 rounding of the indexer's queries
     gemm               GEMMs with FP8 (32x32 UE8M0 tiles) or packed FP4 weights dequantized in the kernel, the
                        activation quantized to FP8 on the way in (Linear's "fast" gemm mode)
     experts            the routed experts of an MoE layer as grouped GEMMs over expert-sorted tokens (FP4 or
@@ -119,7 +120,8 @@ def pending_on() -> bool:
     """Whether the kernels that no GPU run has tested and timed yet run on CUDA (DSV41_PENDING_KERNELS=1; off by
     default). They are tested under the interpreter and compiled offline for sm_90 (benchmarks/compile_kernels.py);
     the next GPU run tests them, times them against the torch code and makes them the default. Now: the expert
-    sort (experts.sort_by_expert) and the block's last mHC update (mhc.expand)."""
+    sort (experts.sort_by_expert), the block's last mHC update (mhc.expand) and the indexer's MXFP4 passes
+    (quant.mxfp4_fake_quant, quant.pack_mxfp4)."""
     return os.environ.get("DSV41_PENDING_KERNELS", "0") == "1"
 
 

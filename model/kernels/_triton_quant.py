@@ -5,7 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv41.model.kernels._triton_formats import e4m3_value_to_byte, f32_to_e2m1_code, f32_to_e4m3_value
+from dsv41.model.kernels._triton_formats import (e2m1_to_f32_bits, e4m3_value_to_byte, f32_to_e2m1_code,
+                                                 f32_to_e4m3_value, round_cast)
 
 
 @triton.jit
@@ -59,3 +60,36 @@ def pack_fp8_ue8m0_kernel(x_ptr, codes_ptr, scales_ptr, M, stride_x,
     blocks = tl.arange(0, D // 32)
     tl.store(scales_ptr + rows[:, None].to(tl.int64) * (D // 32) + blocks[None, :], scale_byte.to(tl.uint8),
              mask=rmask[:, None])
+
+
+@triton.jit
+def mxfp4_kernel(x_ptr, out_ptr, codes_ptr, scales_ptr, M, stride_x,
+                 D: tl.constexpr, BM: tl.constexpr, AMAX_FLOOR: tl.constexpr, FAKE: tl.constexpr,
+                 OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows [BM, D] in MXFP4 (formats.pack_mxfp4 / mxfp4_fake_quant, block 32): scale = 2^ceil(log2(amax *
+    fp32(1/6))) read off the fp32 bits, codes = e2m1(x / scale) (a true division). FAKE: the rounded values
+    e2m1 * scale in the output dtype (-0 kept); else E2M1 pairs [BM, D/2] and UE8M0 bytes [BM, D/32]."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.arange(0, D)
+    rmask = rows < M
+    r64 = rows[:, None].to(tl.int64)
+    x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    groups = tl.reshape(x, (BM, D // 32, 32))
+    amax = tl.maximum(tl.max(tl.abs(groups), axis=2), AMAX_FLOOR)
+    bits = ((amax * (1.0 / 6.0)).to(tl.int32, bitcast=True) & 0x7FFFFFFF) + 0x7FFFFF
+    bits = bits & -0x800000
+    scale = bits.to(tl.float32, bitcast=True)
+    full = tl.broadcast_to(scale[:, :, None], (BM, D // 32, 32))
+    codes = f32_to_e2m1_code(tl.math.div_rn(groups, full))
+    if FAKE:
+        y = tl.reshape(e2m1_to_f32_bits(codes) * full, (BM, D))
+        if OUT_BF16:
+            y = round_cast(y, tl.bfloat16, INTERPRET)
+        tl.store(out_ptr + r64 * D + cols[None, :], y, mask=rmask[:, None])
+    else:
+        low, high = tl.split(tl.reshape(codes, (BM, D // 2, 2)))
+        half = tl.arange(0, D // 2)
+        tl.store(codes_ptr + r64 * (D // 2) + half[None, :], (low | (high << 4)).to(tl.uint8), mask=rmask[:, None])
+        blocks = tl.arange(0, D // 32)
+        tl.store(scales_ptr + r64 * (D // 32) + blocks[None, :], ((bits >> 23) & 255).to(tl.uint8),
+                 mask=rmask[:, None])

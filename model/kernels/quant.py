@@ -2,6 +2,9 @@
 
     pack_fp4_e4m3   main compressed KV: E2M1 pairs (element 2i in the low nibble) + one E4M3 scale per 16
     pack_fp8_ue8m0  window KV: E4M3 bytes + one UE8M0 scale per 32
+    pack_mxfp4      indexer keys: E2M1 pairs + one UE8M0 scale per 32; mxfp4_fake_quant the same rounding
+                    returned as values (the indexer's queries). Pending: on CUDA only with kernels.pending_on()
+                    until a GPU run has tested and timed them (in torch, about fifteen launches each)
 
 Bit-exact with model/formats.py's packers (the same roundings: nearest-even, saturation, the scale rules and
 amax floors), which the tests check byte for byte; the cache can use either.
@@ -12,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.model import formats
-from dsv41.model.kernels import opaque, reference, use_triton
+from dsv41.model.kernels import forcing, interpreting, opaque, pending_on, reference, use_triton
 
 
 @opaque
@@ -52,3 +55,48 @@ def pack_fp8_ue8m0(x: torch.Tensor, force_triton: bool = False) -> tuple[torch.T
 
     D = x.size(-1)
     return _launch(pack_fp8_ue8m0_kernel, x, (D, D // 32), 32, formats.FP8_AMAX_FLOOR)
+
+
+def _mxfp4_applies(x: torch.Tensor, block: int, force: bool) -> bool:
+    D = x.size(-1)
+    return (block == formats.MXFP4_BLOCK and D % block == 0 and D & (D - 1) == 0 and x.dim() >= 1
+            and x.dtype in (torch.bfloat16, torch.float32) and (x.is_cuda and pending_on() or force or forcing())
+            and use_triton(x, force=force))
+
+
+@opaque
+def _launch_mxfp4(x: torch.Tensor, fake: bool):
+    import triton
+
+    from dsv41.model.kernels._triton_quant import mxfp4_kernel
+
+    D = x.size(-1)
+    rows = x.reshape(-1, D)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    M = rows.size(0)
+    dev = x.device
+    out = torch.empty(M, D, dtype=x.dtype, device=dev) if fake else rows
+    codes = rows if fake else torch.empty(M, D // 2, dtype=torch.uint8, device=dev)
+    scales = rows if fake else torch.empty(M, D // 32, dtype=torch.uint8, device=dev)
+    BM = max(1, min(32, 4096 // D))
+    mxfp4_kernel[(triton.cdiv(M, BM),)](rows, out, codes, scales, M, rows.stride(0), D=D, BM=BM,
+                                        AMAX_FLOOR=formats.MXFP4_AMAX_FLOOR, FAKE=fake,
+                                        OUT_BF16=x.dtype == torch.bfloat16, INTERPRET=interpreting(), num_warps=4)
+    if fake:
+        return out.view(x.shape)
+    return codes.view(*x.shape[:-1], D // 2), scales.view(*x.shape[:-1], D // 32)
+
+
+def pack_mxfp4(x: torch.Tensor, force_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """See reference.pack_mxfp4: x [..., D] -> (E2M1 pairs [..., D/2], UE8M0 bytes [..., D/32]), byte for byte."""
+    if not _mxfp4_applies(x, formats.MXFP4_BLOCK, force_triton):
+        return reference.pack_mxfp4(x)
+    return _launch_mxfp4(x, False)
+
+
+def mxfp4_fake_quant(x: torch.Tensor, block: int = formats.MXFP4_BLOCK, force_triton: bool = False) -> torch.Tensor:
+    """See reference.mxfp4_fake_quant: x rounded to MXFP4 and back, in x's dtype, bit for bit."""
+    if not _mxfp4_applies(x, block, force_triton):
+        return reference.mxfp4_fake_quant(x, block)
+    return _launch_mxfp4(x, True)

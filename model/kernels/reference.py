@@ -535,6 +535,16 @@ def pack_fp8_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return formats.pack_fp8_ue8m0(x, formats.FP8_BLOCK)
 
 
+def pack_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (packed E2M1 [..., D/2] uint8, UE8M0 bytes [..., D/32] uint8): the indexer key format."""
+    return formats.pack_mxfp4(x, formats.MXFP4_BLOCK)
+
+
+def mxfp4_fake_quant(x: torch.Tensor, block: int = formats.MXFP4_BLOCK) -> torch.Tensor:
+    """x rounded to MXFP4 (E2M1, one UE8M0 scale per block) and back, in x's dtype: the indexer's queries."""
+    return formats.mxfp4_fake_quant(x, block)
+
+
 # --------------------------------------------------------------------------------- quantized GEMMs
 def fp8_act_quant(x: torch.Tensor, block: int = formats.FP8_BLOCK) -> torch.Tensor:
     """The activation entering a quantized GEMM: E4M3 with one UE8M0 scale per `block` along the last dim,
