@@ -99,6 +99,7 @@ class Linear(nn.Module):
         self.kind = "fp4" if dtype == FP4 else ("fp8" if dtype == torch.float8_e4m3fn else "dense")
         self.trainable = trainable and self.kind != "dense"
         self._dequantized: tuple | None = None
+        self._dequantized_as: tuple | None = None  # (key, the dequantized weight in another dtype)
         if self.trainable:
             self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.float32))
             self.register_parameter("scale", None)
@@ -137,8 +138,20 @@ class Linear(nn.Module):
             return self.weight.to(dtype)
         if self.trainable:
             return qat(self._weight_grid, self.weight).to(dtype)
-        cached = self._cached_weight()
-        return cached if dtype == torch.float32 else cached.to(dtype)
+        if dtype == torch.float32:
+            return self._cached_weight()
+        # another dtype (the attention's wo_a einsum in bf16 on CUDA) is kept as well: cast once, not at every
+        # step (at V4.1-Flash's wo_a, 33.5M values: the fp32 copy read and a bf16 copy written per layer and step)
+        w = self.weight
+        key = (w._version, self.scale._version, w.data_ptr(), dtype)
+        hit = self._dequantized_as
+        if hit is None or hit[0] != key:
+            fp32 = self._dequantized
+            with torch.inference_mode(False), torch.no_grad():  # an ordinary tensor, as _cached_weight's
+                # the fp32 weight only where it is kept anyway (the host path); else made, cast and dropped
+                base = fp32[1] if fp32 is not None and fp32[0] == key[:3] else self._dequantize()
+                hit = self._dequantized_as = (key, base.to(dtype))
+        return hit[1]
 
     def _cached_weight(self) -> torch.Tensor:
         """The fp32 dequantized stored weight, rebuilt when the weight or scale changes in place (version)

@@ -379,3 +379,24 @@ def test_small_kernels_gpu():
         g, u = torch.randn(2, 64, 2048, device="cuda").bfloat16().unbind(0)
         assert ulps_bf16(routing.swiglu(g, u, 10.0, torch.bfloat16).cpu(),
                          reference.swiglu(g, u, 10.0, torch.bfloat16).cpu()) <= 1
+
+
+def test_dequantized_weight_in_another_dtype_is_kept_and_follows_changes():
+    """Linear.dequantized_weight(bf16) (the attention's wo_a einsum on CUDA) is the fp32 weight cast, made once
+    and rebuilt when the stored weight changes; without a kept fp32 weight it keeps only the cast one."""
+    from dsv41.model import formats
+    from dsv41.model.layers import Linear
+
+    lin = Linear(64, 32, torch.float8_e4m3fn, 32)
+    q, s = formats.quant_fp8_weight(torch.randn(32, 64), 32)
+    with torch.no_grad():
+        lin.weight.copy_(q), lin.scale.copy_(s)
+    a = lin.dequantized_weight(torch.bfloat16)
+    assert lin._dequantized is None  # no fp32 copy kept for it
+    assert a.dtype == torch.bfloat16 and torch.equal(a, lin.dequantized_weight().to(torch.bfloat16))
+    assert lin.dequantized_weight(torch.bfloat16) is a
+    q2, s2 = formats.quant_fp8_weight(torch.randn(32, 64), 32)
+    with torch.no_grad():
+        lin.weight.copy_(q2), lin.scale.copy_(s2)
+    b = lin.dequantized_weight(torch.bfloat16)
+    assert b is not a and torch.equal(b, formats.dequant_fp8_weight(q2, s2, 32).to(torch.bfloat16))
