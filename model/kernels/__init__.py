@@ -128,11 +128,6 @@ def pending_on() -> bool:
 _FORCED = [False]
 
 
-def forcing() -> bool:
-    """True inside `forced()`."""
-    return _FORCED[0]
-
-
 @contextlib.contextmanager
 def forced():
     """Inside the block every dispatching call takes the Triton path whatever the device: with
@@ -143,6 +138,18 @@ def forced():
         yield
     finally:
         _FORCED[0] = before
+
+
+def inference_kernel(*tensors: torch.Tensor, force: bool = False, pending: bool = False) -> bool:
+    """Whether a kernel without a backward (norm, rope, routing, the expert sort, mhc.expand, the MXFP4 passes)
+    takes these tensors: the first on CUDA (a `pending` kernel only with pending_on()), or `force` / `forced()`;
+    no gradient wanted through any of them; Triton installed (use_triton). A CPU tensor is answered first, without
+    reading the environment: the decode step calls these on its hot path."""
+    if not (force or _FORCED[0] or (tensors[0].is_cuda and (not pending or pending_on()))):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return use_triton(*tensors, force=force)
 
 
 def use_triton(*tensors: torch.Tensor, force: bool = False) -> bool:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.model import formats
-from dsv41.model.kernels import decode_mode, forcing, interpreting, opaque, pending_on, reference, use_triton
+from dsv41.model.kernels import decode_mode, inference_kernel, interpreting, opaque, reference, use_triton
 
 _NAMES = ("w1", "s1", "w3", "s3", "w2", "s2")
 
@@ -163,8 +163,7 @@ def sort_by_expert(weights: torch.Tensor, indices: torch.Tensor, held: torch.Ten
     kernels.pending_on() until a GPU run has tested and timed it."""
     T, k = indices.shape
     if (0 < T * k <= SORT_KERNEL_MAX and held.numel() <= SORT_KERNEL_MAX
-            and (indices.is_cuda and pending_on() or force_triton or forcing())
-            and use_triton(indices, force=force_triton)):
+            and inference_kernel(indices, force=force_triton, pending=True)):
         return _sort_kernel(weights, indices, held, BM)
     E = held.numel()
     R = T * k

@@ -343,14 +343,23 @@ def transposed(w: torch.Tensor, groups: int | None = None) -> torch.Tensor:
     """w [N, K] (any float dtype, CPU) widened to fp32 and transposed, contiguous [K, N]: fixed_order_matmul's
     wt; with `groups`, each group of N / groups rows transposed apart, [groups, K, N / groups]. Kept while w
     lives and is unchanged (its version and address), so a layer's weight is transposed once, not per call."""
-    # (an inference tensor keeps no version: a weight made under inference_mode is taken as fixed)
-    key = (-1 if w.is_inference() else w._version, w.data_ptr(), tuple(w.shape), groups)
-    hit = _TRANSPOSED.get(w)
+    def make():
+        wt = w.detach().float().reshape(groups or 1, -1, w.size(-1)).transpose(1, 2).contiguous()
+        return wt if groups else wt[0]
+
+    return _kept(_TRANSPOSED, w, groups, make)
+
+
+def _kept(store: WeakTensorKeyDictionary, w: torch.Tensor, extra, make):
+    """make() of weight w, kept in `store` while w lives and is unchanged (its version, address and shape, and
+    `extra`) and made again when it changed; an ordinary tensor, usable in and out of inference. (An inference
+    tensor keeps no version: a weight made under inference_mode is taken as fixed.)"""
+    key = (-1 if w.is_inference() else w._version, w.data_ptr(), tuple(w.shape), extra)
+    hit = store.get(w)
     if hit is None or hit[0] != key:
-        with torch.inference_mode(False), torch.no_grad():  # an ordinary tensor, usable in and out of inference
-            wt = w.detach().float().reshape(groups or 1, -1, w.size(-1)).transpose(1, 2).contiguous()
-            hit = (key, wt if groups else wt[0])
-        _TRANSPOSED[w] = hit
+        with torch.inference_mode(False), torch.no_grad():
+            hit = (key, make())
+        store[w] = hit
     return hit[1]
 
 
@@ -362,13 +371,7 @@ def widened(w: torch.Tensor) -> torch.Tensor:
     widened once instead of copied (a launch and the whole matrix written) at every step."""
     if w.dtype == torch.float32 or (torch.is_grad_enabled() and w.requires_grad):
         return w.float()
-    key = (-1 if w.is_inference() else w._version, w.data_ptr(), tuple(w.shape))
-    hit = _WIDENED.get(w)
-    if hit is None or hit[0] != key:
-        with torch.inference_mode(False), torch.no_grad():
-            hit = (key, w.detach().float())
-        _WIDENED[w] = hit
-    return hit[1]
+    return _kept(_WIDENED, w, None, lambda: w.detach().float())
 
 
 def fixed_order_applies(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from dsv41.model.kernels import (cdiv, forcing, host, interpreting, opaque, pending_on, reference, use_triton,
+from dsv41.model.kernels import (cdiv, host, inference_kernel, interpreting, opaque, reference, use_triton,
                                  whole_waves)
 
 _FN_SPLIT: dict = {}
@@ -155,10 +155,9 @@ def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: to
     kernels.pending_on() until a GPU run has tested and timed it."""
     if host.takes(y, residual, post, comb):
         return host.expand(y, residual, post, comb)
-    if ((y.is_cuda and pending_on() or force_triton or forcing()) and y.dtype in (torch.bfloat16, torch.float32)
-            and residual.dim() >= 2 and y.shape == residual.shape[:-2] + residual.shape[-1:]
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (y, residual, post, comb)))
-            and use_triton(y, residual, force=force_triton)):
+    if (inference_kernel(y, residual, post, comb, force=force_triton, pending=True)
+            and y.dtype in (torch.bfloat16, torch.float32) and residual.dim() >= 2
+            and y.shape == residual.shape[:-2] + residual.shape[-1:]):
         return _launch_expand(y, residual, post, comb)
     return reference.expand(y, residual, post, comb)
 

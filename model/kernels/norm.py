@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.model.kernels import forcing, interpreting, opaque, reference, use_triton
+from dsv41.model.kernels import inference_kernel, interpreting, opaque, reference
 
 
 @opaque
@@ -37,9 +37,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, force_triton: bool = False) -> torch.Tensor:
     """See reference.rms_norm: x [..., D] (bf16 or fp32), weight [D] -> [..., D] in x's dtype. The kernel runs
     on CUDA (or forced under the interpreter) when no gradient is wanted; training keeps the reference."""
-    if not (x.is_cuda or force_triton or forcing()) or (torch.is_grad_enabled() and (x.requires_grad or
-                                                                                  weight.requires_grad)):
-        return reference.rms_norm(x, weight, eps)
-    if x.dtype not in (torch.bfloat16, torch.float32) or not use_triton(x, weight, force=force_triton):
+    if not inference_kernel(x, weight, force=force_triton) or x.dtype not in (torch.bfloat16, torch.float32):
         return reference.rms_norm(x, weight, eps)
     return _launch(x, weight, eps)

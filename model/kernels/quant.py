@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.model import formats
-from dsv41.model.kernels import forcing, interpreting, opaque, pending_on, reference, use_triton
+from dsv41.model.kernels import inference_kernel, interpreting, opaque, reference, use_triton
 
 
 @opaque
@@ -58,10 +58,10 @@ def pack_fp8_ue8m0(x: torch.Tensor, force_triton: bool = False) -> tuple[torch.T
 
 
 def _mxfp4_applies(x: torch.Tensor, block: int, force: bool) -> bool:
+    """The kernel's shapes (whole power-of-two rows of 32-value blocks, bf16 or fp32), a pending kernel's gate."""
     D = x.size(-1)
-    return (block == formats.MXFP4_BLOCK and D % block == 0 and D & (D - 1) == 0 and x.dim() >= 1
-            and x.dtype in (torch.bfloat16, torch.float32) and (x.is_cuda and pending_on() or force or forcing())
-            and use_triton(x, force=force))
+    return (inference_kernel(x, force=force, pending=True) and block == formats.MXFP4_BLOCK and D % block == 0
+            and D & (D - 1) == 0 and x.dtype in (torch.bfloat16, torch.float32))
 
 
 @opaque

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.model.kernels import forcing, interpreting, opaque, reference, use_triton
+from dsv41.model.kernels import inference_kernel, interpreting, opaque, reference
 
 
 def _fits(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int) -> bool:
@@ -47,7 +47,6 @@ def rope_tail(x: torch.Tensor, freqs: torch.Tensor, rope_dim: int, inverse: bool
               force_triton: bool = False) -> torch.Tensor:
     """See reference.rope_tail. The kernel on CUDA (or forced under the interpreter) when no gradient is wanted and
     the shapes are the decode and prefill ones (`_fits`); otherwise the reference."""
-    if (not (x.is_cuda or force_triton or forcing()) or (torch.is_grad_enabled() and x.requires_grad)
-            or not _fits(x, freqs, rope_dim) or not use_triton(x, force=force_triton)):
+    if not inference_kernel(x, force=force_triton) or not _fits(x, freqs, rope_dim):
         return reference.rope_tail(x, freqs, rope_dim, inverse)
     return _launch(x, freqs, rope_dim, inverse)

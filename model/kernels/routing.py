@@ -15,16 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.model.kernels import forcing, interpreting, opaque, reference, use_triton
-
-
-def _kernel_path(*tensors: torch.Tensor, force: bool) -> bool:
-    """CUDA (or forced under the interpreter), Triton installed, no gradient wanted through the tensors."""
-    if not (tensors[0].is_cuda or force or forcing()):
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return use_triton(*tensors, force=force)
+from dsv41.model.kernels import inference_kernel, interpreting, opaque, reference
 
 
 @opaque
@@ -36,11 +27,8 @@ def _launch_route(scores, bias, topk, gate_temp, norm_topk_prob, route_scale):
     N, E = scores.shape
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
-    bias = bias.float()
+    bias = bias.float().contiguous()  # [E], or [N, E] for a bias per token
     stride_b = bias.stride(0) if bias.dim() == 2 else 0
-    if bias.stride(-1) != 1:
-        bias = bias.contiguous()
-        stride_b = bias.stride(0) if bias.dim() == 2 else 0
     weights = torch.empty(N, topk, dtype=torch.float32, device=scores.device)
     indices = torch.empty(N, topk, dtype=torch.int64, device=scores.device)
     if N:
@@ -56,7 +44,7 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str =
           force_triton: bool = False):
     """See reference.route: fp32 scores [N, E], bias [E] or [N, E] -> (weights [N, k] fp32, indices [N, k])."""
     if (score_func != "sqrtsoftplus" or scores.dtype != torch.float32 or scores.dim() != 2 or topk > scores.size(-1)
-            or not _kernel_path(scores, bias, force=force_triton)):
+            or not inference_kernel(scores, bias, force=force_triton)):
         return reference.route(scores, bias, topk, score_func, gate_temp, norm_topk_prob, route_scale)
     return _launch_route(scores, bias, topk, gate_temp, norm_topk_prob, route_scale)
 
@@ -88,6 +76,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.dtyp
            force_triton: bool = False) -> torch.Tensor:
     """See reference.swiglu: gate, up [..., N] (bf16 or fp32, one shape) -> [..., N] in dtype (bf16 or fp32)."""
     if (gate.shape != up.shape or dtype not in (torch.bfloat16, torch.float32)
-            or not _kernel_path(gate, up, force=force_triton)):
+            or not inference_kernel(gate, up, force=force_triton)):
         return reference.swiglu(gate, up, limit, dtype)
     return _launch_swiglu(gate, up, limit, dtype)
