@@ -7,7 +7,10 @@ sys.path.insert(0, "benchmarks")
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 import flash_stack as fs
+import dsv41.model
 from dsv41.model import kernels
+MODEL_DIR = os.path.dirname(os.path.abspath(dsv41.model.__file__)) + os.sep
+ROOT = os.path.dirname(MODEL_DIR.rstrip(os.sep)) + os.sep
 SKIP = {"aten.detach","aten.view","aten._unsafe_view","aten.alias","aten.lift_fresh","aten.t","aten.transpose","aten.unsqueeze","aten.squeeze","aten.expand","aten.permute","aten.select","aten.slice","aten.as_strided","aten.view_as_real","aten.view_as_complex","aten.unbind","aten.split","aten.split_with_sizes","aten.chunk","aten._reshape_alias","aten.reshape","aten.unflatten","aten.flatten","aten.empty","aten.empty_like","aten.new_empty","aten.empty_strided","aten.tensor_split","aten._conj","aten.resolve_conj","aten.is_same_size","aten.dim","aten.set_","aten.copy_", "aten._local_scalar_dense", "aten.item"}
 class Ops(TorchDispatchMode):
     def __init__(s): super().__init__(); s.c = collections.Counter(); s.sites = collections.Counter()
@@ -16,7 +19,7 @@ class Ops(TorchDispatchMode):
         f = sys._getframe(1); frames = []
         while f:
             fn = f.f_code.co_filename
-            if "/main/model/" in fn: frames.append(fn.split("/main/")[-1] + ":" + str(f.f_lineno) + " " + f.f_code.co_name)
+            if fn.startswith(MODEL_DIR): frames.append(fn[len(ROOT):] + ":" + str(f.f_lineno) + " " + f.f_code.co_name)
             f = f.f_back
         inside_launch = any("_launch" in fr or " up" in fr[-3:] or "down" in fr.split()[-1] or "combine" in fr.split()[-1] for fr in frames[:1])
         if name not in SKIP and not name.startswith("aten.sym") and not inside_launch:
