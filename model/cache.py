@@ -77,21 +77,22 @@ def _layout(plain: Callable[[int], kv_layout.Layout]) -> Callable[[int], tuple[t
     return lambda d: tuple((n, _TORCH_DTYPES[dtype]) for n, dtype in plain(d))
 
 
-# The packers are model/kernels/quant.py's: one fused Triton pass on CUDA, bit-exact with model/formats.py's
-# packers, which they call everywhere else (the index keys' MXFP4 pass is pending: kernels.pending_on).
+# The packers and unpackers are model/kernels/quant.py's: one fused Triton pass on CUDA (the index keys' MXFP4 pass
+# is pending: kernels.pending_on), one C call on the CPU, each bit-exact with model/formats.py's, which they call
+# everywhere else.
 FP4_E4M3 = Codec("fp4", lambda x: formats.fp4_e4m3_fake_quant(x, formats.FP4_E4M3_BLOCK),
                  kernels_quant.pack_fp4_e4m3,
-                 lambda p, dtype: formats.unpack_fp4_e4m3(p[0], p[1], formats.FP4_E4M3_BLOCK, dtype),
+                 lambda p, dtype: kernels_quant.unpack("fp4_e4m3", p[0], p[1], formats.FP4_E4M3_BLOCK, dtype),
                  _layout(kv_layout.LAYOUTS["fp4"]))  # E2M1 x2, E4M3 scales
 FP8_UE8M0 = Codec("fp8", lambda x: formats.fp8_fake_quant(x, formats.FP8_BLOCK),
                   kernels_quant.pack_fp8_ue8m0,
-                  lambda p, dtype: formats.unpack_fp8_ue8m0(p[0], p[1], formats.FP8_BLOCK, dtype),
+                  lambda p, dtype: kernels_quant.unpack("fp8_ue8m0", p[0], p[1], formats.FP8_BLOCK, dtype),
                   _layout(kv_layout.LAYOUTS["fp8"]))  # E4M3, UE8M0 scales
 BF16 = Codec("bf16", _bf16_round, lambda x: (x.to(torch.bfloat16),), lambda p, dtype: p[0].to(dtype),
              _layout(kv_layout.LAYOUTS["bf16"]))
 MXFP4 = Codec("mxfp4", lambda x: formats.mxfp4_fake_quant(x, formats.MXFP4_BLOCK),
               kernels_quant.pack_mxfp4,
-              lambda p, dtype: formats.unpack_mxfp4(p[0], p[1], formats.MXFP4_BLOCK, dtype),
+              lambda p, dtype: kernels_quant.unpack("mxfp4", p[0], p[1], formats.MXFP4_BLOCK, dtype),
               _layout(kv_layout.LAYOUTS["mxfp4"]))  # E2M1 x2, UE8M0 scales
 
 CODECS: dict[str, Codec] = {c.name: c for c in (FP4_E4M3, FP8_UE8M0, BF16, MXFP4)}

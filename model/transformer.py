@@ -47,6 +47,12 @@ class Head(nn.Module):
             return F.linear(x.float(), self.fp32_weight())
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _FixedOrderHead.apply(x, self.weight, self.host_weight())
+        rows = x.numel() // x.size(-1)
+        if rows <= host.HEAD_BF16_MAX_ROWS and self.weight.dtype == torch.bfloat16 and host.available():
+            # a decode step of one or a few sequences: the bf16 weight read in column blocks, the same sums
+            xf = x.detach().float().reshape(rows, -1).contiguous()
+            V = self.weight.size(0)
+            return host.head_logits_bf16(xf, host.head_blocks(self.weight), V).view(*x.shape[:-1], V)
         return fixed_order_logits(x, self.host_weight())
 
     @staticmethod

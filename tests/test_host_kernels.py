@@ -324,6 +324,42 @@ def test_head_logits_bits(R, K, V):
         assert_same(host.head_logits(x[r:r + 1].contiguous(), wt), expected[r:r + 1])
 
 
+@pytest.mark.parametrize("R,K,V", [(1, 64, 1000), (2, 16, 64), (3, 64, 129), (5, 72, 300), (7, 32, 7), (11, 64, 200)])
+def test_head_from_bf16_blocks_is_the_heads_bits(R, K, V):
+    """The head for a few rows from the bf16 weight in column blocks (host.head_logits_bf16): the fp32 head's bits
+    at every ISA version this CPU runs, whole and partial blocks, whole row tiles and the rows left after them;
+    the kept blocks follow the weight's changes."""
+    g = torch.Generator().manual_seed(R * K + V)
+    x = torch.randn(R, K, generator=g) * torch.exp(torch.randn(R, K, generator=g))
+    w = (torch.randn(V, K, generator=g) * 0.05).bfloat16()
+    x[0, :3] = torch.tensor([0.0, -0.0, 1e-40])
+    w[:5, 0] = torch.tensor([-0.0, 0.0, 3e38, -3e38, 1e-39]).bfloat16()
+    expected = reference.head_logits(x, w.float().t().contiguous())
+    isa = host.head_isa()
+    for version in [None, "base"] + (["avx2"] if isa in ("avx2", "avx512") else []) + (["avx512"] if isa == "avx512" else []):
+        assert_same(host.head_logits_bf16(x, host.head_blocks(w), V, version), expected)
+    with torch.no_grad():
+        w.mul_(2)  # the kept blocks are made again
+    assert_same(host.head_logits_bf16(x, host.head_blocks(w), V), reference.head_logits(x, w.float().t().contiguous()))
+
+
+def test_head_takes_the_bf16_blocks_for_few_rows(tiny_model, monkeypatch):
+    """Head.forward on the CPU at inference: up to HEAD_BF16_MAX_ROWS rows from the bf16 blocks, more rows from the
+    fp32 kernel; the same logits either way."""
+    head = tiny_model.head
+    calls = []
+    real = host.head_logits_bf16
+    monkeypatch.setattr(host, "head_logits_bf16", lambda *a: calls.append(1) or real(*a))
+    n = host.HEAD_BF16_MAX_ROWS + 1
+    x = torch.randn(1, n, head.weight.size(1)).bfloat16()
+    with torch.inference_mode():
+        few = [head(x[:, i:i + 3]) for i in range(0, n, 3)]
+        assert len(calls) == len(few)
+        many = head(x)
+        assert len(calls) == len(few)
+    assert_same(torch.cat(few, dim=1), many)
+
+
 def test_head_logits_every_isa_version_gives_the_same_bits():
     """The library runs the AVX-512, AVX2 or baseline version of the head, the widest the CPU has; each one this
     CPU can run gives the reference's bits (the claim that lets a golden hold on every x86-64 CPU), at row
@@ -368,8 +404,9 @@ def test_head_dispatch_and_the_rows_a_decode_step_computes(tiny_model, monkeypat
     assert torch.allclose(x.grad, x2.grad, rtol=1e-4, atol=1e-5)
     assert torch.allclose(trained.weight.grad.float(), w2.grad.float(), rtol=2e-2, atol=1e-3)
     seen = []
-    real = host.head_logits
+    real, real_bf16 = host.head_logits, host.head_logits_bf16
     monkeypatch.setattr(host, "head_logits", lambda x, wt: seen.append(x.size(0)) or real(x, wt))
+    monkeypatch.setattr(host, "head_logits_bf16", lambda x, b, V: seen.append(x.size(0)) or real_bf16(x, b, V))
     with torch.inference_mode():
         cache = BatchCache(tiny_model.args, 4, 64)
         for b, n in enumerate((3, 5)):
@@ -515,3 +552,153 @@ def test_routed_moe_host_path_is_the_loops_bits(tiny_model, monkeypatch, n_tok):
             assert moe._host_experts(x, torch.zeros(n_tok, 2, dtype=torch.long)) is None
     finally:
         moe.experts._modules[last] = held
+
+
+# ------------------------------------------------------------------------------------------- the KV cache's formats
+
+PACKERS = [("fp8_ue8m0", formats.FP8_BLOCK), ("mxfp4", formats.MXFP4_BLOCK), ("fp4_e4m3", formats.FP4_E4M3_BLOCK)]
+
+
+def _every_bf16(block: int) -> torch.Tensor:
+    """All 65,536 bf16 bit patterns as fp32 rows of `block`, shuffled, so every value meets others in its block."""
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    return every[torch.randperm(every.numel(), generator=torch.Generator().manual_seed(block))].view(-1, block)
+
+
+@pytest.mark.parametrize("fmt,block", PACKERS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packers_are_formats_bytes(fmt, block, dtype):
+    """host.pack_<fmt> against formats.pack_<fmt>, byte for byte: every bf16 value, the edge values (NaN, inf,
+    subnormals, the E2M1 ties and the amax floors), bf16 and fp32 inputs, one row and several dims."""
+    for x in (_every_bf16(block * 2), edge_values((7, 3, 128), 5), edge_values((1, 1, 512), 6)):
+        x = x.to(dtype)
+        assert_same(getattr(host, "pack_" + fmt)(x, block), getattr(formats, "pack_" + fmt)(x, block))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_fake_quant_is_formats(dtype):
+    """The indexer queries' rounding: formats.mxfp4_fake_quant's values in x's dtype (a NaN's payload aside: only
+    0 x inf makes one, an inf input's block, and torch writes its bf16 payload one way on its vector path and
+    another on its scalar tail)."""
+    for x in (_every_bf16(64), edge_values((5, 4, 128), 7)):
+        x = x.to(dtype)
+        assert_same_values(host.mxfp4_fake_quant(x, 32), formats.mxfp4_fake_quant(x, 32))
+
+
+@pytest.mark.parametrize("fmt,block", PACKERS)
+def test_unpackers_are_formats_values(fmt, block):
+    """Every code byte against every scale byte (NaN codes and scales included), and the packers' own output."""
+    width = block if fmt == "fp8_ue8m0" else block // 2
+    codes = torch.arange(256, dtype=torch.uint8).repeat(256 * width // 256 + 1)[:256 * width].view(256, width)
+    codes = codes[torch.randperm(256, generator=torch.Generator().manual_seed(3))].contiguous()
+    scales = torch.arange(256, dtype=torch.uint8).view(256, 1)
+    expected = getattr(formats, "unpack_" + fmt)(codes, scales, block, torch.float32)
+    assert_same_values(host.unpack(fmt, codes, scales, block), expected)
+    packed = getattr(formats, "pack_" + fmt)(edge_values((3, 2, 256), 8, nonfinite=False), block)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert_same(host.unpack(fmt, *packed, block, dtype), getattr(formats, "unpack_" + fmt)(*packed, block, dtype))
+    with pytest.raises(ValueError, match="do not match"):
+        host.unpack(fmt, codes, scales[:, :0], block)
+
+
+def test_cache_codecs_and_the_attention_take_the_host_formats(monkeypatch):
+    """The cache's codecs and the references' unpackers reach the C calls on the CPU at inference (and keep
+    formats' code without the library, with a graph, or on strided bytes)."""
+    from dsv41.model import cache
+    from dsv41.model.kernels import quant
+
+    calls = []
+    for name in ("pack_fp8_ue8m0", "pack_mxfp4", "pack_fp4_e4m3", "unpack"):
+        real = getattr(host, name)
+        monkeypatch.setattr(host, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    x = torch.randn(2, 3, 512).bfloat16()
+    with torch.inference_mode():
+        for codec in (cache.WINDOW_CODEC, cache.INDEX_KEY_CODEC, cache.FP4_E4M3):
+            packed = codec.pack(x[..., :128].contiguous() if codec is cache.INDEX_KEY_CODEC else x)
+            codec.unpack(packed, torch.float32)
+    assert sorted(set(calls)) == ["pack_fp4_e4m3", "pack_fp8_ue8m0", "pack_mxfp4", "unpack"]
+    calls.clear()
+    codes = torch.zeros(4, 64, dtype=torch.uint8)
+    assert not host.takes_codes(codes.t())  # strided bytes keep formats' code
+    quant.unpack("fp8_ue8m0", codes.t().contiguous().t(), torch.zeros(4, 2, dtype=torch.uint8), 32)
+    assert calls == []
+    assert host.takes(x) is False  # grad mode on outside inference: the packers keep formats' code
+
+
+# ------------------------------------------------------------------------------------------- RMSNorm
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_is_atens_order_at_every_length(dtype):
+    """host.rms_norm and host.rms_rstd against the torch code, bit for bit, at every row length from 8 to 300 and
+    at V4.1's widths: the C sum follows ATen's order (8-lane vectors, four accumulators, the lanes last), so a
+    length where the order differed would show here, at each CPU capability CI runs this file at."""
+    g = torch.Generator().manual_seed(9)
+    for n in [*range(host.SUM_LANES, 300), 512, 1024, 1031, 4096, 7168, 28672]:
+        x = (torch.randn(3, n, generator=g) * torch.exp(torch.randn(3, 1, generator=g) * 3)).to(dtype)
+        for wdtype in (torch.bfloat16, torch.float32):
+            w = torch.randn(n, generator=g).to(wdtype)
+            assert_same(host.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+        assert_same(host.rms_rstd(x, 1e-20), torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-20))
+    edges = edge_values((4, 64), 10)
+    assert_same_values(host.rms_norm(edges, torch.ones(64), 1e-20), reference.rms_norm(edges, torch.ones(64), 1e-20))
+
+
+def test_rms_norm_dispatch(monkeypatch):
+    """kernels.norm.rms_norm takes the C call on the CPU at inference for rows of at least SUM_LANES values (shorter
+    rows, whose ATen order depends on the rows beside them, and graphs keep the torch code)."""
+    from dsv41.model.kernels import norm
+
+    calls = []
+    real = host.rms_norm
+    monkeypatch.setattr(host, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        norm.rms_norm(torch.randn(2, 64), torch.ones(64), 1e-6)
+        assert calls == [1]
+        norm.rms_norm(torch.randn(9, 7), torch.ones(7), 1e-6)
+        assert calls == [1]
+    norm.rms_norm(torch.randn(2, 64, requires_grad=True), torch.ones(64), 1e-6)
+    assert calls == [1]
+
+
+# ------------------------------------------------------------------------------------------- sparse attention
+
+
+def _sparse_attention_by_einsum(q, kv, sink, idx, scale):
+    """reference.sparse_attention as it was written before its products became direct batched GEMMs: the oracle."""
+    B, T, H, D = q.shape
+    qf, kvf = q.float(), kv.float()
+    batch = torch.arange(B).view(-1, 1, 1)
+    acc = q.new_zeros(B, T, H, D, dtype=torch.float32)
+    denom = q.new_zeros(B, T, H, dtype=torch.float32)
+    run_max = torch.full((B, T, H), -1e30, dtype=torch.float32)
+    for start in range(0, idx.size(-1), reference.SPARSE_BLOCK):
+        block = idx[..., start:start + reference.SPARSE_BLOCK].long()
+        valid = block >= 0
+        keys = kvf[batch, block.clamp_min(0)] * valid.unsqueeze(-1)
+        logits = torch.where(valid.unsqueeze(2), torch.einsum("bthd,btkd->bthk", qf, keys), -torch.inf) * scale
+        new_max = torch.maximum(run_max, logits.amax(dim=-1))
+        rescale = torch.exp(run_max - new_max)
+        p = torch.exp(logits - new_max.unsqueeze(-1))
+        denom = denom * rescale + p.sum(dim=-1)
+        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bthk,btkd->bthd", p.to(torch.bfloat16).float(), keys)
+        run_max = new_max
+    denom = denom + torch.exp(sink.float() - run_max)
+    return (acc / denom.unsqueeze(-1)).to(q.dtype)
+
+
+@pytest.mark.parametrize("B,T,H,D,N,K", [(1, 1, 4, 64, 96, 96), (3, 1, 4, 64, 80, 96), (2, 37, 4, 64, 100, 70),
+                                         (1, 200, 4, 64, 300, 128), (4, 3, 8, 128, 50, 33), (2, 1, 4, 64, 10, 5)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sparse_attention_products_are_einsums_bits(B, T, H, D, N, K, dtype):
+    """The reference's two products as batched GEMMs on the operands einsum lays out, and its rows gathered as
+    embedding rows: einsum's bits (decode and prefill shapes, empty indices and a row with none)."""
+    g = torch.Generator().manual_seed(B * 1000 + T)
+    q = torch.randn(B, T, H, D, generator=g).to(dtype)
+    kv = torch.randn(B, N, D, generator=g).to(dtype)
+    sink = torch.randn(H, generator=g)
+    idx = torch.randint(-1, N, (B, T, K), generator=g)
+    idx[0, 0, :3] = -1
+    if B > 1:
+        idx[1, 0] = -1
+    assert_same(reference.sparse_attention(q, kv, sink, idx, 0.125), _sparse_attention_by_einsum(q, kv, sink, idx, 0.125))

@@ -111,9 +111,25 @@ def decode_mode(choice) -> int:
     return 2 if choice == "e4m3" else int(bool(choice))
 
 
+# The process environment's own dict where the platform keeps one (CPython on POSIX: bytes keys and values, which
+# os.environ's assignments, deletions and pytest's monkeypatch update): the flags below are read on the CPU decode
+# step's hot path, a few hundred times a step, where os.environ.get decodes and encodes strings at every call.
+_ENV_BYTES = getattr(os.environ, "_data", None)
+if not (isinstance(_ENV_BYTES, dict) and os.name == "posix"):
+    _ENV_BYTES = None
+
+
+def env_flag(name: str, default: str = "0") -> str:
+    """os.environ.get(name, default), read from the environment's dict itself where it can be (`_ENV_BYTES`)."""
+    if _ENV_BYTES is None:
+        return os.environ.get(name, default)
+    value = _ENV_BYTES.get(name.encode())
+    return default if value is None else value.decode()
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env_flag("TRITON_INTERPRET") == "1"
 
 
 def pending_on() -> bool:
@@ -122,7 +138,7 @@ def pending_on() -> bool:
     the next GPU run tests them, times them against the torch code and makes them the default. Now: the expert
     sort (experts.sort_by_expert), the block's last mHC update (mhc.expand) and the indexer's MXFP4 passes
     (quant.mxfp4_fake_quant, quant.pack_mxfp4)."""
-    return os.environ.get("DSV41_PENDING_KERNELS", "0") == "1"
+    return env_flag("DSV41_PENDING_KERNELS") == "1"
 
 
 _FORCED = [False]
@@ -159,6 +175,6 @@ def use_triton(*tensors: torch.Tensor, force: bool = False) -> bool:
         return False
     if force or _FORCED[0]:
         return True
-    if os.environ.get("DSV41_DISABLE_TRITON", "0") == "1":
+    if env_flag("DSV41_DISABLE_TRITON") == "1":
         return False
     return all(t.is_cuda for t in tensors if t is not None)

@@ -4,8 +4,10 @@ On the CPU a decode step of a small model spends its time launching torch operat
 each), not computing: the 20 Sinkhorn iterations of one mHC step are about 120 operators on a 4 x 4 matrix
 per token, one FP8 activation quantization about 14. The C functions do the same fp32 operations in the
 same order as their references (reference._sinkhorn_normalize_, formats.fp8_fake_quant_f32,
-reference.collapse and expand, layers.rope_tail, reference.head_logits), so they give the same bits
-(tests/test_host_kernels.py, on every CPU flavour CI runs).
+reference.collapse and expand, layers.rope_tail, reference.head_logits, the KV cache's packers and unpackers
+of formats.py, reference.rms_norm), so they give the same bits (tests/test_host_kernels.py, on every CPU
+flavour CI runs). RMSNorm's statistic is a torch reduction: its C sum walks ATen's own order (SumKernel.cpp's
+cascade over 8-lane vectors, which torch 2.13 runs at every x86-64 capability), checked at every row length.
 
 The GEMMs of inference are the kernels here that are about arithmetic, not operator counts. The output head
 (the vocabulary-sized GEMM was a third of a one-sequence decode step) and every other GEMM of CPU inference
@@ -116,6 +118,10 @@ def library() -> ctypes.CDLL | None:
             getattr(lib, name).argtypes = [ptr, i64, i64, ptr, i64, ptr]
             getattr(lib, name).restype = None
     lib.dsv41_head_isa.restype = ctypes.c_int
+    for name in ("dsv41_head_bf16", *HEAD_BF16_VERSIONS.values()):
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes = [ptr, i64, i64, ptr, i64, ptr]
+            getattr(lib, name).restype = None
     for name in ("dsv41_score_logits", *SCORE_VERSIONS.values()):
         if hasattr(lib, name):
             getattr(lib, name).argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
@@ -125,6 +131,18 @@ def library() -> ctypes.CDLL | None:
                                              i64, ptr, ctypes.c_int]
     lib.dsv41_fp8_linear_grouped.restype = ctypes.c_int
     lib.dsv41_argmax_rows.restype = None
+    lib.dsv41_pack_fp8_ue8m0.argtypes = [ptr, ctypes.c_int, i64, i64, f32, f32, ptr, ptr]
+    lib.dsv41_pack_fp8_ue8m0.restype = None
+    lib.dsv41_mxfp4.argtypes = [ptr, ctypes.c_int, i64, i64, f32, f32, ptr, ctypes.c_int, ptr, ptr, ptr]
+    lib.dsv41_mxfp4.restype = None
+    lib.dsv41_pack_fp4_e4m3.argtypes = [ptr, ctypes.c_int, i64, i64, f32, ptr, ptr, ptr]
+    lib.dsv41_pack_fp4_e4m3.restype = None
+    lib.dsv41_unpack.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, ptr]
+    lib.dsv41_unpack.restype = None
+    lib.dsv41_rms_rstd.argtypes = [ptr, ctypes.c_int, i64, i64, f32, ptr]
+    lib.dsv41_rms_rstd.restype = ctypes.c_int
+    lib.dsv41_rms_norm.argtypes = [ptr, ctypes.c_int, ptr, ctypes.c_int, i64, i64, f32, ptr]
+    lib.dsv41_rms_norm.restype = ctypes.c_int
     _STATUS[0] = "loaded"
     return lib
 
@@ -235,6 +253,41 @@ def head_logits(x: torch.Tensor, wt: torch.Tensor, version: str | None = None) -
     out = torch.empty(R, V, dtype=torch.float32)
     fn = getattr(library(), f"dsv41_head_logits_{version}")
     fn(x.data_ptr(), R, K, wt.data_ptr(), V, out.data_ptr())
+    return out
+
+
+# The head for a few rows from its bf16 weight in column blocks of HEAD_VB (host_kernels.c, dsv41_head_bf16): one
+# sequence's decode step is one row, bound by reading the vocabulary-sized weight, which this reads at half the
+# fp32 copy's bytes and as one stream per block. Up to HEAD_BF16_MAX_ROWS rows: on this project's 2-core AVX-512 CPU
+# (bundled model, 129,280 x 64) 0.32 against 0.80 ms for one row, 2.24 against 2.56 ms for 16, 4.74 against 4.03 ms
+# for 32, where the fp32 kernel's register tile, bound by arithmetic, no longer waits on the bytes and the widening
+# costs more than it saves. The same sums in the same order: the same bits.
+HEAD_VB = 64
+HEAD_BF16_MAX_ROWS = 16
+HEAD_BF16_VERSIONS = {0: "dsv41_head_bf16_base", 1: "dsv41_head_bf16_avx2", 2: "dsv41_head_bf16_avx512"}
+_HEAD_BLOCKS = WeakTensorKeyDictionary()
+
+
+def head_blocks(w: torch.Tensor) -> torch.Tensor:
+    """The bf16 head weight w [V, K] as dsv41_head_bf16 reads it: [ceil(V / HEAD_VB), K, HEAD_VB], column block b
+    holding columns b * HEAD_VB .. of w^T, zeros past V; kept while w lives and is unchanged (`_kept`)."""
+    def make():
+        V, K = w.shape
+        blocks = -(-V // HEAD_VB)
+        padded = torch.zeros(blocks * HEAD_VB, K, dtype=torch.bfloat16)
+        padded[:V] = w.detach()
+        return padded.view(blocks, HEAD_VB, K).transpose(1, 2).contiguous()
+
+    return _kept(_HEAD_BLOCKS, w, None, make)
+
+
+def head_logits_bf16(x: torch.Tensor, blocks: torch.Tensor, V: int, version: str | None = None) -> torch.Tensor:
+    """reference.head_logits(x, w.float().t()) for the bf16 head weight w [V, K] given as head_blocks(w): x [R, K]
+    fp32 contiguous -> [R, V] fp32, the same bits. version as in head_logits."""
+    R, K = x.shape
+    out = torch.empty(R, V, dtype=torch.float32)
+    fn = getattr(library(), "dsv41_head_bf16" if version is None else f"dsv41_head_bf16_{version}")
+    fn(x.data_ptr(), R, K, blocks.data_ptr(), V, out.data_ptr())
     return out
 
 
@@ -408,3 +461,118 @@ def fixed_order_grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: int) ->
     for g in range(G):
         fixed_order_matmul(x2[:, g * D:(g + 1) * D], wt[g], out[:, g])
     return out.view(*lead, G, wt.size(-1))
+
+
+# ------------------------------------------------------------------------------- the KV cache's formats
+# formats.py's packers and unpackers, one C call each (host_kernels.c) with their bytes and values: a decode step
+# packs a window row, the compressors' entries and the indexer's keys and queries in every layer, and unpacks
+# the rows its attention reads, each a dozen torch operators or more. Callers check `takes(x)` (packers) or
+# `takes_codes` (unpackers) first.
+
+_E2M1_BELOW = (ctypes.c_float * 7)(*formats._E2M1_BELOW_BOUNDARIES)  # what e2m1_code compares against
+
+
+def _parts(x: torch.Tensor, block: int, name: str) -> tuple[int, int]:
+    """(numel, last dim) of a packer's input, whose last dim must be whole blocks (formats raises the same)."""
+    D = x.shape[-1]
+    if D % block:
+        raise ValueError(f"{name}: last dimension {D} is not a multiple of the block size {block}")
+    return x.numel(), D
+
+
+def pack_fp8_ue8m0(x: torch.Tensor, block: int = formats.FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """formats.pack_fp8_ue8m0 of a contiguous bf16/fp32 CPU x [..., D]: (E4M3 bytes [..., D], UE8M0 [..., D/block])."""
+    numel, D = _parts(x, block, "pack_fp8_ue8m0")
+    lead = x.shape[:-1]
+    codes = torch.empty(*lead, D, dtype=torch.uint8)
+    scales = torch.empty(*lead, D // block, dtype=torch.uint8)
+    library().dsv41_pack_fp8_ue8m0(x.data_ptr(), x.dtype == torch.bfloat16, numel, block, formats.FP8_AMAX_FLOOR,
+                                   formats._FP8_RATIO, codes.data_ptr(), scales.data_ptr())
+    return codes, scales
+
+
+def pack_mxfp4(x: torch.Tensor, block: int = formats.MXFP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """formats.pack_mxfp4 of a contiguous bf16/fp32 CPU x [..., D]: (E2M1 pairs [..., D/2], UE8M0 [..., D/block])."""
+    numel, D = _parts(x, block, "pack_mxfp4")
+    lead = x.shape[:-1]
+    packed = torch.empty(*lead, D // 2, dtype=torch.uint8)
+    scales = torch.empty(*lead, D // block, dtype=torch.uint8)
+    library().dsv41_mxfp4(x.data_ptr(), x.dtype == torch.bfloat16, numel, block, formats.MXFP4_AMAX_FLOOR,
+                          1.0 / formats.FP4_E2M1_MAX, _E2M1_BELOW, 0, None, packed.data_ptr(), scales.data_ptr())
+    return packed, scales
+
+
+def mxfp4_fake_quant(x: torch.Tensor, block: int = formats.MXFP4_BLOCK) -> torch.Tensor:
+    """formats.mxfp4_fake_quant of a contiguous bf16/fp32 CPU x: rounded to MXFP4 and back, in x's dtype."""
+    numel, _ = _parts(x, block, "mxfp4_fake_quant")
+    out = torch.empty_like(x)
+    library().dsv41_mxfp4(x.data_ptr(), x.dtype == torch.bfloat16, numel, block, formats.MXFP4_AMAX_FLOOR,
+                          1.0 / formats.FP4_E2M1_MAX, _E2M1_BELOW, 1, out.data_ptr(), None, None)
+    return out
+
+
+def pack_fp4_e4m3(x: torch.Tensor, block: int = formats.FP4_E4M3_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """formats.pack_fp4_e4m3 of a contiguous bf16/fp32 CPU x [..., D]: (E2M1 pairs [..., D/2], E4M3 scale bytes
+    [..., D/block])."""
+    numel, D = _parts(x, block, "pack_fp4_e4m3")
+    lead = x.shape[:-1]
+    packed = torch.empty(*lead, D // 2, dtype=torch.uint8)
+    scales = torch.empty(*lead, D // block, dtype=torch.uint8)
+    library().dsv41_pack_fp4_e4m3(x.data_ptr(), x.dtype == torch.bfloat16, numel, block,
+                                  formats.FP4_E4M3_AMAX_FLOOR, _E2M1_BELOW, packed.data_ptr(), scales.data_ptr())
+    return packed, scales
+
+
+_UNPACK_FORMATS = {"fp8_ue8m0": 0, "fp4_e4m3": 1, "mxfp4": 2}
+
+
+def takes_codes(*tensors: torch.Tensor) -> bool:
+    """True when packed bytes can go to `unpack`: the library loaded, every tensor a contiguous one-byte CPU
+    tensor (the unpackers record nothing for autograd, and bytes carry no gradient)."""
+    if library() is None:
+        return False
+    return all(t.element_size() == 1 and not t.is_cuda and t.is_contiguous() for t in tensors)
+
+
+def unpack(fmt: str, codes: torch.Tensor, scales: torch.Tensor, block: int,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """formats.unpack_<fmt>(codes, scales, block, dtype) for fmt "fp8_ue8m0", "fp4_e4m3" or "mxfp4": contiguous CPU
+    bytes [..., D] (E4M3) or [..., D/2] (E2M1 pairs) and their scales [..., D/block] -> values [..., D]."""
+    D = codes.shape[-1] * (1 if fmt == "fp8_ue8m0" else 2)
+    if scales.shape[-1] * block != D or codes.shape[:-1] != scales.shape[:-1]:
+        raise ValueError(f"unpack {fmt}: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not match "
+                         f"blocks of {block}")
+    out = torch.empty(*codes.shape[:-1], D, dtype=torch.float32)
+    library().dsv41_unpack(codes.data_ptr(), scales.data_ptr(), out.numel(), block, _UNPACK_FORMATS[fmt],
+                           out.data_ptr())
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+# ------------------------------------------------------------------------------- RMSNorm
+# torch's sum over a row in its own order (host_kernels.c, `aten_row_sum`), so the statistic keeps its bits: a row
+# of at least SUM_LANES values (shorter rows keep the torch code, whose order for them depends on the rows beside).
+SUM_LANES = 8
+
+
+def rms_fits(x: torch.Tensor) -> bool:
+    """Whether x's last dim is long enough for the C statistic (callers also check `takes`)."""
+    return x.shape[-1] >= SUM_LANES
+
+
+def rms_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps) of a contiguous bf16/fp32 CPU x, fp32 [..., 1]."""
+    n = x.shape[-1]
+    out = torch.empty(*x.shape[:-1], 1, dtype=torch.float32)
+    if library().dsv41_rms_rstd(x.data_ptr(), x.dtype == torch.bfloat16, x.numel() // n, n, eps, out.data_ptr()):
+        raise MemoryError(f"rms_rstd: no scratch memory for {tuple(x.shape)}")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """reference.rms_norm of a contiguous bf16/fp32 CPU x [..., n] and weight [n] (bf16/fp32, contiguous)."""
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    if library().dsv41_rms_norm(x.data_ptr(), x.dtype == torch.bfloat16, weight.data_ptr(),
+                                weight.dtype == torch.bfloat16, x.numel() // n, n, eps, out.data_ptr()):
+        raise MemoryError(f"rms_norm: no scratch memory for {tuple(x.shape)}")
+    return out

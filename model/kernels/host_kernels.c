@@ -248,6 +248,66 @@ int dsv41_head_isa(void) {
     return 0;
 }
 
+/* The head for a few rows from its bf16 weight in column blocks: wtb [ceil(V / HEAD_VB)][K][HEAD_VB] (block b holds
+ * columns b * HEAD_VB .. + HEAD_VB - 1 of the transposed weight, zeros past V), so one row's pass reads each block's
+ * weights as one contiguous stream of half the fp32 weight's bytes (a decode step of one sequence is one row, bound
+ * by reading the vocabulary-sized matrix). Each output is summed as dsv41_head_logits sums it, k = 0, 1, ..., K-1
+ * from the first product; a bf16 weight widens to fp32 exactly, so these are its bits. */
+#define HEAD_VB 64
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2), may_alias));
+typedef uint16_t u16x4 __attribute__((vector_size(8), aligned(2), may_alias));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+
+/* RB rows x HEAD_VB columns of outputs from one block's weights at rows x + r * K: each weight vector read once */
+#define HEAD_BF16_TILE(VT, VU, HU, UT, VW, RB)                                                                   \
+    do {                                                                                                         \
+        VT a[RB][NV];                                                                                            \
+        for (int c = 0; c < NV; c++) {                                                                           \
+            const VT wc = (VT)(__builtin_convertvector(*(const HU *)(w + (VW) * c), UT) << 16);                  \
+            for (int i = 0; i < (RB); i++) a[i][c] = x[(r + i) * K] * wc;                                        \
+        }                                                                                                        \
+        for (int64_t k = 1; k < K; k++)                                                                          \
+            for (int c = 0; c < NV; c++) {                                                                       \
+                const VT wc = (VT)(__builtin_convertvector(*(const HU *)(w + k * HEAD_VB + (VW) * c), UT) << 16); \
+                for (int i = 0; i < (RB); i++) a[i][c] = a[i][c] + x[(r + i) * K + k] * wc;                      \
+            }                                                                                                    \
+        for (int i = 0; i < (RB); i++) {                                                                         \
+            float *o = out + (r + i) * V + b * HEAD_VB;                                                          \
+            if (width == HEAD_VB) {                                                                              \
+                for (int c = 0; c < NV; c++) *(VU *)(o + (VW) * c) = a[i][c];                                    \
+            } else {                                                                                             \
+                float tail[HEAD_VB];                                                                             \
+                for (int c = 0; c < NV; c++) *(VU *)(tail + (VW) * c) = a[i][c];                                 \
+                memcpy(o, tail, (size_t)width * sizeof(float));                                                  \
+            }                                                                                                    \
+        }                                                                                                        \
+    } while (0)
+
+#define HEAD_BF16_KERNEL(NAME, TARGET, VT, VU, HU, UT, VW, RB)                                                   \
+TARGET void NAME(const float *x, int64_t R, int64_t K, const uint16_t *wtb, int64_t V, float *out) {             \
+    enum { NV = HEAD_VB / (VW) };                                                                                \
+    const int64_t blocks = (V + HEAD_VB - 1) / HEAD_VB;                                                          \
+    for (int64_t b = 0; b < blocks; b++) {                                                                       \
+        const uint16_t *w = wtb + b * K * HEAD_VB;                                                               \
+        const int64_t width = (b + 1) * HEAD_VB <= V ? HEAD_VB : V - b * HEAD_VB;                                \
+        int64_t r = 0;                                                                                           \
+        for (; r + (RB) <= R; r += (RB)) HEAD_BF16_TILE(VT, VU, HU, UT, VW, RB);                                  \
+        if ((RB) > 3 && R - r == 3) { HEAD_BF16_TILE(VT, VU, HU, UT, VW, 3); r += 3; } /* the rows left, as  */ \
+        if ((RB) > 2 && R - r == 2) { HEAD_BF16_TILE(VT, VU, HU, UT, VW, 2); r += 2; } /* one tile when they */ \
+        for (; r < R; r++) HEAD_BF16_TILE(VT, VU, HU, UT, VW, 1);                      /* fit one            */ \
+    }                                                                                                            \
+}
+
+HEAD_BF16_KERNEL(dsv41_head_bf16_base, HEAD_OPT, f32x4, f32x4u, u16x4, u32x4, 4, 1)
+#if defined(__x86_64__) && defined(__GNUC__)
+HEAD_BF16_KERNEL(dsv41_head_bf16_avx2, HEAD_OPT __attribute__((target("avx2"))), f32x8, f32x8u, u16x8, u32x8, 8, 1)
+HEAD_BF16_KERNEL(dsv41_head_bf16_avx512, HEAD_OPT __attribute__((target("avx512f"))), f32x16, f32x16u, u16x16, u32x16,
+                 16, 4)
+#endif
+
 /* Run the widest version of a kernel the CPU has: BASE##_avx512, BASE##_avx2 or BASE##_base (SUFFIX: a name's
  * tail after the ISA, e.g. _strided), all of the same bits; the ISA asked once per function. */
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -268,6 +328,12 @@ int dsv41_head_isa(void) {
 void dsv41_fixed_order_matmul(const float *x, int64_t R, int64_t K, int64_t ldx, const float *wt, int64_t N,
                               float *out, int64_t ldo) {
     ISA_DISPATCH(dsv41_head_logits, _strided, (x, R, K, ldx, wt, N, out, ldo))
+}
+
+
+/* dsv41_head_bf16_* at the widest ISA the CPU runs (host.head_logits_bf16) */
+void dsv41_head_bf16(const float *x, int64_t R, int64_t K, const uint16_t *wtb, int64_t V, float *out) {
+    ISA_DISPATCH(dsv41_head_bf16, , (x, R, K, wtb, V, out))
 }
 
 
@@ -464,5 +530,245 @@ int dsv41_fp8_linear_grouped(const void *x, int x_bf16, int64_t K, int64_t block
             return -1;
         row += R;
     }
+    return 0;
+}
+
+
+/* ---------------------------------------------------------------- the KV cache's formats, packed and unpacked */
+/* formats.py's packers and unpackers, one call per tensor where torch took a dozen operators or more (the decode
+ * step packs a window row, the compressor's entries and the indexer's keys and queries in every layer): the same
+ * roundings (nearest-even, saturation, the scale rules, the amax floors and their NaN behaviour), so the same
+ * bytes and values (tests/test_host_kernels.py, every bf16 value and the edge cases). */
+
+/* torch's float -> float8_e4m3fn cast of a value whose magnitude is at most 448 or NaN: the byte of its nearest
+ * E4M3 value (round_e4m3), sign in bit 7, NaN as 0x7F with its sign. */
+static inline uint8_t e4m3_code(float v) {
+    const uint8_t sign = (f2u(v) >> 24) & 0x80u;
+    if (v != v) return sign | 0x7Fu;
+    const float r = fabsf(round_e4m3(v));
+    if (r < 0x1p-6f) return sign | (uint8_t)(r * 512.0f);  /* subnormal: r = m 2^-9, m in 0..7 (exact) */
+    const uint32_t b = f2u(r);
+    return sign | (uint8_t)((((b >> 23) - 120u) << 3) | ((b >> 20) & 7u));
+}
+
+/* float8_e4m3fn byte -> fp32, as torch's cast (NaN: 0x7FF00000 with the sign, as round_e4m3 has it) */
+static inline float e4m3_value(uint8_t c) {
+    const uint32_t sign = (uint32_t)(c & 0x80u) << 24;
+    const uint32_t e = (c >> 3) & 0xFu, m = c & 7u;
+    if (e == 0xFu && m == 7u) return u2f(sign | 0x7FF00000u);
+    if (e == 0) return u2f(sign | f2u((float)m * 0x1p-9f));
+    return u2f(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+/* UE8M0 byte -> fp32 (formats._e8m0_table): 2^-127 for 0, NaN for 255 */
+static inline float e8m0_value(uint8_t b) {
+    return b == 0 ? u2f(0x00400000u) : (b == 255 ? u2f(0x7FC00000u) : u2f((uint32_t)b << 23));
+}
+
+/* the E2M1 code of v (formats.e2m1_encode): magnitudes above each boundary counted (NaN above none), the sign bit
+ * copied into bit 3; below[7] are formats._E2M1_BELOW_BOUNDARIES */
+static inline uint8_t e2m1_code(float v, const float *below) {
+    const float a = fabsf(v);
+    uint8_t c = 0;
+    for (int i = 0; i < 7; i++) c += a > below[i];
+    return c | (uint8_t)((f2u(v) >> 28) & 8u);
+}
+
+static const float E2M1_VALUES[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* a block's amax, NaN when any element is NaN (torch's amax and inf-norm propagate it) */
+static inline float block_amax(const void *x, int64_t at, int64_t block, int bf16) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < block; i++) {
+        const float a = fabsf(load(x, at + i, bf16));
+        if (a != a) return a;
+        if (a > amax) amax = a;
+    }
+    return amax;
+}
+
+/* formats.pack_fp8_ue8m0: x (bf16 or fp32) -> E4M3 bytes [numel] and UE8M0 bytes [numel / block], the scale
+ * dsv41_fp8_fake_quant's */
+void dsv41_pack_fp8_ue8m0(const void *x, int x_bf16, int64_t numel, int64_t block, float amax_floor, float ratio,
+                          uint8_t *codes, uint8_t *scales) {
+    for (int64_t g = 0; g < numel; g += block) {
+        float m = block_amax(x, g, block, x_bf16);
+        if (m == m && m < amax_floor) m = amax_floor;
+        const uint32_t bits = (f2u(m * ratio) + 0x7FFFFFu) & 0xFF800000u;
+        const float scale = u2f(bits);
+        for (int64_t i = 0; i < block; i++) {
+            float q = load(x, g + i, x_bf16) / scale;
+            if (q == q) q = q < -448.0f ? -448.0f : (q > 448.0f ? 448.0f : q);
+            codes[g + i] = e4m3_code(q);
+        }
+        scales[g / block] = (uint8_t)(bits >> 23);
+    }
+}
+
+/* formats._quantize_mxfp4 and what follows it: per block, scale = 2^ceil(log2(max(amax, floor) * ratio)) off the
+ * sign-cleared bits (formats.ue8m0_scale), codes = e2m1(x / scale). fake: out = e2m1 value * scale in x's dtype
+ * (formats.mxfp4_fake_quant); else the codes packed in pairs (low nibble first) and the UE8M0 bytes
+ * (formats.pack_mxfp4). */
+void dsv41_mxfp4(const void *x, int x_bf16, int64_t numel, int64_t block, float amax_floor, float ratio,
+                 const float *below, int fake, void *out, uint8_t *packed, uint8_t *scales) {
+    for (int64_t g = 0; g < numel; g += block) {
+        float m = block_amax(x, g, block, x_bf16);
+        if (m == m && m < amax_floor) m = amax_floor;
+        const uint32_t bits = ((f2u(m * ratio) & 0x7FFFFFFFu) + 0x7FFFFFu) & 0xFF800000u;
+        const float scale = u2f(bits);
+        for (int64_t i = 0; i < block; i++) {
+            const uint8_t c = e2m1_code(load(x, g + i, x_bf16) / scale, below);
+            if (fake) store(out, g + i, E2M1_VALUES[c] * scale, x_bf16);
+            else if (i & 1) packed[(g + i) / 2] |= (uint8_t)(c << 4);
+            else packed[(g + i) / 2] = c;
+        }
+        if (!fake) scales[g / block] = (uint8_t)(bits >> 23);
+    }
+}
+
+/* formats.pack_fp4_e4m3: per block of 16, scale = e4m3(max(amax, floor) / 6) (a true division, then nearest-even
+ * with the cast's saturation at 448), codes = e2m1(x / scale) packed in pairs, the scale's E4M3 byte */
+void dsv41_pack_fp4_e4m3(const void *x, int x_bf16, int64_t numel, int64_t block, float amax_floor,
+                         const float *below, uint8_t *packed, uint8_t *scales) {
+    for (int64_t g = 0; g < numel; g += block) {
+        float m = block_amax(x, g, block, x_bf16);
+        if (m == m && m < amax_floor) m = amax_floor;
+        float s = m / 6.0f;
+        if (s == s) s = s > 448.0f ? 448.0f : s;
+        const uint8_t sc = e4m3_code(s);
+        const float scale = e4m3_value(sc);
+        for (int64_t i = 0; i < block; i++) {
+            const uint8_t c = e2m1_code(load(x, g + i, x_bf16) / scale, below);
+            if (i & 1) packed[(g + i) / 2] |= (uint8_t)(c << 4);
+            else packed[(g + i) / 2] = c;
+        }
+        scales[g / block] = sc;
+    }
+}
+
+/* The unpackers, to fp32 [numel]: fmt 0 formats.unpack_fp8_ue8m0 (E4M3 bytes, UE8M0 per block), 1
+ * formats.unpack_fp4_e4m3 (E2M1 pairs, E4M3 per block), 2 formats.unpack_mxfp4 (E2M1 pairs, UE8M0 per block):
+ * each value times its block's scale, one fp32 product. */
+void dsv41_unpack(const uint8_t *codes, const uint8_t *scales, int64_t numel, int64_t block, int fmt, float *out) {
+    for (int64_t g = 0; g < numel; g += block) {
+        const uint8_t sb = scales[g / block];
+        const float scale = fmt == 1 ? e4m3_value(sb) : e8m0_value(sb);
+        for (int64_t i = 0; i < block; i++) {
+            float v;
+            if (fmt == 0) v = e4m3_value(codes[g + i]);
+            else v = E2M1_VALUES[(codes[(g + i) / 2] >> (((g + i) & 1) * 4)) & 0xFu];
+            out[g + i] = v * scale;
+        }
+    }
+}
+
+
+/* ---------------------------------------------------------------- RMSNorm: ATen's sum, in its order */
+/* torch's sum of a contiguous fp32 row (ATen's cpu/SumKernel.cpp, cascade_sum over an inner dimension), written
+ * out: vectors of SUM_LANES floats summed by `row_sum` (four accumulators, ILP_ROWS apart, each a cascade of
+ * levels), any elements past the last whole vector added to 0 one by one, then the lanes added in order; a row
+ * shorter than one vector is `row_sum` over single floats, added to 0. The sum kernel runs 8-lane vectors at
+ * every CPU capability torch 2.13 dispatches on x86-64 (the AVX-512 build included), so this is its order on every
+ * x86-64 CPU (tests/test_host_kernels.py compares the bits at every row length up to 300 and beyond, at each
+ * capability CI runs). A row's sum is never split between threads below 32768 elements (ATen's grain). */
+#define SUM_LANES 8
+#define ILP_ROWS 4
+#define SUM_LEVELS 4
+
+static int64_t ceil_log2(int64_t x) {
+    if (x <= 2) return 1;
+    int64_t b = 0;
+    for (uint64_t v = (uint64_t)(x - 1); v; v >>= 1) b++;
+    return b;
+}
+
+/* ATen's multi_row_sum for ILP_ROWS accumulators of L lanes: unit i, accumulator k reads the L floats at
+ * x + (i * ILP_ROWS + k) * L; `size` units; the cascade folds level j-1 into level j every level_step units. */
+static void multi_row_sum(const float *x, int64_t L, int64_t size, float out[ILP_ROWS][SUM_LANES]) {
+    const int64_t level_power = ceil_log2(size) / SUM_LEVELS > 4 ? ceil_log2(size) / SUM_LEVELS : 4;
+    const int64_t level_step = (int64_t)1 << level_power, level_mask = level_step - 1;
+    float acc[SUM_LEVELS][ILP_ROWS][SUM_LANES];
+    memset(acc, 0, sizeof(acc));
+    int64_t i = 0;
+    for (; i + level_step <= size;) {
+        for (int64_t j = 0; j < level_step; ++j, ++i)
+            for (int k = 0; k < ILP_ROWS; k++)
+                for (int64_t l = 0; l < L; l++) acc[0][k][l] = acc[0][k][l] + x[(i * ILP_ROWS + k) * L + l];
+        for (int j = 1; j < SUM_LEVELS; ++j) {
+            for (int k = 0; k < ILP_ROWS; k++)
+                for (int64_t l = 0; l < L; l++) {
+                    acc[j][k][l] = acc[j][k][l] + acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0.0f;
+                }
+            if ((i & (level_mask << (j * level_power))) != 0) break;
+        }
+    }
+    for (; i < size; ++i)
+        for (int k = 0; k < ILP_ROWS; k++)
+            for (int64_t l = 0; l < L; l++) acc[0][k][l] = acc[0][k][l] + x[(i * ILP_ROWS + k) * L + l];
+    for (int j = 1; j < SUM_LEVELS; ++j)
+        for (int k = 0; k < ILP_ROWS; k++)
+            for (int64_t l = 0; l < L; l++) acc[0][k][l] = acc[0][k][l] + acc[j][k][l];
+    memcpy(out, acc[0], sizeof(float) * ILP_ROWS * SUM_LANES);
+}
+
+/* ATen's row_sum over `size` units of L lanes at x: the lanes of the result in lane[0..L) */
+static void row_sum(const float *x, int64_t L, int64_t size, float lane[SUM_LANES]) {
+    float ps[ILP_ROWS][SUM_LANES];
+    const int64_t size_ilp = size / ILP_ROWS;
+    multi_row_sum(x, L, size_ilp, ps);
+    for (int64_t i = size_ilp * ILP_ROWS; i < size; ++i)
+        for (int64_t l = 0; l < L; l++) ps[0][l] = ps[0][l] + x[i * L + l];
+    for (int k = 1; k < ILP_ROWS; k++)
+        for (int64_t l = 0; l < L; l++) ps[0][l] = ps[0][l] + ps[k][l];
+    memcpy(lane, ps[0], sizeof(float) * SUM_LANES);
+}
+
+static float aten_row_sum(const float *x, int64_t n) {
+    float lane[SUM_LANES];
+    float total = 0.0f;
+    if (n < SUM_LANES) {
+        row_sum(x, 1, n, lane);
+        return total + lane[0];
+    }
+    const int64_t vecs = n / SUM_LANES;
+    row_sum(x, SUM_LANES, vecs, lane);
+    for (int64_t k = vecs * SUM_LANES; k < n; k++) total = total + x[k];
+    for (int l = 0; l < SUM_LANES; l++) total = total + lane[l];
+    return total;
+}
+
+/* 1 / sqrt(mean(x^2) + eps) of each of `rows` contiguous rows of n values (bf16 or fp32), as
+ * torch.rsqrt(x.float().square().mean(-1) + eps) gives it: the squares rounded to fp32, ATen's sum, divided by n,
+ * eps added, then 1 / sqrt (ATen's rsqrt: a correctly rounded root, then a division). Returns -1 when the scratch
+ * memory cannot be had. */
+int dsv41_rms_rstd(const void *x, int x_bf16, int64_t rows, int64_t n, float eps, float *rstd) {
+    float *sq = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    if (!sq) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < n; i++) {
+            const float v = load(x, r * n + i, x_bf16);
+            sq[i] = v * v;
+        }
+        rstd[r] = 1.0f / sqrtf(aten_row_sum(sq, n) / (float)n + eps);
+    }
+    free(sq);
+    return 0;
+}
+
+/* reference.rms_norm: out = (w * (x * rstd)) in x's dtype (bf16 or fp32), w [n] bf16 or fp32, rstd as
+ * dsv41_rms_rstd's. Returns -1 when the scratch memory cannot be had (nothing written). */
+int dsv41_rms_norm(const void *x, int x_bf16, const void *w, int w_bf16, int64_t rows, int64_t n, float eps,
+                   void *out) {
+    float *rstd = malloc((size_t)(rows > 0 ? rows : 1) * sizeof(float));
+    if (!rstd || dsv41_rms_rstd(x, x_bf16, rows, n, eps, rstd)) {
+        free(rstd);
+        return -1;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i++)
+            store(out, r * n + i, load(w, i, w_bf16) * (load(x, r * n + i, x_bf16) * rstd[r]), x_bf16);
+    free(rstd);
     return 0;
 }

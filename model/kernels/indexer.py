@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.model.kernels import decode_mode, interpreting, opaque, reference, use_triton
+from dsv41.model.kernels import decode_mode, interpreting, opaque, quant, reference, use_triton
 
 
 # The score kernel's schedule (benchmarks/bench_indexer.py times the alternatives against it in one run):
@@ -84,7 +84,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
     Top-K's first radix pass."""
     if not use_triton(q, key_codes, force=force_triton):
         return reference.indexer_scores(q, weights, key_codes, key_scales, visible, candidates, bf16_scores,
-                                        by_entry)
+                                        by_entry, unpack=quant.unpack)
     return _launch_scores(q, weights, key_codes, key_scales, visible, candidates, bf16_scores, _hist)
 
 

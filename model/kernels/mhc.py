@@ -138,13 +138,16 @@ def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: t
 def _host_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb):
     """reference.mhc_step with its operator-bound pieces as C calls (host.py, the same bits): the residual
     update, the collapse and the Sinkhorn loop; the projection W_fn X summed in a fixed order (a token's
-    coefficients do not depend on the tokens beside it: host.fixed_order_linear); the RMS statistic,
-    sigmoid and exp stay in torch (their reductions and vectorized transcendentals are ATen's to round)."""
+    coefficients do not depend on the tokens beside it: host.fixed_order_linear); the RMS statistic in C with
+    ATen's order of the sum (host.rms_rstd); sigmoid and exp stay in torch (their vectorized and scalar code
+    paths are ATen's to round)."""
     x_new = x if y is None else host.expand(y, x, post, comb)
     collapsed = host.collapse(x_new, pre_prev)
     normalize = host.sinkhorn_normalize_ if x.shape[-2] <= host.SINKHORN_MAX_N else None
-    pre_n, post_n, comb_n = reference._hc_coefficients(x_new.float(), fn, scale, base, iters, hc_eps, norm_eps,
-                                                       normalize, host.fixed_order_linear)
+    xf = x_new.float()
+    rstd = host.rms_rstd if host.rms_fits(xf.flatten(-2)) else None
+    pre_n, post_n, comb_n = reference._hc_coefficients(xf, fn, scale, base, iters, hc_eps, norm_eps,
+                                                       normalize, host.fixed_order_linear, rstd)
     return x_new, collapsed, pre_n, post_n, comb_n
 
 

@@ -5,13 +5,16 @@ multiplies, the cast back) and a Reuse layer's decode step runs four of them (at
 norms): 32 of the layer's 168 eager launches (`bench_launches.py`, h200-2026-12-04-d). The kernel reads each
 row once and writes it once. Its row sum is a tree where torch's mean reduces in its own order, so the fp32
 results differ in the last bits (the bf16 outputs almost never: tests/test_kernels_small.py bounds it).
+
+On the CPU at inference it is one C call (host.rms_norm) with the reference's bits: the row sum in ATen's own
+order (a decode step of the bundled model runs 45 norms, seven torch operators each).
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsv41.model.kernels import inference_kernel, interpreting, opaque, reference
+from dsv41.model.kernels import host, inference_kernel, interpreting, opaque, reference
 
 
 @opaque
@@ -38,5 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, force_triton: bo
     """See reference.rms_norm: x [..., D] (bf16 or fp32), weight [D] -> [..., D] in x's dtype. The kernel runs
     on CUDA (or forced under the interpreter) when no gradient is wanted; training keeps the reference."""
     if not inference_kernel(x, weight, force=force_triton) or x.dtype not in (torch.bfloat16, torch.float32):
+        if host.takes(x, weight) and host.rms_fits(x):
+            return host.rms_norm(x, weight, eps)
         return reference.rms_norm(x, weight, eps)
     return _launch(x, weight, eps)

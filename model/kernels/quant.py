@@ -5,6 +5,10 @@
     pack_mxfp4      indexer keys: E2M1 pairs + one UE8M0 scale per 32; mxfp4_fake_quant the same rounding
                     returned as values (the indexer's queries). Pending: on CUDA only with kernels.pending_on()
                     until a GPU run has tested and timed them (in torch, about fifteen launches each)
+    unpack          any of the three back to values
+
+On the CPU (inference, contiguous bf16/fp32 values or bytes) each is one C call of model/kernels/host.py with the
+same bytes and values: a decode step packs and unpacks in every layer, a dozen torch operators or more each time.
 
 Bit-exact with model/formats.py's packers (the same roundings: nearest-even, saturation, the scale rules and
 amax floors), which the tests check byte for byte; the cache can use either.
@@ -15,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from dsv41.model import formats
-from dsv41.model.kernels import inference_kernel, interpreting, opaque, reference, use_triton
+from dsv41.model.kernels import host, inference_kernel, interpreting, opaque, reference, use_triton
 
 
 @opaque
@@ -40,7 +44,7 @@ def _launch(kernel, x, parts, block, floor):
 def pack_fp4_e4m3(x: torch.Tensor, force_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """See reference.pack_fp4_e4m3: x [..., D] -> (codes [..., D/2], E4M3 scale bytes [..., D/16])."""
     if not use_triton(x, force=force_triton):
-        return reference.pack_fp4_e4m3(x)
+        return host.pack_fp4_e4m3(x) if host.takes(x) else reference.pack_fp4_e4m3(x)
     from dsv41.model.kernels._triton_quant import pack_fp4_e4m3_kernel
 
     D = x.size(-1)
@@ -50,7 +54,7 @@ def pack_fp4_e4m3(x: torch.Tensor, force_triton: bool = False) -> tuple[torch.Te
 def pack_fp8_ue8m0(x: torch.Tensor, force_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """See reference.pack_fp8_ue8m0: x [..., D] -> (E4M3 bytes [..., D], UE8M0 bytes [..., D/32])."""
     if not use_triton(x, force=force_triton):
-        return reference.pack_fp8_ue8m0(x)
+        return host.pack_fp8_ue8m0(x) if host.takes(x) else reference.pack_fp8_ue8m0(x)
     from dsv41.model.kernels._triton_quant import pack_fp8_ue8m0_kernel
 
     D = x.size(-1)
@@ -91,12 +95,22 @@ def _launch_mxfp4(x: torch.Tensor, fake: bool):
 def pack_mxfp4(x: torch.Tensor, force_triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """See reference.pack_mxfp4: x [..., D] -> (E2M1 pairs [..., D/2], UE8M0 bytes [..., D/32]), byte for byte."""
     if not _mxfp4_applies(x, formats.MXFP4_BLOCK, force_triton):
-        return reference.pack_mxfp4(x)
+        return host.pack_mxfp4(x) if host.takes(x) else reference.pack_mxfp4(x)
     return _launch_mxfp4(x, False)
 
 
 def mxfp4_fake_quant(x: torch.Tensor, block: int = formats.MXFP4_BLOCK, force_triton: bool = False) -> torch.Tensor:
     """See reference.mxfp4_fake_quant: x rounded to MXFP4 and back, in x's dtype, bit for bit."""
     if not _mxfp4_applies(x, block, force_triton):
-        return reference.mxfp4_fake_quant(x, block)
+        return host.mxfp4_fake_quant(x, block) if host.takes(x) else reference.mxfp4_fake_quant(x, block)
     return _launch_mxfp4(x, True)
+
+
+def unpack(fmt: str, codes: torch.Tensor, scales: torch.Tensor, block: int,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """formats.unpack_<fmt>(codes, scales, block, dtype), fmt "fp8_ue8m0", "fp4_e4m3" or "mxfp4": one C call on the
+    CPU (host.unpack, the same values), formats' torch code elsewhere (the CUDA kernels decode the bytes
+    themselves; what is left there is not on a decode step's path)."""
+    if host.takes_codes(codes, scales):
+        return host.unpack(fmt, codes, scales, block, dtype)
+    return getattr(formats, "unpack_" + fmt)(codes, scales, block, dtype)

@@ -165,23 +165,34 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
     # at -1e30 and covers the logits only; probabilities are rounded to bf16 before P.V (relative to the
     # running max), the sink joins the denominator at the end. Reproducing the rounding matters: one
     # bf16 ulp here moves the FP8 activation grid of wo_b and grows from layer to layer.
+    # The two products are the batched GEMMs einsum("bthd,btkd->bthk") and einsum("bthk,btkd->bthd") make, called
+    # directly on the operands einsum lays out (the same bits, tested), and the rows are gathered as embedding rows
+    # of the flattened kv (the same values): the decode step runs this in every layer, where each einsum's
+    # parsing and each advanced-indexing gather cost more than their arithmetic.
     B, T, H, D = q.shape
     qf, kvf = q.float(), kv.float()
-    batch = torch.arange(B, device=kv.device).view(-1, 1, 1)
+    N = kvf.size(1)
+    rows_kv = kvf.reshape(B * N, D)
+    offsets = torch.arange(0, B * N, N, device=kv.device).view(-1, 1, 1) if B > 1 else None
+    q_rows = qf.reshape(B * T, H, D)
     acc = q.new_zeros(B, T, H, D, dtype=torch.float32)
     denom = q.new_zeros(B, T, H, dtype=torch.float32)
     run_max = torch.full((B, T, H), -1e30, dtype=torch.float32, device=q.device)
     for start in range(0, idx.size(-1), SPARSE_BLOCK):
         block = idx[..., start:start + SPARSE_BLOCK].long()
         valid = block >= 0
-        keys = kvf[batch, block.clamp_min(0)] * valid.unsqueeze(-1)  # [B,T,k,D]
-        logits = torch.einsum("bthd,btkd->bthk", qf, keys)
+        k = block.size(-1)
+        rows = block.clamp_min(0) if offsets is None else block.clamp_min(0) + offsets
+        keys = F.embedding(rows, rows_kv) * valid.unsqueeze(-1)  # [B,T,k,D]
+        keys_bt = keys.view(B * T, k, D)
+        logits = torch.bmm(q_rows, keys_bt.transpose(1, 2)).view(B, T, H, k)
         logits = torch.where(valid.unsqueeze(2), logits, -torch.inf) * scale
         new_max = torch.maximum(run_max, logits.amax(dim=-1))
         rescale = torch.exp(run_max - new_max)
         p = torch.exp(logits - new_max.unsqueeze(-1))
         denom = denom * rescale + p.sum(dim=-1)
-        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bthk,btkd->bthd", p.to(torch.bfloat16).float(), keys)
+        pv = torch.bmm(p.to(torch.bfloat16).float().view(B * T, H, k), keys_bt).view(B, T, H, D)
+        acc = acc * rescale.unsqueeze(-1) + pv
         run_max = new_max
     denom = denom + torch.exp(sink.float() - run_max)
     return (acc / denom.unsqueeze(-1)).to(q.dtype)
@@ -190,7 +201,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
 def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
                             main_codes: torch.Tensor | None, main_scales: torch.Tensor | None,
                             sink: torch.Tensor, window_idx: torch.Tensor, main_idx: torch.Tensor | None,
-                            scale: float, window_values: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float, window_values: torch.Tensor | None = None,
+                            unpack=None) -> torch.Tensor:
     """Sparse MQA with a sink over packed KV.
 
     q [B,T,H,D]; window rows packed FP8 E4M3 + UE8M0 per 32 (codes [B,W,D] uint8, scales [B,W,D/32] uint8);
@@ -198,9 +210,12 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
     window-only layer); window_idx [B,T,Kw] into the window rows, main_idx [B,T,Km] into the main rows,
     -1 = empty. Returns [B,T,H,D] in q's dtype: sparse_attention over [window ; main] with the indices
     concatenated, the main ones shifted by W. window_values: the window rows already decoded to fp32 (a
-    BatchCache keeps them as it writes them), used instead of decoding window_codes and window_scales."""
+    BatchCache keeps them as it writes them), used instead of decoding window_codes and window_scales.
+    unpack(fmt, codes, scales, block): the bytes' fp32 values (default formats' unpackers; the CPU dispatch passes
+    kernels.quant.unpack, the same values in one C call)."""
+    unpack = unpack or _formats_unpack
     if window_values is None:
-        window_values = formats.unpack_fp8_ue8m0(window_codes, window_scales, formats.FP8_BLOCK, torch.float32)
+        window_values = unpack("fp8_ue8m0", window_codes, window_scales, formats.FP8_BLOCK)
     window = window_values
     kv, idx = window, window_idx
     if main_codes is not None and main_idx is not None:
@@ -212,10 +227,15 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
             chosen = main_idx[:, 0].clamp_min(0).long()
             main_codes, main_scales = main_codes[batch, chosen], main_scales[batch, chosen]
             main_idx = torch.where(main_idx >= 0, torch.arange(K, device=main_idx.device), -1)
-        main = formats.unpack_fp4_e4m3(main_codes, main_scales, formats.FP4_E4M3_BLOCK, torch.float32)
+        main = unpack("fp4_e4m3", main_codes, main_scales, formats.FP4_E4M3_BLOCK)
         kv = torch.cat([window, main], dim=1)
         idx = torch.cat([window_idx, torch.where(main_idx >= 0, main_idx + window.size(1), -1)], dim=-1)
     return sparse_attention(q, kv, sink, idx.long(), scale)
+
+
+def _formats_unpack(fmt: str, codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """formats.unpack_<fmt> to fp32: the references' unpacker."""
+    return getattr(formats, "unpack_" + fmt)(codes, scales, block, torch.float32)
 
 
 # --------------------------------------------------------------------------------- indexer
@@ -252,16 +272,16 @@ def weighted_relu_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Ten
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scales: torch.Tensor,
                    visible: torch.Tensor | None = None, candidates: torch.Tensor | None = None,
-                   bf16_scores: bool = False, by_entry: bool = False) -> torch.Tensor:
+                   bf16_scores: bool = False, by_entry: bool = False, unpack=None) -> torch.Tensor:
     """score_{t,g} = sum_h w_{t,h} ReLU(q_{t,h} . k_g) over packed MXFP4 keys, fp32 (by_entry: see
-    weighted_relu_scores).
+    weighted_relu_scores; unpack: as sparse_attention_packed's).
 
     q [B,T,H,Dk] (MXFP4-valued floats), weights [B,T,H] (already scaled by (Dk H)^-1/2), keys packed MXFP4
     (codes [B,N,Dk/2], scales [B,N,Dk/32] uint8). visible [T]: entries g >= visible[t] score -inf (None:
     all visible). candidates [B,T,C] (-1 = none): score only those entries, returning [B,T,C] (-inf at -1);
     otherwise [B,T,N]. bf16_scores: the products, the weighted terms and the head sum rounded to bf16 (REF's
     score precision, Indexer.head_scores with index_score_dtype "bf16"; weights then hold bf16 values)."""
-    keys = formats.unpack_mxfp4(key_codes, key_scales, formats.MXFP4_BLOCK, torch.float32)
+    keys = (unpack or _formats_unpack)("mxfp4", key_codes, key_scales, formats.MXFP4_BLOCK)
     n = keys.size(1)
     if candidates is None:
         scores = weighted_relu_scores(q, keys, weights, bf16_scores, by_entry)
@@ -368,13 +388,17 @@ def hc_coefficients(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
 
 def _hc_coefficients(xf: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
                      hc_eps: float, norm_eps: float,
-                     normalize=None, project=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     normalize=None, project=None, rstd=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hc_coefficients of x already in fp32 (x.float().flatten(-2) is x.flatten(-2).float(), value for value).
     project(flat, fn): the projection W_fn flat in fp32 (default F.linear; the host step sums it in a fixed
-    order, host.fixed_order_linear)."""
+    order, host.fixed_order_linear). rstd(flat, eps): the RMS statistic below (the host step's is one C call of
+    the same bits, host.rms_rstd)."""
     *_, n, d = xf.shape
     flat = xf.flatten(-2)
-    rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    if rstd is not None:
+        rstd = rstd(flat, norm_eps)
+    else:
+        rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     mixes = (project(flat, fn) if project is not None else F.linear(flat, fn.float())) * rstd
     return _sinkhorn_split(mixes, scale, base, n, iters, hc_eps, normalize)  # mixes are fp32 already
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.model.kernels import cdiv, interpreting, opaque, reference, use_triton, whole_waves
+from dsv41.model.kernels import cdiv, interpreting, opaque, quant, reference, use_triton, whole_waves
 
 DENSE, FP8, FP4, NONE = 0, 1, 2, 3
 
@@ -55,7 +55,7 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
     usable = force_triton or (supported(q, window_codes.size(-1)) and q.dtype == torch.bfloat16)
     if not usable or not use_triton(q, window_codes, main_codes, force=force_triton):
         return reference.sparse_attention_packed(q, window_codes, window_scales, main_codes, main_scales, sink,
-                                                 window_idx, main_idx, scale, window_values)
+                                                 window_idx, main_idx, scale, window_values, unpack=quant.unpack)
     segments = [(FP8, window_codes, window_scales, window_idx)]
     if main_codes is not None and main_idx is not None:
         segments.append((FP4, main_codes, main_scales, main_idx))
