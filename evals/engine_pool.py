@@ -53,12 +53,16 @@ class WorkerFailed(RuntimeError):
 class EnginePool:
     """`engines` engines over the checkpoint in `model_dir`, each keeping up to `batch_size` requests in flight:
     this process's (`generator`, already loaded) and engines - 1 worker processes, started at the first
-    `generate` that is large enough."""
+    `generate` that is large enough, or earlier by `start()`. A pool may be made before this process loads the
+    checkpoint (generator None, its device given) and its workers started at once, so that they load theirs
+    while this process loads its own (`attach` then hands it the generator): a worker takes about as long to
+    start as the command that starts it."""
 
-    def __init__(self, generator, model_dir: str | os.PathLike, engines: int, batch_size: int):
+    def __init__(self, generator, model_dir: str | os.PathLike, engines: int, batch_size: int,
+                 device: str | None = None):
         if engines < 1 or batch_size < 1:
             raise ValueError("engines and batch_size must be at least 1")
-        if engines > 1 and str(generator.device) != "cpu":
+        if engines > 1 and str(device or generator.device) != "cpu":
             raise ValueError("several engines run on the CPU only (each worker loads the checkpoint there)")
         self.generator, self.model_dir = generator, str(model_dir)
         self.engines, self.batch_size = engines, batch_size
@@ -73,6 +77,15 @@ class EnginePool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def attach(self, generator) -> None:
+        """This process's engine, for a pool made before the checkpoint was loaded."""
+        self.generator = generator
+
+    def start(self) -> None:
+        """Start the worker processes now (at most once; nothing with one engine)."""
+        if self.engines > 1 and not self._procs:
+            self._start()
 
     def _start(self) -> None:
         from dsv41.model.kernels.gemm import GEMM_MODE
@@ -125,9 +138,11 @@ class EnginePool:
             return self.generator.generate_many(list(requests), max_batch_size=self.batch_size, on_done=on_done)
         return self._run(requests, self.generator.tokenizer, on_done)
 
-    def spreads(self, requests: Sequence) -> bool:
-        """Whether a run of these requests goes to several engines (else it stays in this process)."""
-        return self.engines > 1 and len(requests) >= MIN_REQUESTS_PER_ENGINE * 2
+    def spreads(self, requests: Sequence | int) -> bool:
+        """Whether a run of these requests (or of this many) goes to several engines (else it stays in this
+        process)."""
+        n = requests if isinstance(requests, int) else len(requests)
+        return self.engines > 1 and n >= MIN_REQUESTS_PER_ENGINE * 2
 
     def _run(self, requests, tokenizer, on_done):
         if not self._procs:

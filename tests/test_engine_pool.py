@@ -55,6 +55,25 @@ def test_two_engines_give_one_engines_outputs_token_for_token(loaded, small_ckpt
     assert sorted(seen) == list(range(len(reqs)))  # each reported once
 
 
+def test_workers_started_before_this_process_loads_its_checkpoint(loaded, small_ckpt):
+    """A pool made before the checkpoint is loaded here (generator None, its device named) starts its worker at
+    once (`start`), then takes this process's engine (`attach`): the same outputs; `spreads` also takes a count."""
+    from dsv41.model.engine import Generator
+
+    model, _, tok = loaded
+    reqs = requests(tok, 2 * MIN_REQUESTS_PER_ENGINE + 1)
+    alone = generate(model, tok, reqs, batch_size=4)
+    with EnginePool(None, small_ckpt, engines=2, batch_size=4, device="cpu") as pool:
+        assert pool.spreads(len(reqs)) and not pool.spreads(2 * MIN_REQUESTS_PER_ENGINE - 1)
+        pool.start()
+        pool.start()  # once
+        assert len(pool._procs) == 1
+        pool.attach(Generator(model, tok))
+        assert same(generate(model, tok, reqs, batch_size=4, pool=pool), alone)
+    with pytest.raises(ValueError, match="CPU only"):
+        EnginePool(None, small_ckpt, engines=2, batch_size=4, device="cuda")
+
+
 def test_a_failing_worker_stops_the_run_with_its_error(loaded, tmp_path):
     from dsv41.model.engine import Generator
 

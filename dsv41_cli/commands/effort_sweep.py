@@ -46,7 +46,7 @@ def command(
         help="Folder for partial.jsonl, sweep.json, sweep.csv and sweep.png (default below). The same "
              "command again with the same folder resumes an interrupted sweep."),
     fresh: bool = typer.Option(False, "--fresh", help="Discard the partial results in --output and start over."),
-    batch_size: int = typer.Option(32, "--batch-size", min=1, help="Requests decoding at once (the engine's "
+    batch_size: int = typer.Option(64, "--batch-size", min=1, help="Requests decoding at once per engine (its "
                                    "rows; the results do not depend on it)."),
     engines: int = typer.Option(0, "--engines", min=0, show_default=False,
                                 help="Engines decoding at once on the CPU, one process each, --batch-size rows each "
@@ -127,12 +127,6 @@ def command(
     except OSError as e:
         fail(f"--output {out_dir}: {e.strerror or e}")
 
-    try:
-        net, args, tokenizer = load_model(model_dir, device=dev)
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
-    tune_threads(args, dev)
-
     progress = StepProgress(unit="items" if bundled else "")
     if bundled:
         sweep_task = effort.TinyReasoning(max_new_tokens=max_new_tokens or 256)
@@ -140,16 +134,25 @@ def command(
         total, unit = len(items) * len(effort_list), "items"
     else:
         total, unit = len(effort_list), "efforts"
-    if store.reused:
-        done = store.items_done() if bundled else len(store.records)
-        err.print(f"resuming: reused {done} of {total} {unit} from {store.path}", markup=False, soft_wrap=True)
+    done = (store.items_done() if bundled else len(store.records)) if store.reused else 0
     from dsv41.evals.engine_pool import EnginePool, default_engines
-    from dsv41.model.engine import Generator
 
-    # the generations spread over this process's engine and engines - 1 worker processes (the same results)
-    pool = EnginePool(Generator(net, tokenizer, source=model_dir), model_dir, engines or default_engines(dev),
-                      batch_size)
+    # the generations spread over this process's engine and engines - 1 worker processes (the same results); a
+    # bundled sweep knows its size, so the workers start now and load the checkpoint while this process does
+    pool = EnginePool(None, model_dir, engines or default_engines(dev), batch_size, device=dev)
     try:
+        if bundled and pool.spreads(total - done):
+            pool.start()
+        try:
+            net, args, tokenizer = load_model(model_dir, device=dev)
+        except (ValueError, FileNotFoundError) as e:
+            fail(str(e))
+        tune_threads(args, dev)
+        if store.reused:
+            err.print(f"resuming: reused {done} of {total} {unit} from {store.path}", markup=False, soft_wrap=True)
+        from dsv41.model.engine import Generator
+
+        pool.attach(Generator(net, tokenizer, source=model_dir))
         if bundled:
             try:
                 doc = effort.run_sweep(net, tokenizer, sweep_task, effort_list, batch_size=batch_size,
