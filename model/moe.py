@@ -137,12 +137,12 @@ class MoE(nn.Module):
         if expert_kernels.usable(self.experts, x):  # CUDA: grouped GEMMs over expert-sorted tokens
             weights_ = expert_kernels.cached_weights(self, self.experts)
             return expert_kernels.routed_experts(x, weights, indices, weights_, self._swiglu_limit())
-        if self._trainable():
-            return self._routed_trainable(x, weights, indices)
-        if every_row is None:
+        if every_row is None:  # (first: QAT masters never take it, and it answers without walking every expert)
             host_path = self._host_experts(x, indices)
             if host_path is not None:
                 return self._routed_host(x, weights, indices, *host_path)
+        if self._trainable():
+            return self._routed_trainable(x, weights, indices)
         y = torch.zeros_like(x, dtype=torch.float32)
         if every_row is not None:
             dense = torch.zeros(x.size(0), self.n_routed, dtype=weights.dtype, device=x.device).scatter_(
@@ -204,10 +204,14 @@ class MoE(nn.Module):
         h = first._hidden(gate.float(), up.float(), weights.flatten()[order].unsqueeze(-1)).to(x.dtype)
         out = host.fp8_linear_grouped(h, first.w2.block, counts_used, [ptr(e.w2) for e in lins],
                                       first.w2.out_features).float()
+        y = torch.zeros(n_tok, self.dim, dtype=torch.float32)
+        if n_tok == 1:  # one token (a one-sequence decode step): its slots are out's rows already, by expert
+            for j in range(k):
+                y += out[j:j + 1]
+            return y
         place = torch.empty_like(order)
         place[order] = torch.arange(order.numel())
         place = place.view(n_tok, k).gather(1, indices.argsort(dim=-1, stable=True))  # each token's slots by expert
-        y = torch.zeros(n_tok, self.dim, dtype=torch.float32)
         for j in range(k):
             y += out[place[:, j]]
         return y

@@ -702,3 +702,36 @@ def test_sparse_attention_products_are_einsums_bits(B, T, H, D, N, K, dtype):
     if B > 1:
         idx[1, 0] = -1
     assert_same(reference.sparse_attention(q, kv, sink, idx, 0.125), _sparse_attention_by_einsum(q, kv, sink, idx, 0.125))
+
+
+# ------------------------------------------------------------------------------------------- scalar sigmoid, softplus
+
+
+def test_scalar_sigmoid_and_softplus_are_atens_scalar_loop(monkeypatch):
+    """host.scalar_sigmoid / scalar_softplus against what reference.per_row makes ATen compute inside the decode
+    step (its scalar formula on every element): a million values over every fp32 exponent, both signs, and the
+    edges, bit for bit; per_row takes them where its scalar path runs and nowhere else; route and the mHC step
+    pass them on the CPU."""
+    from dsv41.model.kernels import mhc, routing
+
+    spread = torch.arange(-2**31, 2**31, 4099, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    spread = spread[torch.isfinite(spread)]
+    edges = torch.tensor([0.0, -0.0, 20.0, 20.000002, 19.999998, -88.7, 88.7, 1e-40, float("inf"), float("-inf")])
+    t = torch.cat([spread, edges])
+    t = t[:t.numel() // 7 * 7].contiguous().view(-1, 7)  # rows that are not whole vector chunks
+    with reference.row_invariant():
+        for fn, scalar in ((torch.sigmoid, host.scalar_sigmoid), (torch.nn.functional.softplus, host.scalar_softplus)):
+            assert_same(reference.per_row(fn, t, scalar), reference.per_row(fn, t))
+            assert_same(scalar(t), reference.per_row(fn, t))
+    wide = torch.randn(3, reference.VECTOR_CHUNK)  # whole vector chunks: the vector code, not the scalar hook
+    assert reference.per_row(torch.sigmoid, wide, lambda _: 1 / 0) is not None
+    assert host.scalar_sigmoid(torch.randn(4, 3).t()) is None  # strided: torch's own
+    seen = []
+    for name in ("scalar_sigmoid", "scalar_softplus"):
+        real = getattr(host, name)
+        monkeypatch.setattr(host, name, lambda x, _real=real, _name=name: seen.append(_name) or _real(x))
+    weights = (torch.randn(24, 256) * 0.05, torch.ones(3), torch.zeros(24))  # parameters: made outside inference
+    with torch.inference_mode(), reference.row_invariant():
+        routing.route(torch.randn(2, 8), torch.zeros(8), 2)
+        mhc.mhc_step(torch.randn(1, 1, 4, 64).bfloat16(), torch.rand(1, 1, 4), *weights, 20, 1e-6, 1e-6)
+    assert sorted(set(seen)) == ["scalar_sigmoid", "scalar_softplus"]

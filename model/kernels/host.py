@@ -139,6 +139,9 @@ def library() -> ctypes.CDLL | None:
     lib.dsv41_pack_fp4_e4m3.restype = None
     lib.dsv41_unpack.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, ptr]
     lib.dsv41_unpack.restype = None
+    for name in ("dsv41_sigmoid_scalar", "dsv41_softplus_scalar"):
+        getattr(lib, name).argtypes = [ptr, ptr, i64]
+        getattr(lib, name).restype = None
     lib.dsv41_rms_rstd.argtypes = [ptr, ctypes.c_int, i64, i64, f32, ptr]
     lib.dsv41_rms_rstd.restype = ctypes.c_int
     lib.dsv41_rms_norm.argtypes = [ptr, ctypes.c_int, ptr, ctypes.c_int, i64, i64, f32, ptr]
@@ -576,3 +579,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                                 weight.dtype == torch.bfloat16, x.numel() // n, n, eps, out.data_ptr()):
         raise MemoryError(f"rms_norm: no scratch memory for {tuple(x.shape)}")
     return out
+
+
+# ------------------------------------------------------------------------------- ATen's scalar sigmoid and softplus
+# What `reference.per_row` computes inside the engine's decode step (every element by ATen's scalar formula, through
+# a strided view and a stack): the same formulas over the C library's expf and log1pf, one call. For a contiguous
+# fp32 CPU tensor; anything else (and the vector path, whose Sleef functions round otherwise) stays with torch.
+
+
+def _scalar(name: str, t: torch.Tensor) -> torch.Tensor | None:
+    if t.dtype != torch.float32 or t.is_cuda or not t.is_contiguous() or library() is None:
+        return None
+    out = torch.empty_like(t)
+    getattr(library(), name)(t.data_ptr(), out.data_ptr(), t.numel())
+    return out
+
+
+def scalar_sigmoid(t: torch.Tensor) -> torch.Tensor | None:
+    """torch.sigmoid(t) as ATen's scalar loop computes each element (None where this does not take t)."""
+    return _scalar("dsv41_sigmoid_scalar", t)
+
+
+def scalar_softplus(t: torch.Tensor) -> torch.Tensor | None:
+    """F.softplus(t) (beta 1, threshold 20) as ATen's scalar loop computes each element (None where this does not
+    take t)."""
+    return _scalar("dsv41_softplus_scalar", t)

@@ -772,3 +772,21 @@ int dsv41_rms_norm(const void *x, int x_bf16, const void *w, int w_bf16, int64_t
     free(rstd);
     return 0;
 }
+
+
+/* ---------------------------------------------------------------- ATen's scalar sigmoid and softplus */
+/* torch.sigmoid and F.softplus (beta 1, threshold 20) of fp32 values as ATen's scalar loop computes them
+ * (aten/src/ATen/native/cpu: 1 / (1 + exp(-a)); a > 20 ? a : log1p(exp(a))), which `reference.per_row` makes
+ * every element take inside the engine's decode step: std::exp and std::log1p there are the C library's expf and
+ * log1pf, which these call too, so the bits are the same on any CPU and libm (tests/test_host_kernels.py compares
+ * a million values spread over every fp32 exponent at each capability CI runs). */
+void dsv41_sigmoid_scalar(const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = 1.0f / (1.0f + expf(-x[i]));
+}
+
+void dsv41_softplus_scalar(const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float a = x[i];
+        out[i] = a > 20.0f ? a : log1pf(expf(a));
+    }
+}

@@ -147,7 +147,7 @@ def _host_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, c
     xf = x_new.float()
     rstd = host.rms_rstd if host.rms_fits(xf.flatten(-2)) else None
     pre_n, post_n, comb_n = reference._hc_coefficients(xf, fn, scale, base, iters, hc_eps, norm_eps,
-                                                       normalize, host.fixed_order_linear, rstd)
+                                                       normalize, host.fixed_order_linear, rstd, host.scalar_sigmoid)
     return x_new, collapsed, pre_n, post_n, comb_n
 
 

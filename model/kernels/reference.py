@@ -70,13 +70,16 @@ def sequences_apart(n: int):
         _SEQUENCES.reset(token)
 
 
-def per_row(fn, t: torch.Tensor) -> torch.Tensor:
+def per_row(fn, t: torch.Tensor, scalar=None) -> torch.Tensor:
     """fn(t) for an elementwise fn (sigmoid, softplus); inside `row_invariant()` each element computed by ATen's
     scalar loop (t read through a view with a stride of 2 elements), so its bits do not depend on its place.
     Rows of whole vector chunks (a last dim that is a multiple of VECTOR_CHUNK: V4.1's 256 router scores) take
-    the vector code in any batch and are left to it. Inside `sequences_apart(n)`, fn of each sequence's part."""
+    the vector code in any batch and are left to it. Inside `sequences_apart(n)`, fn of each sequence's part.
+    scalar(t): that scalar loop's values in one call, or None where it does not take t (host.scalar_sigmoid and
+    scalar_softplus, passed by the CPU dispatch); used only where the scalar loop is what runs."""
     if _ROW_INVARIANT.get() and t.shape[-1] % VECTOR_CHUNK != 0:
-        return fn(torch.stack((t, t), dim=-1)[..., 0])
+        out = scalar(t) if scalar is not None else None
+        return out if out is not None else fn(torch.stack((t, t), dim=-1)[..., 0])
     n = _SEQUENCES.get()
     if n > 1:
         return torch.cat([fn(part) for part in t.contiguous().view(n, -1)]).view(t.shape)
@@ -94,9 +97,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str = "sqrtsoftplus",
-          gate_temp: float = 1.0, norm_topk_prob: bool = True, route_scale: float = 1.0):
+          gate_temp: float = 1.0, norm_topk_prob: bool = True, route_scale: float = 1.0, scalar_softplus=None):
     """The MoE router after its GEMM (model/moe.py Gate): fp32 scores [N, E] (x W_g^T), the selection bias [E] or
-    [N, E] -> (weights [N, k] fp32, indices [N, k] int64, descending by biased score)."""
+    [N, E] -> (weights [N, k] fp32, indices [N, k] int64, descending by biased score). scalar_softplus: per_row's
+    `scalar` for the softplus."""
     if gate_temp != 1.0:  # (x / 1.0 is x, bit for bit)
         scores = scores / gate_temp
     if score_func == "softmax":
@@ -104,7 +108,7 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str =
     elif score_func == "sigmoid":
         scores = per_row(torch.sigmoid, scores)
     else:
-        scores = per_row(F.softplus, scores).sqrt()
+        scores = per_row(F.softplus, scores, scalar_softplus).sqrt()
     indices = (scores + bias).topk(topk, dim=-1).indices
     weights = scores.gather(-1, indices)
     if norm_topk_prob and topk > 1:
@@ -309,9 +313,10 @@ def sinkhorn_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
 
 
 def _sinkhorn_split(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int,
-                    eps: float, normalize=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    eps: float, normalize=None, scalar_sigmoid=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """sinkhorn_split of fp32 mixes. `normalize(comb, iters, eps)`, in place, replaces the torch loop
-    `_sinkhorn_normalize_` off the graph (model/kernels/mhc.py passes host.py's C loop on the CPU)."""
+    `_sinkhorn_normalize_` off the graph (model/kernels/mhc.py passes host.py's C loop on the CPU);
+    scalar_sigmoid: per_row's `scalar` for the sigmoids."""
     if torch.is_grad_enabled():  # training: the graph wants the out-of-place form and the live parameters
         return _sinkhorn_split_graph(m, scale, base, n, iters, eps)
     # Operator count matters here (a decode step runs this 2 x layers times, one token each): the three
@@ -323,8 +328,8 @@ def _sinkhorn_split(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n:
     scale_per_mix, base = _mix_affine(scale, base, n)
     z = m * scale_per_mix
     z += base
-    pre = per_row(torch.sigmoid, z[..., :n].contiguous()).add_(eps)
-    post = per_row(torch.sigmoid, z[..., n:2 * n].contiguous()).mul_(2)
+    pre = per_row(torch.sigmoid, z[..., :n].contiguous(), scalar_sigmoid).add_(eps)
+    post = per_row(torch.sigmoid, z[..., n:2 * n].contiguous(), scalar_sigmoid).mul_(2)
     comb = z[..., 2 * n:].unflatten(-1, (n, n))
     comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))  # the softmax written out, as REF's kernel
     return pre, post, (normalize or _sinkhorn_normalize_)(comb, iters, eps)
@@ -388,11 +393,12 @@ def hc_coefficients(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base
 
 def _hc_coefficients(xf: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
                      hc_eps: float, norm_eps: float,
-                     normalize=None, project=None, rstd=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     normalize=None, project=None, rstd=None,
+                     scalar_sigmoid=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hc_coefficients of x already in fp32 (x.float().flatten(-2) is x.flatten(-2).float(), value for value).
     project(flat, fn): the projection W_fn flat in fp32 (default F.linear; the host step sums it in a fixed
     order, host.fixed_order_linear). rstd(flat, eps): the RMS statistic below (the host step's is one C call of
-    the same bits, host.rms_rstd)."""
+    the same bits, host.rms_rstd). scalar_sigmoid: _sinkhorn_split's."""
     *_, n, d = xf.shape
     flat = xf.flatten(-2)
     if rstd is not None:
@@ -400,7 +406,7 @@ def _hc_coefficients(xf: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, ba
     else:
         rstd = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     mixes = (project(flat, fn) if project is not None else F.linear(flat, fn.float())) * rstd
-    return _sinkhorn_split(mixes, scale, base, n, iters, hc_eps, normalize)  # mixes are fp32 already
+    return _sinkhorn_split(mixes, scale, base, n, iters, hc_eps, normalize, scalar_sigmoid)  # mixes are fp32
 
 
 def fixed_order_matmul(x: torch.Tensor, wt: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

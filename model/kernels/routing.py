@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.model.kernels import inference_kernel, interpreting, opaque, reference
+from dsv41.model.kernels import host, inference_kernel, interpreting, opaque, reference
 
 
 @opaque
@@ -45,7 +45,9 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str =
     """See reference.route: fp32 scores [N, E], bias [E] or [N, E] -> (weights [N, k] fp32, indices [N, k])."""
     if (score_func != "sqrtsoftplus" or scores.dtype != torch.float32 or scores.dim() != 2 or topk > scores.size(-1)
             or not inference_kernel(scores, bias, force=force_triton)):
-        return reference.route(scores, bias, topk, score_func, gate_temp, norm_topk_prob, route_scale)
+        # on the CPU the decode step's softplus is ATen's scalar formula (reference.per_row), one C call there
+        return reference.route(scores, bias, topk, score_func, gate_temp, norm_topk_prob, route_scale,
+                               host.scalar_softplus if host.takes(scores) else None)
     return _launch_route(scores, bias, topk, gate_temp, norm_topk_prob, route_scale)
 
 
