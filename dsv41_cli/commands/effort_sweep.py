@@ -13,7 +13,7 @@ from dsv41_cli.console import err, fail, out, print_json
 
 BUNDLED_TASKS = ("tiny-reasoning", "tiny_reasoning")
 DEFAULT_TASK = "tiny-reasoning"
-# The bare command's size: 5 efforts x 30 items of tiny-reasoning, 17.4 s end to end on the bundled model,
+# The bare command's size: 5 efforts x 30 items of tiny-reasoning, 8.8-9.0 s end to end on the bundled model,
 # 2 CPU cores, two engines (docs/evaluation.md, "dsv41 effort-sweep").
 DEFAULT_LIMIT = 30
 TASK_CHOICES = "tiny-reasoning (the bundled model's task), gsm8k, math, bbh, mmlu-pro or any lm-eval generate_until task"
@@ -40,7 +40,7 @@ def command(
     limit: Optional[int] = typer.Option(
         None, "--limit", min=1, show_default=False,
         help=f"At most the first N items of the task, in its order, at every effort. Default: {DEFAULT_LIMIT} for "
-             f"tiny-reasoning (17 s measured on 2 CPU cores; 300 is the whole set, 78 s), every item for an lm-eval task."),
+             f"tiny-reasoning (9 s measured on 2 CPU cores; 300 is the whole set, 44 s), every item for an lm-eval task."),
     output: Optional[Path] = typer.Option(
         None, "--output", show_default=False,
         help="Folder for partial.jsonl, sweep.json, sweep.csv and sweep.png (default below). The same "
