@@ -30,7 +30,8 @@ calls the kernels, never the reverse; tests/test_import_graph.py). The GEMM mode
 Each public function dispatches: Triton when the inputs are on a CUDA device and Triton imports, the
 reference otherwise. CPU numerics are therefore never changed by this package. On the CPU, `host.py` runs a
 few operator-bound pieces of the decode step (the Sinkhorn loop, the mHC collapse and update, the FP8
-activation quantization, RoPE) as C functions that give the references' bits (host_kernels.c). Under TRITON_INTERPRET=1
+activation quantization, RoPE, RMSNorm, the KV formats, the scalar sigmoid and softplus) and the GEMMs of
+inference as C functions that give the references' bits (host_kernels.c). Under TRITON_INTERPRET=1
 the Triton path can also be forced on CPU tensors (`force_triton=True` per call, or `forced()` for every
 call inside a block: the model's whole forward on the kernels), which is how the CPU tests run the kernels.
 Triton is the `kernels` extra (pyproject.toml); nothing here imports it unless a kernel runs.

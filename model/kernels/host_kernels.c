@@ -7,9 +7,10 @@
  * matrix per token. Here each function is one call.
  *
  * Numerics: every function performs the same IEEE fp32 operations in the same order as its PyTorch
- * reference (ATen sums a 4-element row or column left to right on every CPU flavour; checked in the
- * tests), compiled with -ffp-contract=off (no fused multiply-add) and without -ffast-math, for the
- * baseline x86-64 ISA (no -march), so the results do not depend on the CPU the code runs on.
+ * reference (ATen sums a 4-element row or column left to right on every CPU flavour, and longer rows in the
+ * order `aten_row_sum` writes out; checked in the tests), compiled with -ffp-contract=off (no fused
+ * multiply-add) and without -ffast-math, for the baseline x86-64 ISA (no -march), so the results do not depend
+ * on the CPU the code runs on. expf and log1pf are the C library's, as in ATen's scalar loop.
  */
 #include <math.h>
 #include <stdint.h>

@@ -139,8 +139,8 @@ def _host_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, c
     """reference.mhc_step with its operator-bound pieces as C calls (host.py, the same bits): the residual
     update, the collapse and the Sinkhorn loop; the projection W_fn X summed in a fixed order (a token's
     coefficients do not depend on the tokens beside it: host.fixed_order_linear); the RMS statistic in C with
-    ATen's order of the sum (host.rms_rstd); sigmoid and exp stay in torch (their vectorized and scalar code
-    paths are ATen's to round)."""
+    ATen's order of the sum (host.rms_rstd); the sigmoids, where the decode step sends them down ATen's scalar
+    formula (reference.per_row), over the C library's expf (host.scalar_sigmoid); the softmax's exp stays torch's."""
     x_new = x if y is None else host.expand(y, x, post, comb)
     collapsed = host.collapse(x_new, pre_prev)
     normalize = host.sinkhorn_normalize_ if x.shape[-2] <= host.SINKHORN_MAX_N else None
