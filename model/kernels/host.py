@@ -475,41 +475,39 @@ def fixed_order_grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: int) ->
 _E2M1_BELOW = (ctypes.c_float * 7)(*formats._E2M1_BELOW_BOUNDARIES)  # what e2m1_code compares against
 
 
-def _parts(x: torch.Tensor, block: int, name: str) -> tuple[int, int]:
-    """(numel, last dim) of a packer's input, whose last dim must be whole blocks (formats raises the same)."""
+def _packed(x: torch.Tensor, block: int, name: str, code_bytes: int):
+    """(codes [..., D * code_bytes], scales [..., D / block]) uint8, empty, for a packer's input x [..., D], whose
+    last dim must be whole blocks (formats raises the same); code_bytes 1 (E4M3) or 1/2 (E2M1 pairs)."""
     D = x.shape[-1]
     if D % block:
         raise ValueError(f"{name}: last dimension {D} is not a multiple of the block size {block}")
-    return x.numel(), D
+    lead = x.shape[:-1]
+    return (torch.empty(*lead, int(D * code_bytes), dtype=torch.uint8),
+            torch.empty(*lead, D // block, dtype=torch.uint8))
 
 
 def pack_fp8_ue8m0(x: torch.Tensor, block: int = formats.FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """formats.pack_fp8_ue8m0 of a contiguous bf16/fp32 CPU x [..., D]: (E4M3 bytes [..., D], UE8M0 [..., D/block])."""
-    numel, D = _parts(x, block, "pack_fp8_ue8m0")
-    lead = x.shape[:-1]
-    codes = torch.empty(*lead, D, dtype=torch.uint8)
-    scales = torch.empty(*lead, D // block, dtype=torch.uint8)
-    library().dsv41_pack_fp8_ue8m0(x.data_ptr(), x.dtype == torch.bfloat16, numel, block, formats.FP8_AMAX_FLOOR,
+    codes, scales = _packed(x, block, "pack_fp8_ue8m0", 1)
+    library().dsv41_pack_fp8_ue8m0(x.data_ptr(), x.dtype == torch.bfloat16, x.numel(), block, formats.FP8_AMAX_FLOOR,
                                    formats._FP8_RATIO, codes.data_ptr(), scales.data_ptr())
     return codes, scales
 
 
 def pack_mxfp4(x: torch.Tensor, block: int = formats.MXFP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """formats.pack_mxfp4 of a contiguous bf16/fp32 CPU x [..., D]: (E2M1 pairs [..., D/2], UE8M0 [..., D/block])."""
-    numel, D = _parts(x, block, "pack_mxfp4")
-    lead = x.shape[:-1]
-    packed = torch.empty(*lead, D // 2, dtype=torch.uint8)
-    scales = torch.empty(*lead, D // block, dtype=torch.uint8)
-    library().dsv41_mxfp4(x.data_ptr(), x.dtype == torch.bfloat16, numel, block, formats.MXFP4_AMAX_FLOOR,
+    packed, scales = _packed(x, block, "pack_mxfp4", 0.5)
+    library().dsv41_mxfp4(x.data_ptr(), x.dtype == torch.bfloat16, x.numel(), block, formats.MXFP4_AMAX_FLOOR,
                           1.0 / formats.FP4_E2M1_MAX, _E2M1_BELOW, 0, None, packed.data_ptr(), scales.data_ptr())
     return packed, scales
 
 
 def mxfp4_fake_quant(x: torch.Tensor, block: int = formats.MXFP4_BLOCK) -> torch.Tensor:
     """formats.mxfp4_fake_quant of a contiguous bf16/fp32 CPU x: rounded to MXFP4 and back, in x's dtype."""
-    numel, _ = _parts(x, block, "mxfp4_fake_quant")
+    if x.shape[-1] % block:
+        raise ValueError(f"mxfp4_fake_quant: last dimension {x.shape[-1]} is not a multiple of the block size {block}")
     out = torch.empty_like(x)
-    library().dsv41_mxfp4(x.data_ptr(), x.dtype == torch.bfloat16, numel, block, formats.MXFP4_AMAX_FLOOR,
+    library().dsv41_mxfp4(x.data_ptr(), x.dtype == torch.bfloat16, x.numel(), block, formats.MXFP4_AMAX_FLOOR,
                           1.0 / formats.FP4_E2M1_MAX, _E2M1_BELOW, 1, out.data_ptr(), None, None)
     return out
 
@@ -517,11 +515,8 @@ def mxfp4_fake_quant(x: torch.Tensor, block: int = formats.MXFP4_BLOCK) -> torch
 def pack_fp4_e4m3(x: torch.Tensor, block: int = formats.FP4_E4M3_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """formats.pack_fp4_e4m3 of a contiguous bf16/fp32 CPU x [..., D]: (E2M1 pairs [..., D/2], E4M3 scale bytes
     [..., D/block])."""
-    numel, D = _parts(x, block, "pack_fp4_e4m3")
-    lead = x.shape[:-1]
-    packed = torch.empty(*lead, D // 2, dtype=torch.uint8)
-    scales = torch.empty(*lead, D // block, dtype=torch.uint8)
-    library().dsv41_pack_fp4_e4m3(x.data_ptr(), x.dtype == torch.bfloat16, numel, block,
+    packed, scales = _packed(x, block, "pack_fp4_e4m3", 0.5)
+    library().dsv41_pack_fp4_e4m3(x.data_ptr(), x.dtype == torch.bfloat16, x.numel(), block,
                                   formats.FP4_E4M3_AMAX_FLOOR, _E2M1_BELOW, packed.data_ptr(), scales.data_ptr())
     return packed, scales
 

@@ -66,6 +66,14 @@ static inline float round_e4m3(float v) {
     return copysignf(r, v);
 }
 
+/* A block's power-of-two scale as formats.py computes it (ue8m0_scale, _ceil_pow2_bits): the bits of
+ * 2^ceil(log2(max(amax, floor) * ratio)), read off the product's bits (the exponent, plus one when any mantissa bit is
+ * set); a NaN amax skips the floor and gives -0.0, as torch's clamp and integer add give it. amax is never negative. */
+static inline uint32_t ue8m0_bits(float amax, float amax_floor, float ratio) {
+    if (amax == amax && amax < amax_floor) amax = amax_floor;
+    return (f2u(amax * ratio) + 0x7FFFFFu) & 0xFF800000u;
+}
+
 /* formats.fp8_fake_quant_f32 on a contiguous fp32 [rows, cols] (cols a multiple of block): per block of
  * `block` values, scale = 2^ceil(log2(max(amax, floor) * ratio)) read off the bits (formats._ceil_pow2_bits,
  * NaN amax giving -0.0), q = e4m3(clamp(x / scale, -448, 448)), out = q * scale. */
@@ -80,12 +88,7 @@ void dsv41_fp8_fake_quant(const float *x, float *out, int64_t numel, int64_t blo
             if (a != a) nan = 1;
             else if (a > amax) amax = a;
         }
-        float m;
-        if (nan) m = u2f(0x7FC00000u);
-        else m = amax < amax_floor ? amax_floor : amax;
-        m = m * ratio;
-        uint32_t bits = (f2u(m) + 0x7FFFFFu) & 0xFF800000u;
-        float scale = u2f(bits);
+        const float scale = u2f(ue8m0_bits(nan ? u2f(0x7FC00000u) : amax, amax_floor, ratio));
         for (int64_t i = 0; i < block; i++) {
             float q = xb[i] / scale;
             if (q == q) q = q < -448.0f ? -448.0f : (q > 448.0f ? 448.0f : q);
@@ -594,9 +597,7 @@ static inline float block_amax(const void *x, int64_t at, int64_t block, int bf1
 void dsv41_pack_fp8_ue8m0(const void *x, int x_bf16, int64_t numel, int64_t block, float amax_floor, float ratio,
                           uint8_t *codes, uint8_t *scales) {
     for (int64_t g = 0; g < numel; g += block) {
-        float m = block_amax(x, g, block, x_bf16);
-        if (m == m && m < amax_floor) m = amax_floor;
-        const uint32_t bits = (f2u(m * ratio) + 0x7FFFFFu) & 0xFF800000u;
+        const uint32_t bits = ue8m0_bits(block_amax(x, g, block, x_bf16), amax_floor, ratio);
         const float scale = u2f(bits);
         for (int64_t i = 0; i < block; i++) {
             float q = load(x, g + i, x_bf16) / scale;
@@ -614,9 +615,8 @@ void dsv41_pack_fp8_ue8m0(const void *x, int x_bf16, int64_t numel, int64_t bloc
 void dsv41_mxfp4(const void *x, int x_bf16, int64_t numel, int64_t block, float amax_floor, float ratio,
                  const float *below, int fake, void *out, uint8_t *packed, uint8_t *scales) {
     for (int64_t g = 0; g < numel; g += block) {
-        float m = block_amax(x, g, block, x_bf16);
-        if (m == m && m < amax_floor) m = amax_floor;
-        const uint32_t bits = ((f2u(m * ratio) & 0x7FFFFFFFu) + 0x7FFFFFu) & 0xFF800000u;
+        /* (formats.ue8m0_scale clears the product's sign first: block_amax is never negative, NaN included) */
+        const uint32_t bits = ue8m0_bits(block_amax(x, g, block, x_bf16), amax_floor, ratio);
         const float scale = u2f(bits);
         for (int64_t i = 0; i < block; i++) {
             const uint8_t c = e2m1_code(load(x, g + i, x_bf16) / scale, below);
