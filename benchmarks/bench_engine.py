@@ -61,8 +61,8 @@ with torch.inference_mode():
     prompt = tok.encode("Add: 7 3 9 2 5. Think about it step by step, then answer with the sum.")[:40]
     gen.generate(prompt, cfg(8))  # warm-up
     if what == "single":
-        rates = [gen.generate(prompt, cfg(int(96 * scale))).decode_tokens_per_s for _ in range(runs)]
-        out = {"decode_tokens_per_s": rates}
+        results = [gen.generate(prompt, cfg(int(96 * scale))) for _ in range(runs)]
+        out = {"decode_tokens_per_s": [r.decode_tokens_per_s for r in results], "output_ids": results[-1].output_ids}
     elif what in ("sequential", "batched"):
         prompts, lengths = workload(n_req)
         t0 = time.perf_counter()
@@ -90,8 +90,8 @@ print(json.dumps(out))
 
 
 def worker(tree: Path, what: str, runs: int = 1, n_req: int = 32, scale: float = 1.0, device: str = "cpu",
-           graphs: bool = True) -> dict:
-    env = {**env_for(tree), "DSV41_CUDA_GRAPHS": "1" if graphs else "0"}
+           graphs: bool = True, compiled: bool = False) -> dict:
+    env = {**env_for(tree), "DSV41_CUDA_GRAPHS": "1" if graphs else "0", "DSV41_COMPILE_DECODE": "1" if compiled else "0"}
     if device != "cpu" and os.environ.get("PYTHONPATH"):  # the device machine's extra packages stay reachable
         env["PYTHONPATH"] = str(tree) + os.pathsep + os.environ["PYTHONPATH"]
     r = subprocess.run([sys.executable, "-c", WORKER, what, str(runs), str(n_req), str(scale), device], cwd=tree,
@@ -146,21 +146,36 @@ def plot_concurrency(points: list[dict], path: str) -> None:
 
 
 def gpu_main(a) -> int:
-    """The bundled model on a GPU, current tree: CUDA graphs on and off in the same run."""
+    """The bundled model on a GPU, current tree: CUDA graphs on and off in the same run (--compiled: also the
+    graphs of the torch.compile'd step, DSV41_COMPILE_DECODE=1)."""
     n_req, scale = (8, 0.25) if a.quick else (32, 1.0)
     doc: dict = {"benchmark": "engine-gpu", "device": a.device}
-    for graphs in (False, True):
-        label = "graph" if graphs else "eager"
-        single = worker(REPO, "single", a.runs, scale=scale, device=a.device, graphs=graphs)
-        batched = worker(REPO, "batched", n_req=n_req, scale=scale, device=a.device, graphs=graphs)
+    for label in ("eager", "graph") + (("compiled",) if a.compiled else ()):
+        graphs, compiled = label != "eager", label == "compiled"
+        t0 = time.perf_counter()
+        single = worker(REPO, "single", a.runs, scale=scale, device=a.device, graphs=graphs, compiled=compiled)
         doc[label] = {"single_decode_tokens_per_s": single["decode_tokens_per_s"],
-                      "concurrent_tokens_per_s": batched["tokens"] / batched["wall_s"], "requests": n_req,
-                      "output_ids": batched["output_ids"]}
+                      "single_output_ids": single["output_ids"]}
+        if compiled:  # one sequence only: each batch shape of the concurrent run would compile once more
+            doc[label]["wall_s_with_compile"] = time.perf_counter() - t0
+            print(f"{label}: one sequence {statistics.median(single['decode_tokens_per_s']):.1f} tok/s")
+            continue
+        batched = worker(REPO, "batched", n_req=n_req, scale=scale, device=a.device, graphs=graphs)
+        doc[label].update(concurrent_tokens_per_s=batched["tokens"] / batched["wall_s"], requests=n_req,
+                          output_ids=batched["output_ids"])
         print(f"{label}: one sequence {statistics.median(single['decode_tokens_per_s']):.1f} tok/s; {n_req} "
               f"concurrent {doc[label]['concurrent_tokens_per_s']:.1f} tok/s")
     doc["graph_over_eager_single"] = (statistics.median(doc["graph"]["single_decode_tokens_per_s"])
                                       / statistics.median(doc["eager"]["single_decode_tokens_per_s"]))
     doc["graph_over_eager_concurrent"] = doc["graph"]["concurrent_tokens_per_s"] / doc["eager"]["concurrent_tokens_per_s"]
+    if "compiled" in doc:
+        doc["compiled_over_graph_single"] = (statistics.median(doc["compiled"]["single_decode_tokens_per_s"])
+                                             / statistics.median(doc["graph"]["single_decode_tokens_per_s"]))
+        doc["single_tokens_equal_compiled_graph"] = sum(
+            x == y for x, y in zip(doc["compiled"]["single_output_ids"], doc["graph"]["single_output_ids"]))
+        print(f"compiled / graph: one sequence {doc['compiled_over_graph_single']:.2f}x; greedy tokens equal "
+              f"{doc['single_tokens_equal_compiled_graph']}/{len(doc['graph']['single_output_ids'])} (first "
+              f"compile included: {doc['compiled']['wall_s_with_compile']:.0f} s)")
     doc["rows_equal_graph_eager"] = sum(x == y for x, y in zip(doc["graph"].pop("output_ids"),
                                                                doc["eager"].pop("output_ids")))
     print(f"graph / eager: one sequence {doc['graph_over_eager_single']:.2f}x, concurrent "
@@ -193,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commands", nargs="+", choices=["effort-sweep", "eval", "bpb"], default=None,
                     help="with the commands part: only these commands (default: all)")
     ap.add_argument("--command-runs", type=int, default=1, help="runs of each command per tree, interleaved")
+    ap.add_argument("--compiled", action="store_true",
+                    help="with --device cuda: also the CUDA graphs of the torch.compile'd step (DSV41_COMPILE_DECODE=1)")
     ap.add_argument("--device", default="cpu", help="cuda: the current tree only, the decode step from CUDA "
                     "graphs against eager (one sequence, 32 concurrent requests)")
     a = ap.parse_args(argv)

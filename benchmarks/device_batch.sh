@@ -21,9 +21,9 @@
 #              decode from CUDA graphs against eager (one sequence, 32 concurrent requests), the 8-layer
 #              V4.1-Flash stack's engine decode step at 8K / 128K / 1M, graph and eager (about 5 min;
 #              SMOKE=1: tiny widths on the CPU, eager only)
-#   pending    the kernels that wait for a GPU run (kernels.pending_on: the expert sort, the last mHC update):
-#              their GPU tests, then launches per Reuse layer and the 8-layer stack's engine step at 128K without
-#              and with DSV41_PENDING_KERNELS=1, interleaved twice (about 4 min)
+#   compiled   the decode step's CUDA graphs of the torch.compile'd step (DSV41_COMPILE_DECODE=1) against the
+#              plain graphs: the compiled path's GPU tests, the bundled model (one sequence, greedy tokens
+#              compared), the 8-layer stack's engine step at 128K (about 5 min, most of it compiling)
 #   gaps       launches, where the missed targets lose their time (diagnose-gaps), the indexer with the
 #              pool's real shape, the tiny recipe's training step (carry .tinydata/*.xz; about 3 min)
 #   nccl       the bundled model on 2 GPUs against 1 (benchmarks/parallel_nccl.sh; a 2-GPU machine)
@@ -33,7 +33,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEPS=benchmarks/.device_deps
-ALL_STEPS="gpu-tests kernels model engine pending gaps nccl"
+ALL_STEPS="gpu-tests kernels model engine compiled gaps nccl"
 
 case "${1:-}" in
   --list) echo "$ALL_STEPS"; exit 0 ;;
@@ -142,22 +142,16 @@ step_engine() {
   done
 }
 
-step_pending() {
-  [ "$SMOKE" = 1 ] && { echo "  SMOKE=1: the pending kernels need a GPU"; return; }
-  run pending_tests 200 env DSV41_PENDING_KERNELS=1 "$PY" -m pytest -q -m gpu tests/test_kernels_small.py \
-    tests/test_batch_engine.py -p no:cacheprovider
-  for on in 0 1; do
-    run launches_pending$on 120 env DSV41_PENDING_KERNELS=$on "$PY" benchmarks/bench_launches.py --layers 2 \
-      --json "$D/launches_pending$on.json"
-  done
-  for i in 1 2; do for on in 0 1; do
-    run engine_pending${on}_$i 150 env DSV41_PENDING_KERNELS=$on "$PY" benchmarks/bench_flash_layers.py --engine-only \
-      --quick --contexts 131072 --json "$D/engine_pending${on}_$i.json"
-  done; done
+step_compiled() {
+  [ "$SMOKE" = 1 ] && { echo "  SMOKE=1: the compiled step is captured in CUDA graphs, which need a GPU"; return; }
+  run compiled_tests 240 "$PY" -m pytest -q -m gpu tests/test_batch_engine.py -k compiled -p no:cacheprovider
+  run compiled_bundled 240 "$PY" -m benchmarks engine --device cuda --compiled --json "$D/compiled_bundled.json"
+  run compiled_flash 300 "$PY" benchmarks/bench_flash_layers.py --engine-only --quick --contexts 131072 --compiled \
+    --json "$D/compiled_flash.json"
   [ "$DRY" = 1 ] && return
-  tail -n 3 "$D/pending_tests.log"
-  grep -h "decode kernel launches" "$D"/launches_pending*.log
-  grep -h "engine decode step" "$D"/engine_pending*.log
+  for f in compiled_tests compiled_bundled compiled_flash; do
+    echo "---- $f (tail)"; grep -v '^USDT\|profiler_st' "$D/$f.log" | tail -n 12
+  done
 }
 
 step_gaps() {

@@ -77,9 +77,8 @@ def _layout(plain: Callable[[int], kv_layout.Layout]) -> Callable[[int], tuple[t
     return lambda d: tuple((n, _TORCH_DTYPES[dtype]) for n, dtype in plain(d))
 
 
-# The packers and unpackers are model/kernels/quant.py's: one fused Triton pass on CUDA (the index keys' MXFP4 pass
-# is pending: kernels.pending_on), one C call on the CPU, each bit-exact with model/formats.py's, which they call
-# everywhere else.
+# The packers and unpackers are model/kernels/quant.py's: one fused Triton pass on CUDA, one C call on the CPU, each
+# bit-exact with model/formats.py's, which they call everywhere else.
 FP4_E4M3 = Codec("fp4", lambda x: formats.fp4_e4m3_fake_quant(x, formats.FP4_E4M3_BLOCK),
                  kernels_quant.pack_fp4_e4m3,
                  lambda p, dtype: kernels_quant.unpack("fp4_e4m3", p[0], p[1], formats.FP4_E4M3_BLOCK, dtype),

@@ -504,7 +504,7 @@ class Scheduler:
         self.cache = self.model.new_batch_cache(max_batch_size, self.max_len)
         if cuda_graphs is None:
             cuda_graphs = cuda_graphs_default(generator.device)
-        self.decode = GraphedDecode(self.model, self.cache) if cuda_graphs else \
+        self.decode = GraphedDecode(self.model, self.cache, compiled=compiled_decode_default()) if cuda_graphs else \
             (lambda ids: self.model.decode(ids, self.cache))
         if static_shapes is not None and not cuda_graphs:  # (a captured step needs them: GraphedDecode sets it)
             self.cache.static = static_shapes
@@ -859,6 +859,13 @@ def compiled_decode_rows(model):
 def cuda_graphs_default(device) -> bool:
     """CUDA graphs for the decode step: on for a CUDA device unless DSV41_CUDA_GRAPHS=0."""
     return torch.device(device).type == "cuda" and os.environ.get("DSV41_CUDA_GRAPHS", "1") != "0"
+
+
+def compiled_decode_default() -> bool:
+    """The captured decode step compiled by torch.compile first (`GraphedDecode(compiled=True)`): off unless
+    DSV41_COMPILE_DECODE=1. Opt-in: each step shape compiles once (tens of seconds, cached on disk), which a
+    long run or a server earns back and a one-shot command does not (docs/generation.md, "CUDA graphs")."""
+    return os.environ.get("DSV41_COMPILE_DECODE", "0") == "1"
 
 
 def check_finite(logits: torch.Tensor, source: str | None = None) -> None:

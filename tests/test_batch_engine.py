@@ -188,6 +188,37 @@ def test_cuda_graph_replays_the_eager_step(tiny_model, monkeypatch):
         tiny_model.to("cpu")
 
 
+def test_the_compiled_decode_step_is_opt_in(monkeypatch):
+    """DSV41_COMPILE_DECODE=1, and only that, makes the scheduler's CUDA graphs capture the torch.compile'd step."""
+    from dsv41.model.engine import compiled_decode_default
+
+    monkeypatch.delenv("DSV41_COMPILE_DECODE", raising=False)
+    assert not compiled_decode_default()
+    for value, on in (("0", False), ("yes", False), ("1", True)):
+        monkeypatch.setenv("DSV41_COMPILE_DECODE", value)
+        assert compiled_decode_default() is on
+
+
+@pytest.mark.gpu
+def test_the_compiled_graph_step_follows_the_eager_step(tiny_model, monkeypatch):
+    """On CUDA: the captured torch.compile'd step (DSV41_COMPILE_DECODE=1) gives the eager static step's logits
+    within 1e-2 of max|logit| (inductor fuses and reorders elementwise arithmetic: not the same bits), and the
+    scheduler builds it when the variable is set."""
+    from dsv41.model.engine import GraphedDecode
+
+    model = tiny_model.to("cuda")
+    try:
+        ids = prompts()[:2]
+        eager = run_rows(model, ids, 12, static=True)
+        compiled = run_rows(model, ids, 12, decode=lambda m, cache: GraphedDecode(m, cache, compiled=True))
+        for a, b in zip(eager, compiled):
+            assert (a - b).abs().max() <= 1e-2 * a.abs().max()
+        monkeypatch.setenv("DSV41_COMPILE_DECODE", "1")
+        assert Scheduler(Generator(model), max_batch_size=2).decode.rows_fn is not model.decode_rows
+    finally:
+        tiny_model.to("cpu")
+
+
 @torch.inference_mode()
 def test_decode_follows_the_full_forward(tiny_model):
     """The decode step against the oracle, the one-sequence forward over a KVCache: same tokens fed, logits

@@ -295,7 +295,7 @@ def test_sort_by_expert_kernel_is_the_torch_code(T, k, E, BM, unheld):
 
 
 def test_sort_by_expert_kernel_only_where_it_applies(monkeypatch):
-    """More assignments than SORT_KERNEL_MAX, or CUDA without kernels.pending_on(), take the torch code."""
+    """More assignments than SORT_KERNEL_MAX, or a CPU tensor not forced, take the torch code."""
     from dsv41.model.kernels import experts as ek
 
     def refuse(*a, **k):
@@ -335,50 +335,75 @@ def test_widened_weight_is_kept_and_follows_changes():
 
 
 # ---------------------------------------------------------------------------------------------- GPU
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_small_kernels_gpu():
-    from dsv41.model.kernels import mhc, norm, rope, routing
+@gpu
+@torch.inference_mode()
+def test_norm_router_and_rope_kernels_gpu():
+    from dsv41.model.kernels import norm, rope, routing
 
     x = torch.randn(64, 4096, device="cuda").bfloat16()
     w = (torch.rand(4096, device="cuda") + 0.5).bfloat16()
-    with torch.inference_mode():
-        assert ulps_bf16(norm.rms_norm(x, w, 1e-20).cpu(), reference.rms_norm(x, w, 1e-20).cpu()) <= 1
-        scores, bias = router_case(64, 384, 5, device="cuda", wide=True)
-        wr, ir = reference.route(scores, bias, 6, "sqrtsoftplus", 1.0, True, 2.5)
-        wk, ik = routing.route(scores, bias, 6, "sqrtsoftplus", 1.0, True, 2.5)
-        assert torch.equal(ik, ir)
-        torch.testing.assert_close(wk, wr, rtol=4e-6, atol=1e-30)
-        x, freqs = rope_case((64, 1, 64, 512), 64, True, 3, torch.bfloat16)
-        for inverse in (False, True):
-            assert ulps_bf16(rope.rope_tail(x, freqs, 64, inverse).cpu(),
-                             reference.rope_tail(x, freqs, 64, inverse).cpu()) <= 1
-        y, xs = torch.randn(64, 4096, device="cuda").bfloat16(), torch.randn(64, 4, 4096, device="cuda").bfloat16()
-        post, comb = torch.rand(64, 4, device="cuda"), torch.rand(64, 4, 4, device="cuda")
-        assert ulps_bf16(mhc.expand(y, xs, post, comb, force_triton=True).cpu(),
-                         reference.expand(y, xs, post, comb).cpu()) <= 1
-        from dsv41.model.kernels import experts as ek
-        for T in (1, 64):
-            indices = torch.stack([torch.randperm(384)[:6] for _ in range(T)]).cuda()
-            weights, held = torch.rand(T, 6, device="cuda"), torch.ones(384, dtype=torch.bool, device="cuda")
-            held[[3, 100]] = False
-            got = ek.sort_by_expert(weights, indices, held, 16, force_triton=True)
-            limit, ek.SORT_KERNEL_MAX = ek.SORT_KERNEL_MAX, 0
-            try:
-                want = ek.sort_by_expert(weights, indices, held, 16)
-            finally:
-                ek.SORT_KERNEL_MAX = limit
-            assert all(torch.equal(a, b) for a, b in zip(got, want))
-        from dsv41.model import formats
-        from dsv41.model.kernels import quant
-        q = torch.randn(64, 1, 64, 128, device="cuda").bfloat16()
-        assert torch.equal(quant.mxfp4_fake_quant(q, 32, force_triton=True).view(torch.int16),
-                           formats.mxfp4_fake_quant(q, 32).view(torch.int16))
-        assert all(torch.equal(a, b) for a, b in zip(quant.pack_mxfp4(q, force_triton=True),
-                                                     formats.pack_mxfp4(q, formats.MXFP4_BLOCK)))
-        g, u = torch.randn(2, 64, 2048, device="cuda").bfloat16().unbind(0)
-        assert ulps_bf16(routing.swiglu(g, u, 10.0, torch.bfloat16).cpu(),
-                         reference.swiglu(g, u, 10.0, torch.bfloat16).cpu()) <= 1
+    assert ulps_bf16(norm.rms_norm(x, w, 1e-20).cpu(), reference.rms_norm(x, w, 1e-20).cpu()) <= 1
+    scores, bias = router_case(64, 384, 5, device="cuda", wide=True)
+    wr, ir = reference.route(scores, bias, 6, "sqrtsoftplus", 1.0, True, 2.5)
+    wk, ik = routing.route(scores, bias, 6, "sqrtsoftplus", 1.0, True, 2.5)
+    assert torch.equal(ik, ir)
+    torch.testing.assert_close(wk, wr, rtol=4e-6, atol=1e-30)
+    x, freqs = rope_case((64, 1, 64, 512), 64, True, 3, torch.bfloat16)
+    for inverse in (False, True):
+        assert ulps_bf16(rope.rope_tail(x, freqs, 64, inverse).cpu(),
+                         reference.rope_tail(x, freqs, 64, inverse).cpu()) <= 1
+    g, u = torch.randn(2, 64, 2048, device="cuda").bfloat16().unbind(0)
+    assert ulps_bf16(routing.swiglu(g, u, 10.0, torch.bfloat16).cpu(),
+                     reference.swiglu(g, u, 10.0, torch.bfloat16).cpu()) <= 1
+
+
+@pytest.mark.gpu
+@gpu
+@torch.inference_mode()
+def test_mhc_expand_kernel_gpu():
+    """The block's last mHC update: the same bits as torch's (its products rounded before the sums, no fma)."""
+    from dsv41.model.kernels import mhc
+
+    y, xs = torch.randn(64, 4096, device="cuda").bfloat16(), torch.randn(64, 4, 4096, device="cuda").bfloat16()
+    post, comb = torch.rand(64, 4, device="cuda"), torch.rand(64, 4, 4, device="cuda")
+    assert torch.equal(mhc.expand(y, xs, post, comb, force_triton=True), reference.expand(y, xs, post, comb))
+
+
+@pytest.mark.gpu
+@gpu
+@torch.inference_mode()
+def test_expert_sort_kernel_gpu():
+    from dsv41.model.kernels import experts as ek
+
+    for T in (1, 64):
+        indices = torch.stack([torch.randperm(384)[:6] for _ in range(T)]).cuda()
+        weights, held = torch.rand(T, 6, device="cuda"), torch.ones(384, dtype=torch.bool, device="cuda")
+        held[[3, 100]] = False
+        got = ek.sort_by_expert(weights, indices, held, 16, force_triton=True)
+        limit, ek.SORT_KERNEL_MAX = ek.SORT_KERNEL_MAX, 0
+        try:
+            want = ek.sort_by_expert(weights, indices, held, 16)
+        finally:
+            ek.SORT_KERNEL_MAX = limit
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.gpu
+@gpu
+@torch.inference_mode()
+def test_mxfp4_kernels_gpu():
+    from dsv41.model import formats
+    from dsv41.model.kernels import quant
+
+    q = torch.randn(64, 1, 64, 128, device="cuda").bfloat16()
+    assert torch.equal(quant.mxfp4_fake_quant(q, 32, force_triton=True).view(torch.int16),
+                       formats.mxfp4_fake_quant(q, 32).view(torch.int16))
+    assert all(torch.equal(a, b) for a, b in zip(quant.pack_mxfp4(q, force_triton=True),
+                                                 formats.pack_mxfp4(q, formats.MXFP4_BLOCK)))
 
 
 def test_dequantized_weight_in_another_dtype_is_kept_and_follows_changes():

@@ -133,15 +133,6 @@ def interpreting() -> bool:
     return env_flag("TRITON_INTERPRET") == "1"
 
 
-def pending_on() -> bool:
-    """Whether the kernels that no GPU run has tested and timed yet run on CUDA (DSV41_PENDING_KERNELS=1; off by
-    default). They are tested under the interpreter and compiled offline for sm_90 (benchmarks/compile_kernels.py);
-    the next GPU run tests them, times them against the torch code and makes them the default. Now: the expert
-    sort (experts.sort_by_expert), the block's last mHC update (mhc.expand) and the indexer's MXFP4 passes
-    (quant.mxfp4_fake_quant, quant.pack_mxfp4)."""
-    return env_flag("DSV41_PENDING_KERNELS") == "1"
-
-
 _FORCED = [False]
 
 
@@ -157,12 +148,12 @@ def forced():
         _FORCED[0] = before
 
 
-def inference_kernel(*tensors: torch.Tensor, force: bool = False, pending: bool = False) -> bool:
+def inference_kernel(*tensors: torch.Tensor, force: bool = False) -> bool:
     """Whether a kernel without a backward (norm, rope, routing, the expert sort, mhc.expand, the MXFP4 passes)
-    takes these tensors: the first on CUDA (a `pending` kernel only with pending_on()), or `force` / `forced()`;
-    no gradient wanted through any of them; Triton installed (use_triton). A CPU tensor is answered first, without
-    reading the environment: the decode step calls these on its hot path."""
-    if not (force or _FORCED[0] or (tensors[0].is_cuda and (not pending or pending_on()))):
+    takes these tensors: the first on CUDA, or `force` / `forced()`; no gradient wanted through any of them;
+    Triton installed (use_triton). A CPU tensor is answered first, without reading the environment: the decode
+    step calls these on its hot path."""
+    if not (force or _FORCED[0] or tensors[0].is_cuda):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False

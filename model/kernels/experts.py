@@ -159,11 +159,10 @@ def sort_by_expert(weights: torch.Tensor, indices: torch.Tensor, held: torch.Ten
     no tile), tile first row [TILES] int32, pos [T, k] int32: the sorted row of each of a token's slots in
     ascending order, -1 for experts not held). R = T k; assignments to experts not held sort last and lie
     beyond offsets[E]. Up to SORT_KERNEL_MAX assignments and experts, one kernel (`_sort_kernel`, the same
-    outputs) where torch takes about thirty launches: forced under the interpreter, and on CUDA with
-    kernels.pending_on() until a GPU run has tested and timed it."""
+    outputs) where torch takes about thirty launches: on CUDA at inference, and forced under the interpreter."""
     T, k = indices.shape
     if (0 < T * k <= SORT_KERNEL_MAX and held.numel() <= SORT_KERNEL_MAX
-            and inference_kernel(indices, force=force_triton, pending=True)):
+            and inference_kernel(indices, force=force_triton)):
         return _sort_kernel(weights, indices, held, BM)
     E = held.numel()
     R = T * k

@@ -3,8 +3,7 @@
     pack_fp4_e4m3   main compressed KV: E2M1 pairs (element 2i in the low nibble) + one E4M3 scale per 16
     pack_fp8_ue8m0  window KV: E4M3 bytes + one UE8M0 scale per 32
     pack_mxfp4      indexer keys: E2M1 pairs + one UE8M0 scale per 32; mxfp4_fake_quant the same rounding
-                    returned as values (the indexer's queries). Pending: on CUDA only with kernels.pending_on()
-                    until a GPU run has tested and timed them (in torch, about fifteen launches each)
+                    returned as values (the indexer's queries; in torch, about fifteen launches each)
     unpack          any of the three back to values
 
 On the CPU (inference, contiguous bf16/fp32 values or bytes) each is one C call of model/kernels/host.py with the
@@ -62,9 +61,9 @@ def pack_fp8_ue8m0(x: torch.Tensor, force_triton: bool = False) -> tuple[torch.T
 
 
 def _mxfp4_applies(x: torch.Tensor, block: int, force: bool) -> bool:
-    """The kernel's shapes (whole power-of-two rows of 32-value blocks, bf16 or fp32), a pending kernel's gate."""
+    """The kernel's shapes (whole power-of-two rows of 32-value blocks, bf16 or fp32) at inference."""
     D = x.size(-1)
-    return (inference_kernel(x, force=force, pending=True) and block == formats.MXFP4_BLOCK and D % block == 0
+    return (inference_kernel(x, force=force) and block == formats.MXFP4_BLOCK and D % block == 0
             and D & (D - 1) == 0 and x.dtype in (torch.bfloat16, torch.float32))
 
 
