@@ -145,8 +145,7 @@ class EnginePool:
         return self.engines > 1 and n >= MIN_REQUESTS_PER_ENGINE * 2
 
     def _run(self, requests, tokenizer, on_done):
-        if not self._procs:
-            self._start()
+        self.start()
         results: list[GenOutput | None] = [None] * len(requests)
         left = [len(requests)]
 

@@ -335,11 +335,7 @@ def test_widened_weight_is_kept_and_follows_changes():
 
 
 # ---------------------------------------------------------------------------------------------- GPU
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
 @pytest.mark.gpu
-@gpu
 @torch.inference_mode()
 def test_norm_router_and_rope_kernels_gpu():
     from dsv41.model.kernels import norm, rope, routing
@@ -362,7 +358,6 @@ def test_norm_router_and_rope_kernels_gpu():
 
 
 @pytest.mark.gpu
-@gpu
 @torch.inference_mode()
 def test_mhc_expand_kernel_gpu():
     """The block's last mHC update: the same bits as torch's (its products rounded before the sums, no fma)."""
@@ -374,7 +369,6 @@ def test_mhc_expand_kernel_gpu():
 
 
 @pytest.mark.gpu
-@gpu
 @torch.inference_mode()
 def test_expert_sort_kernel_gpu():
     from dsv41.model.kernels import experts as ek
@@ -393,7 +387,6 @@ def test_expert_sort_kernel_gpu():
 
 
 @pytest.mark.gpu
-@gpu
 @torch.inference_mode()
 def test_mxfp4_kernels_gpu():
     from dsv41.model import formats

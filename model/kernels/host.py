@@ -475,12 +475,18 @@ def fixed_order_grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: int) ->
 _E2M1_BELOW = (ctypes.c_float * 7)(*formats._E2M1_BELOW_BOUNDARIES)  # what e2m1_code compares against
 
 
-def _packed(x: torch.Tensor, block: int, name: str, code_bytes: int):
-    """(codes [..., D * code_bytes], scales [..., D / block]) uint8, empty, for a packer's input x [..., D], whose
-    last dim must be whole blocks (formats raises the same); code_bytes 1 (E4M3) or 1/2 (E2M1 pairs)."""
+def _whole_blocks(x: torch.Tensor, block: int, name: str) -> int:
+    """x's last dim D, which must be whole blocks (formats raises the same)."""
     D = x.shape[-1]
     if D % block:
         raise ValueError(f"{name}: last dimension {D} is not a multiple of the block size {block}")
+    return D
+
+
+def _packed(x: torch.Tensor, block: int, name: str, code_bytes: int):
+    """(codes [..., D * code_bytes], scales [..., D / block]) uint8, empty, for a packer's input x [..., D] of
+    whole blocks; code_bytes 1 (E4M3) or 1/2 (E2M1 pairs)."""
+    D = _whole_blocks(x, block, name)
     lead = x.shape[:-1]
     return (torch.empty(*lead, int(D * code_bytes), dtype=torch.uint8),
             torch.empty(*lead, D // block, dtype=torch.uint8))
@@ -504,8 +510,7 @@ def pack_mxfp4(x: torch.Tensor, block: int = formats.MXFP4_BLOCK) -> tuple[torch
 
 def mxfp4_fake_quant(x: torch.Tensor, block: int = formats.MXFP4_BLOCK) -> torch.Tensor:
     """formats.mxfp4_fake_quant of a contiguous bf16/fp32 CPU x: rounded to MXFP4 and back, in x's dtype."""
-    if x.shape[-1] % block:
-        raise ValueError(f"mxfp4_fake_quant: last dimension {x.shape[-1]} is not a multiple of the block size {block}")
+    _whole_blocks(x, block, "mxfp4_fake_quant")
     out = torch.empty_like(x)
     library().dsv41_mxfp4(x.data_ptr(), x.dtype == torch.bfloat16, x.numel(), block, formats.MXFP4_AMAX_FLOOR,
                           1.0 / formats.FP4_E2M1_MAX, _E2M1_BELOW, 1, out.data_ptr(), None, None)
