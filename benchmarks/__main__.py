@@ -58,6 +58,9 @@ SUBS: dict[str, Sub] = {
                 tiny=None, tiny_note=NO_TINY_GPU),
     "experts": Sub("bench_experts.py", "FP4 routed experts of one MoE layer (384 x 5120 -> 2304)", "gpu",
                    device="cuda", tiny=None, tiny_note=NO_TINY_GPU),
+    "decode-gemms": Sub("bench_decode_gemms.py", "a decode step's weight-streaming products at one token (FP8 "
+                        "projections, FP4 experts, the head) from CUDA graphs on cold weights (--sweep: launch "
+                        "configurations)", "gpu", device="cuda", tiny=None, tiny_note=NO_TINY_GPU),
     "diagnose-gaps": Sub("diagnose_gaps.py", "where the missed kernel targets lose their time (variants, "
                          "graph replays, tile sweep)", "gpu", device="cuda", tiny=None, tiny_note=NO_TINY_GPU,
                          quick=None, quick_note="its timing windows are the variants being compared"),

@@ -10,7 +10,9 @@ Cases:
   mean per step); the context reaches N.
 - "engine decode step at ctx N (eager | CUDA graph)": the engine's decode step (Transformer.decode over a
   BatchCache row loaded from the same filled cache), eager, and on CUDA replayed from a CUDA graph
-  (model/engine.py GraphedDecode); --engine-only runs these cases alone.
+  (model/engine.py GraphedDecode); --engine-only runs these cases alone. --profile S adds, after every other
+  case, the eager step once more with S steps under torch.profiler: the kernels a step runs (those its CUDA
+  graph replays), their count and device time per step, the 40 largest by device time.
 - "prefill chunk C at ctx N": the next C tokens appended to a cache of N - C tokens (the marginal cost of
   prefilling at that depth; a whole 128K or 1M prompt would take far longer than a 10-minute run),
   after one untimed chunk of the same size. C = --chunk (256: at 1M the indexer's [C, 32 heads, 1M]
@@ -87,14 +89,40 @@ def decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool) -> dict:
 
 
 @torch.inference_mode()
+def kernel_profile(step, ids: torch.Tensor) -> dict:
+    """The GPU kernels of len(ids) decode steps under torch.profiler (kernels replayed from a CUDA graph are
+    traced one by one): per step, the kernels' count, the sum of their device times, and the 40 kernels of
+    largest total device time. The sum against the step's wall time says how much of a step is the kernels
+    themselves and how much the gaps between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(len(ids)):
+            step(ids[i:i + 1])
+        torch.cuda.synchronize()
+    n = len(ids)
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            kernels.setdefault(e.name, []).append(e.device_time_total)
+    rows = sorted(((k, len(v) / n, sum(v) / n) for k, v in kernels.items()), key=lambda r: -r[2])
+    return {"profiled_steps": n, "kernels_per_step": round(sum(r[1] for r in rows), 1),
+            "kernel_us_per_step": round(sum(r[2] for r in rows), 1),
+            "top_kernels": [{"name": k[:120], "per_step": round(c, 2), "us_per_step": round(t, 1)}
+                            for k, c, t in rows[:40]]}
+
+
 def engine_decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool, graphs: bool,
-                     compiled: bool = False) -> dict:
+                     compiled: bool = False, profile_steps: int = 0) -> dict:
     """The engine's decode step (Transformer.decode over a BatchCache row, model/batch_cache.py) at ctx, one
     sequence: eagerly, or replayed from a CUDA graph (model/engine.py GraphedDecode). No per-layer times
-    (a graph replays as one launch)."""
+    (a graph replays as one launch). profile_steps > 0 (CUDA): that many more steps under the profiler
+    (kernel_profile), after the timed ones."""
     from dsv41.model.engine import GraphedDecode
 
-    start = ctx - steps - warmup
+    profile_steps = profile_steps if cuda else 0
+    start = ctx - steps - warmup - profile_steps
     kv = fs.fill_cache(model, start, spare=0)
     cache = model.new_batch_cache(1, ctx + 1)
     if graphs:
@@ -104,7 +132,7 @@ def engine_decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool, graph
     cache.reserve(ctx + 1)
     cache.load(0, kv)
     del kv
-    ids = _ids(model, steps + warmup, ctx)[0]
+    ids = _ids(model, steps + warmup + profile_steps, ctx)[0]
     for i in range(warmup):
         step(ids[i:i + 1])
     fs.sync(model.embed.weight.device)
@@ -113,7 +141,8 @@ def engine_decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool, graph
         logits = step(ids[i:i + 1])
     fs.sync(model.embed.weight.device)
     dt = (time.perf_counter() - t0) / steps
-    # the last step's logits (the same cache and inputs in every mode): top tokens and a few values, so that
+    prof = kernel_profile(step, ids[warmup + steps:]) if profile_steps else {}
+    # the last timed step's logits (the same cache and inputs in every mode): top tokens and a few values, so that
     # the modes of one run can be compared
     top = logits[0].float().topk(5)
     extra_out = {"last_top5_ids": top.indices.tolist(), "last_top5_logits": [round(v, 4) for v in top.values.tolist()],
@@ -121,9 +150,11 @@ def engine_decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool, graph
     b, f = fs.work(model, ctx - 1, 1)
     extra = {"graph_replays": step.replays, "graphs_captured": step.captured, "graph_failed": step.failed} \
         if graphs else {}
-    mode = ("CUDA graph of the compiled step" if compiled else "CUDA graph") if graphs else "eager"
+    mode = ("CUDA graph of the compiled step" if compiled else "CUDA graph") if graphs else \
+        ("eager, then profiled" if profile_steps else "eager")
     return fs.row(f"engine decode step at ctx {fs.context_label(ctx)} ({mode})",
-                  dt, b, f, cuda, tokens=1, tokens_per_s=1 / dt, steps=steps, **extra, **extra_out, **fs.memory_note())
+                  dt, b, f, cuda, tokens=1, tokens_per_s=1 / dt, steps=steps, **extra, **extra_out, **prof,
+                  **fs.memory_note())
 
 
 @torch.inference_mode()
@@ -137,7 +168,7 @@ def prefill_chunk_at(model, ctx: int, chunk: int, cuda: bool) -> dict:
 
 
 def run(json_path=None, device=None, tiny=False, contexts=None, chunk=None, prefill_tokens=None, steps=None,
-        warmup=2, experts=None, quick=False, engine_only=False, compiled=False):
+        warmup=2, experts=None, quick=False, engine_only=False, compiled=False, profile_steps=0):
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
     if tiny:
@@ -168,6 +199,8 @@ def run(json_path=None, device=None, tiny=False, contexts=None, chunk=None, pref
         if cuda and compiled:
             kinds += ("compiled",)
     cases = ([] if engine_only else [("prefill", prefill_tokens)]) + [(kind, n) for n in contexts for kind in kinds]
+    if cuda and profile_steps:  # last: a CUDA graph captured after the profiler has run fails (h200-2026-12-05-b)
+        cases += [("profile", n) for n in contexts]
     for kind, n in cases:
         try:
             t = time.perf_counter()
@@ -177,6 +210,8 @@ def run(json_path=None, device=None, tiny=False, contexts=None, chunk=None, pref
                 r = decode_at(model, n, steps, warmup, cuda)
             elif kind in ("engine", "graph", "compiled"):
                 r = engine_decode_at(model, n, steps, warmup, cuda, graphs=kind != "engine", compiled=kind == "compiled")
+            elif kind == "profile":  # the eager step's kernels: the ones its CUDA graph replays
+                r = engine_decode_at(model, n, steps, warmup, cuda, graphs=False, profile_steps=profile_steps)
             else:
                 r = prefill_chunk_at(model, n, chunk, cuda)
             r["case_wall_s"] = round(time.perf_counter() - t, 1)
@@ -224,6 +259,9 @@ if __name__ == "__main__":
                     help="only the engine's decode step (eager, and from a CUDA graph on CUDA)")
     ap.add_argument("--compiled", action="store_true",
                     help="with --engine-only on CUDA: also the CUDA graph of the torch.compile'd step")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="on CUDA, after the other cases: the eager engine step again, then STEPS more steps under "
+                         "torch.profiler (the kernels' count and device time per step, the 40 largest)")
     a = ap.parse_args()
     run(a.json, a.device, a.tiny, a.contexts, a.chunk, a.prefill_tokens, a.steps, a.warmup, a.experts, a.quick,
-        a.engine_only, a.compiled)
+        a.engine_only, a.compiled, a.profile)

@@ -93,25 +93,39 @@ def cases(quick: bool):
                ("x_ptr", "y_ptr", "K", "stride_x", "stride_y"), 4, 3)
         yield ("split_sum", K.split_sum_kernel, dict(p_ptr="*fp32", y_ptr="*bf16", MN="i32"),
                dict(S=4, BLOCK=1024, INTERPRET=False), ("p_ptr", "y_ptr"), 4, 3)
-        yield ("combine", K.expert_combine_kernel, dict(out_ptr="*bf16", pos_ptr="*i32", y_ptr="*fp32", T="i32", N="i32",
-                                                 stride_o="i32", stride_y="i32"),
-               dict(SLOTS=6, BT=16, BN=128), ("out_ptr", "y_ptr", "N", "stride_o", "stride_y"), 4, 3)
+        for split in (1, 3):  # unsplit, and the down stage's fp32 ranges added and rounded here
+            yield (f"combine split {split}", K.expert_combine_kernel,
+                   dict(out_ptr="*fp32" if split > 1 else "*bf16", pos_ptr="*i32", y_ptr="*fp32", act_ptr="*bf16",
+                        T="i32", N="i32", PLANE="i32", stride_o="i32", stride_y="i32"),
+                   dict(SLOTS=6, SPLIT=split, BT=16, BN=128, INTERPRET=False),
+                   ("out_ptr", "y_ptr", "N", "stride_o", "stride_y"), 4, 3)
     u_types = dict(xq_ptr="*bf16", tok_ptr="*i32", wts_ptr="*fp32", tile_e_ptr="*i32", tile_r_ptr="*i32",
-                   off_ptr="*i32", base_ptr="*u8", table_ptr="*i64", h_ptr="*bf16", E="i32", K="i32", KP="i32",
-                   N="i32", stride_x="i32", stride_h="i32", stride_wn="i32", stride_sn="i32", limit="fp32")
+                   off_ptr="*i32", base_ptr="*u8", table_ptr="*i64", h_ptr="*bf16", part_ptr="*fp32", E="i32", K="i32",
+                   KP="i32", N="i32", PLANE="i32", stride_x="i32", stride_h="i32", stride_wn="i32", stride_sn="i32",
+                   limit="fp32")
     d_types = dict(h_ptr="*bf16", tile_e_ptr="*i32", tile_r_ptr="*i32", off_ptr="*i32", base_ptr="*u8",
-                   table_ptr="*i64", out_ptr="*bf16", E="i32", K="i32", KP="i32", N="i32", stride_h="i32",
-                   stride_o="i32", stride_wn="i32", stride_sn="i32")
-    shapes = ((16, 4, False), (16, 4, True)) if quick else (
-        (16, 4, False), (32, 4, False), (64, 8, False), (16, 4, True), (64, 8, True), (16, 4, 2), (64, 8, 2))
-    for BM, w, dec16 in shapes:  # dec16: the FP4 weights decoded to bf16 (bench_experts --sweep); 2: by E4M3
-        yield ("experts up", K.expert_up_kernel, u_types,
-               dict(HAS_LIMIT=True, W_FP4=True, QA=32, QW=32, ALIGNED=True, NK=80, BM=BM, BN=64, BK=64,
-                    INTERPRET=False, DEC16=dec16),
+                   table_ptr="*i64", out_ptr="*bf16", E="i32", K="i32", KP="i32", N="i32", PLANE="i32",
+                   stride_h="i32", stride_o="i32", stride_wn="i32", stride_sn="i32")
+    # (BM, warps, dec16, split_up, split_down); a decode step's split ranges at BM 16 (experts.decode_split)
+    shapes = ((16, 4, True, 1, 1), (16, 4, True, 4, 3)) if quick else (
+        (16, 4, False, 1, 1), (32, 4, False, 1, 1), (64, 8, False, 1, 1), (16, 4, True, 1, 1), (64, 8, True, 1, 1),
+        (16, 4, 2, 1, 1), (64, 8, 2, 1, 1), (16, 4, True, 4, 3))
+    for BM, w, dec16, su, sd in shapes:  # dec16: the FP4 weights decoded to bf16 (bench_experts --sweep); 2: by E4M3
+        yield (f"experts up split {su}", K.expert_up_kernel, u_types,
+               dict(HAS_LIMIT=True, W_FP4=True, QA=32, QW=32, ALIGNED=True, NK=-(-80 // su), SPLIT=su, BM=BM, BN=64,
+                    BK=64, INTERPRET=False, DEC16=dec16),
                ("xq_ptr", "base_ptr", "h_ptr", "K", "KP", "N", "stride_x", "stride_h", "stride_wn", "stride_sn"), w, 3)
-        yield ("experts down", K.expert_down_kernel, d_types,
-               dict(W_FP4=True, QW=32, ALIGNED=True, NK=36, BM=BM, BN=64, BK=64, INTERPRET=False, DEC16=dec16),
+        yield (f"experts down split {sd}", K.expert_down_kernel,
+               dict(d_types, out_ptr="*fp32") if sd > 1 else d_types,
+               dict(W_FP4=True, QW=32, ALIGNED=True, NK=-(-36 // sd), SPLIT=sd, BM=BM, BN=64, BK=64, INTERPRET=False,
+                    DEC16=dec16),
                ("h_ptr", "base_ptr", "out_ptr", "K", "KP", "N", "stride_h", "stride_o", "stride_wn"), w, 3)
+        if su > 1:
+            yield ("experts up finish", K.expert_up_finish_kernel,
+                   dict(part_ptr="*fp32", wts_ptr="*fp32", tile_e_ptr="*i32", tile_r_ptr="*i32", off_ptr="*i32",
+                        h_ptr="*bf16", E="i32", N="i32", PLANE="i32", stride_h="i32", limit="fp32"),
+                   dict(HAS_LIMIT=True, QA=32, SPLIT=su, BM=BM, BN=64, INTERPRET=False),
+                   ("part_ptr", "h_ptr", "N", "stride_h"), 4, 3)
 
 
 def sparse_attention_cases(quick: bool):

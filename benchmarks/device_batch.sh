@@ -24,6 +24,10 @@
 #   compiled   the decode step's CUDA graphs of the torch.compile'd step (DSV41_COMPILE_DECODE=1) against the
 #              plain graphs: the compiled path's GPU tests, the bundled model (one sequence, greedy tokens
 #              compared), the 8-layer stack's engine step at 128K (about 5 min, most of it compiling)
+#   decode     where a decode step's GPU time goes: the 8-layer stack's step at 128K with its kernels profiled
+#              (bench_flash_layers.py --profile), and the step's weight-streaming products at one token with
+#              their launch sweep (decode-gemms --sweep: the FP8 projections' tiles and K split, the experts'
+#              split K ranges, the head's bf16 GEMM; about 6 min)
 #   gaps       launches, where the missed targets lose their time (diagnose-gaps), the indexer with the
 #              pool's real shape, the tiny recipe's training step (carry .tinydata/*.xz; about 3 min)
 #   nccl       the bundled model on 2 GPUs against 1 (benchmarks/parallel_nccl.sh; a 2-GPU machine)
@@ -33,7 +37,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEPS=benchmarks/.device_deps
-ALL_STEPS="gpu-tests kernels model engine compiled gaps nccl"
+ALL_STEPS="gpu-tests kernels model engine compiled decode gaps nccl"
 
 case "${1:-}" in
   --list) echo "$ALL_STEPS"; exit 0 ;;
@@ -152,6 +156,15 @@ step_compiled() {
   for f in compiled_tests compiled_bundled compiled_flash; do
     echo "---- $f (tail)"; grep -v '^USDT\|profiler_st' "$D/$f.log" | tail -n 12
   done
+}
+
+step_decode() {
+  [ "$SMOKE" = 1 ] && { echo "  SMOKE=1: the decode step's kernels are timed on a GPU only"; return; }
+  run profile 200 "$PY" benchmarks/bench_flash_layers.py --engine-only --quick --contexts 131072 --profile 3 \
+    --json "$D/profile.json"
+  run decode_gemms 400 "$PY" -m benchmarks decode-gemms --quick --sweep --json "$D/decode_gemms.json"
+  [ "$DRY" = 1 ] && return
+  for f in profile decode_gemms; do echo "---- $f (tail)"; grep -v '^USDT\|profiler_st' "$D/$f.log" | tail -n 40; done
 }
 
 step_gaps() {

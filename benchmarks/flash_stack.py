@@ -336,6 +336,10 @@ def print_rows(rows: list[dict], title: str) -> None:
               f"{xf:>8s} {str(r.get('bound') or '-'):>6s}")
         if r.get("layer_ms"):
             print("    per layer ms: " + "  ".join(f"{k}:{v:.2f}" for k, v in r["layer_ms"].items()))
+        if r.get("top_kernels"):
+            print(f"    kernels per step {r['kernels_per_step']}, their device time {r['kernel_us_per_step']} us")
+            for k in r["top_kernels"][:25]:
+                print(f"      {k['us_per_step']:9.1f} us  x{k['per_step']:<6g} {k['name'][:90]}")
 
 
 def context_label(n: int) -> str:

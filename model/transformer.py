@@ -35,7 +35,11 @@ class Head(nn.Module):
     On the CPU each logit is summed over the hidden size in a fixed order (reference.head_logits, host.head_logits
     in C): a row's logits depend neither on the rows computed with it nor on the CPU, so a decode step computes
     the head on its rows in use only (`row_independent`); gradients, where wanted, come from the GEMMs of the
-    same product. On CUDA it is one fp32 GEMM."""
+    same product. On CUDA it is one GEMM with fp32 sums: on bf16 inputs cuBLAS's bf16 GEMM with fp32 output,
+    which forms the same exact products from the stored weight (widening bf16 to fp32 is exact) and reads half
+    the bytes of an fp32 GEMM on the widened weight (the head was a decode step's largest kernel: 623 against
+    304 µs at V4.1-Flash's shape on an H200, benchmarks/bench_decode_gemms.py); only the fp32 summation order
+    differs, as between any two BLAS libraries."""
 
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
@@ -44,6 +48,10 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.row_independent(x):
+            w = self.weight
+            if (x.is_cuda and x.dtype == w.dtype == torch.bfloat16
+                    and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+                return torch.mm(x.reshape(-1, x.size(-1)), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
             return F.linear(x.float(), self.fp32_weight())
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _FixedOrderHead.apply(x, self.weight, self.host_weight())

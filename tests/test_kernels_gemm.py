@@ -351,6 +351,52 @@ def test_routed_experts_interpreted(fmt):
 
 
 @interp
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("T", [1, 7])
+def test_routed_experts_split_k_interpreted(fmt, T):
+    """The decode step's split K ranges (up: partial sums, then the finishing kernel's SwiGLU; down: partial
+    sums that combine adds and rounds), 1 to 3 ranges over K = 64 (up) and 96 (down) in steps of 32: the
+    reference's values and the unsplit kernels' within the bf16 tolerance (the fp32 sums go in another order)."""
+    moe = make_moe(64, 96, 5, 2, expert_dtype=fmt)
+    moe.experts[1] = None
+    ew = ek.ExpertWeights.from_experts(moe.experts)
+    w, idx = routing(T, 2, 5, seed=8 + T, empty=(3,))
+    x = activations(T, 64, torch.bfloat16, seed=9)
+    ref = reference.routed_experts(x, w, idx, ew, moe._swiglu_limit())
+    whole = ek.routed_experts(x, w, idx, ew, moe._swiglu_limit(), force_triton=True,
+                              config=dict(BM=16, BN=32, BK=32, split_up=1, split_down=1))
+    for up_split, down_split in ((2, 2), (3, 1), (1, 3), (2, 3)):
+        cfg = dict(BM=16, BN=32, BK=32, split_up=up_split, split_down=down_split)
+        prep = ek.prepare(x, w, idx, ew, cfg)
+        out = ek.routed_experts(x, w, idx, ew, moe._swiglu_limit(), force_triton=True, config=cfg)
+        assert prep["cfg"]["split_up"] == up_split
+        assert rel_err(out, ref) < 2e-3, (up_split, down_split)
+        assert rel_err(out, whole) < 2e-3, (up_split, down_split)
+    # ranges of whole K steps: 5 steps in 2 ranges are 3 + 2; never more ranges than steps
+    assert ek.k_ranges(160, 32, 2) == (3, 2) and ek.k_ranges(64, 32, 8) == (1, 2)
+
+
+def test_expert_decode_split_rule(monkeypatch):
+    """A decode step's rows (one tile per expert) get K ranges up to `per_sm` programs per SM (the CPU counts
+    4 SMs), two K steps per range at least; row tiles of 32 or more rows are never split; with no target (the
+    default until the split is timed on a GPU) one range."""
+    cpu = torch.device("cpu")
+    cfg = ek.launch_config(6, 384, 32, 32)
+    assert cfg["BM"] == 16 and cfg["split_up"] is None and cfg["split_down"] is None
+    # 6 rows x 36 channel blocks = 216 programs already cover 4 SMs many times: no split
+    assert ek.decode_split(6, 384, 2304, 5120, cfg, cpu, per_sm=4) == 1
+    # one row, one channel block: ranges up to the target, bounded by the K steps
+    assert ek.decode_split(1, 384, 64, 5120, cfg, cpu, per_sm=4) == 16
+    assert ek.decode_split(1, 384, 64, 5120, cfg, cpu, per_sm=2) == 8
+    assert ek.decode_split(1, 384, 64, 128, cfg, cpu, per_sm=4) == 1
+    assert ek.decode_split(40 * 384, 384, 64, 5120, ek.launch_config(40 * 384, 384, 32, 32), cpu, per_sm=4) == 1
+    monkeypatch.setattr(ek, "SPLIT_PROGRAMS_PER_SM", None)
+    assert ek.decode_split(1, 384, 64, 5120, cfg, cpu) == 1
+    monkeypatch.setattr(ek, "SPLIT_PROGRAMS_PER_SM", 2)
+    assert ek.decode_split(1, 384, 64, 5120, cfg, cpu) == 8
+
+
+@interp
 def test_linear_and_moe_dispatch_to_the_kernels_interpreted(monkeypatch):
     """With the device check forced (as on CUDA), Linear and MoE.forward run the kernels and agree with
     the torch path; "exact" mode and inputs that need a gradient stay on the torch path."""
@@ -522,6 +568,9 @@ def test_routed_experts_gpu():
         for dec16 in (False, True, "e4m3"):  # the weights' decodes: the same values, the same sums
             other = ek.routed_experts(x, w, idx, ew, moe._swiglu_limit(), config=dict(dec16=dec16))
             assert torch.equal(other, out), (T, dec16)
+        if T == 1:  # a decode step's split K ranges: the same products, fp32 sums in another order
+            split = ek.routed_experts(x, w, idx, ew, moe._swiglu_limit(), config=dict(split_up=4, split_down=3))
+            assert rel_err(split, ref) < 2e-3 and rel_err(split, out) < 2e-3
 
 
 @pytest.mark.gpu

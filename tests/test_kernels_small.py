@@ -418,3 +418,25 @@ def test_dequantized_weight_in_another_dtype_is_kept_and_follows_changes():
         lin.weight.copy_(q2), lin.scale.copy_(s2)
     b = lin.dequantized_weight(torch.bfloat16)
     assert b is not a and torch.equal(b, formats.dequant_fp8_weight(q2, s2, 32).to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_head_on_cuda_reads_the_bf16_weight():
+    """The head on CUDA: bf16 inputs through cuBLAS's bf16 GEMM with fp32 output, the fp32 GEMM's values on the
+    widened operands up to the fp32 summation order, and no fp32 copy of the weight kept; fp32 inputs and
+    inputs that need a gradient keep the fp32 GEMM."""
+    from dsv41.model.transformer import Head
+
+    head = Head(1000, 512).cuda()
+    with torch.no_grad():
+        head.weight.normal_(0, 0.05)
+    x = torch.randn(3, 2, 512, device="cuda").bfloat16()
+    with torch.inference_mode():
+        got = head(x)
+    want = torch.nn.functional.linear(x.float(), head.weight.float())
+    assert got.dtype == torch.float32 and got.shape == (3, 2, 1000)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    assert head._fp32 is None
+    with torch.inference_mode():
+        head(x.float())
+    assert head._fp32 is not None  # the fp32 path and its widened copy

@@ -199,39 +199,69 @@ def expert_base(base_ptr, table_ptr, which, e, E, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def expert_up_kernel(xq_ptr, tok_ptr, wts_ptr, tile_e_ptr, tile_r_ptr, off_ptr, base_ptr, table_ptr, h_ptr,
-                     E, K, KP, N, stride_x, stride_h, stride_wn, stride_sn, limit,
-                     HAS_LIMIT: tl.constexpr, W_FP4: tl.constexpr, QA: tl.constexpr, QW: tl.constexpr,
-                     ALIGNED: tl.constexpr, NK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, INTERPRET: tl.constexpr, DEC16: tl.constexpr):
-    """Program (tile of BM rows of one expert, BN intermediate channels):
+def tile_rows_channels(t, e, tile_r_ptr, off_ptr, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Row tile t of expert e (its BM sorted rows, masked at the expert's end) and the program's BN channels
+    (masked at N): (rows, rmask, n, nmask)."""
+    row0 = tl.load(tile_r_ptr + t)
+    row_end = tl.load(off_ptr + e + 1)
+    rows = row0 + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    return rows, rows < row_end, n, n < N
 
-        gate = round(w1 xq), up = round(w3 xq)            (rounded to the activation dtype, as Linear returns)
+
+@triton.jit
+def swiglu_quant_store(acc_g, acc_u, rows, rmask, n, nmask, wts_ptr, h_ptr, stride_h, limit,
+                       HAS_LIMIT: tl.constexpr, QA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+    """The up stage's epilogue on fp32 sums acc_g = w1 xq, acc_u = w3 xq [BN channels, BM rows]:
+
+        gate = round(acc_g), up = round(acc_u)             (rounded to the activation dtype, as Linear returns)
         h = w_route * silu(min(gate, L)) * clamp(up, -L, L)
-        store fp8_fake_quant(round(h)) per QA           (w2's input, quantized once here)
+        store fp8_fake_quant(round(h)) per QA           (w2's input, quantized once here)"""
+    gate = round_cast(acc_g, h_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
+    up = round_cast(acc_u, h_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
+    if HAS_LIMIT:
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        gate = tl.minimum(gate, limit)
+    h = gate / (1.0 + tl.exp(-gate)) * up  # F.silu(gate) * up
+    route = tl.load(wts_ptr + rows, mask=rmask, other=0.0)
+    h = route[None, :] * h
+    h = round_cast(h, h_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # w2's input, in the activation dtype
+    hq = fp8_fake_quant(tl.trans(h), BM, BN, QA)  # [BM, BN], groups of QA along the channels
+    out = h_ptr + rows.to(tl.int64)[:, None] * stride_h + n[None, :]
+    tl.store(out, hq.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def expert_up_kernel(xq_ptr, tok_ptr, wts_ptr, tile_e_ptr, tile_r_ptr, off_ptr, base_ptr, table_ptr, h_ptr, part_ptr,
+                     E, K, KP, N, PLANE, stride_x, stride_h, stride_wn, stride_sn, limit,
+                     HAS_LIMIT: tl.constexpr, W_FP4: tl.constexpr, QA: tl.constexpr, QW: tl.constexpr,
+                     ALIGNED: tl.constexpr, NK: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr, DEC16: tl.constexpr):
+    """Program (tile of BM rows of one expert, BN intermediate channels, K range k): the w1 and w3 products
+    over NK steps of BK from k NK BK. SPLIT = 1: swiglu_quant_store. SPLIT > 1 (a decode step's few rows:
+    more programs, each streaming a shorter range of the weights): the fp32 sums go to part [SPLIT, 2, R, N]
+    (PLANE = R N) and expert_up_finish_kernel adds them in order.
 
     Rows are the expert-sorted (token, slot) assignments; xq holds every token's quantized input, gathered
     by token id. Tiles past the last real one (the grid is an upper bound) have expert E and do nothing."""
     t = tl.program_id(0)
     e = tl.load(tile_e_ptr + t)
     if e < E:
-        row0 = tl.load(tile_r_ptr + t)
-        row_end = tl.load(off_ptr + e + 1)
-        rows = row0 + tl.arange(0, BM)
-        rmask = rows < row_end
+        rows, rmask, n, nmask = tile_rows_channels(t, e, tile_r_ptr, off_ptr, N, BM, BN)
         tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < N
+        pid_k = tl.program_id(2)
+        k_lo = pid_k * (NK * BK)
         w1 = expert_base(base_ptr, table_ptr, 0, e, E, ALIGNED)
         s1 = expert_base(base_ptr, table_ptr, 1, e, E, False)
         w3 = expert_base(base_ptr, table_ptr, 2, e, E, ALIGNED)
         s3 = expert_base(base_ptr, table_ptr, 3, e, E, False)
         acc_g = tl.zeros([BN, BM], dtype=tl.float32)
         acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-        sg_next = weight_scales(s1, n, nmask, 0, K, stride_sn, W_FP4, QW, BN, BK)
-        su_next = weight_scales(s3, n, nmask, 0, K, stride_sn, W_FP4, QW, BN, BK)
+        sg_next = weight_scales(s1, n, nmask, k_lo, K, stride_sn, W_FP4, QW, BN, BK)
+        su_next = weight_scales(s3, n, nmask, k_lo, K, stride_sn, W_FP4, QW, BN, BK)
         for i in range(NK):
-            k0 = i * BK
+            k0 = k_lo + i * BK
             sg = sg_next
             su = su_next
             sg_next = weight_scales(s1, n, nmask, k0 + BK, K, stride_sn, W_FP4, QW, BN, BK)
@@ -244,43 +274,60 @@ def expert_up_kernel(xq_ptr, tok_ptr, wts_ptr, tile_e_ptr, tile_r_ptr, off_ptr, 
             acc_g += tl.dot(as_mma(wg, INTERPRET), at)
             wu = weight_tile(w3, su, n, nmask, k0, KP, stride_wn, W_FP4, QW, BN, BK, DEC16, INTERPRET)
             acc_u += tl.dot(as_mma(wu, INTERPRET), at)
-        gate = round_cast(acc_g, h_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
-        up = round_cast(acc_u, h_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
-        if HAS_LIMIT:
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            gate = tl.minimum(gate, limit)
-        h = gate / (1.0 + tl.exp(-gate)) * up  # F.silu(gate) * up
-        route = tl.load(wts_ptr + rows, mask=rmask, other=0.0)
-        h = route[None, :] * h
-        h = round_cast(h, h_ptr.dtype.element_ty, INTERPRET).to(tl.float32)  # w2's input, in the activation dtype
-        hq = fp8_fake_quant(tl.trans(h), BM, BN, QA)  # [BM, BN], groups of QA along the channels
-        out = h_ptr + rows.to(tl.int64)[:, None] * stride_h + n[None, :]
-        tl.store(out, hq.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+        if SPLIT == 1:
+            swiglu_quant_store(acc_g, acc_u, rows, rmask, n, nmask, wts_ptr, h_ptr, stride_h, limit, HAS_LIMIT, QA,
+                               BM, BN, INTERPRET)
+        else:
+            at_rn = rows.to(tl.int64)[None, :] * N + n[:, None]
+            m2 = nmask[:, None] & rmask[None, :]
+            k2 = 2 * pid_k.to(tl.int64)
+            tl.store(part_ptr + k2 * PLANE + at_rn, acc_g, mask=m2)
+            tl.store(part_ptr + (k2 + 1) * PLANE + at_rn, acc_u, mask=m2)
+
+
+@triton.jit
+def expert_up_finish_kernel(part_ptr, wts_ptr, tile_e_ptr, tile_r_ptr, off_ptr, h_ptr, E, N, PLANE, stride_h, limit,
+                            HAS_LIMIT: tl.constexpr, QA: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr, INTERPRET: tl.constexpr):
+    """Program (tile of BM rows of one expert, BN channels) of a split up stage: the SPLIT partial sums of w1 xq
+    and w3 xq added in order (k = 0, 1, ...: deterministic), then swiglu_quant_store."""
+    t = tl.program_id(0)
+    e = tl.load(tile_e_ptr + t)
+    if e < E:
+        rows, rmask, n, nmask = tile_rows_channels(t, e, tile_r_ptr, off_ptr, N, BM, BN)
+        at_rn = rows.to(tl.int64)[None, :] * N + n[:, None]
+        m2 = nmask[:, None] & rmask[None, :]
+        acc_g = tl.load(part_ptr + at_rn, mask=m2, other=0.0)
+        acc_u = tl.load(part_ptr + PLANE + at_rn, mask=m2, other=0.0)
+        for k in tl.static_range(1, SPLIT):
+            acc_g += tl.load(part_ptr + (2 * k) * PLANE + at_rn, mask=m2, other=0.0)
+            acc_u += tl.load(part_ptr + (2 * k + 1) * PLANE + at_rn, mask=m2, other=0.0)
+        swiglu_quant_store(acc_g, acc_u, rows, rmask, n, nmask, wts_ptr, h_ptr, stride_h, limit, HAS_LIMIT, QA,
+                           BM, BN, INTERPRET)
 
 
 @triton.jit
 def expert_down_kernel(h_ptr, tile_e_ptr, tile_r_ptr, off_ptr, base_ptr, table_ptr, out_ptr,
-                       E, K, KP, N, stride_h, stride_o, stride_wn, stride_sn,
+                       E, K, KP, N, PLANE, stride_h, stride_o, stride_wn, stride_sn,
                        W_FP4: tl.constexpr, QW: tl.constexpr, ALIGNED: tl.constexpr, NK: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
-                       DEC16: tl.constexpr):
-    """Program (tile of BM sorted rows of one expert, BN model channels): out = round(w2 hq)."""
+                       SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       INTERPRET: tl.constexpr, DEC16: tl.constexpr):
+    """Program (tile of BM sorted rows of one expert, BN model channels, K range k): out = round(w2 hq) over
+    NK steps of BK from k NK BK. SPLIT > 1: out is fp32 [SPLIT, R, N] (PLANE = R N), the range's sum
+    unrounded (expert_combine_kernel adds the ranges in order and rounds)."""
     t = tl.program_id(0)
     e = tl.load(tile_e_ptr + t)
     if e < E:
-        row0 = tl.load(tile_r_ptr + t)
-        row_end = tl.load(off_ptr + e + 1)
-        rows = row0 + tl.arange(0, BM)
-        rmask = rows < row_end
+        rows, rmask, n, nmask = tile_rows_channels(t, e, tile_r_ptr, off_ptr, N, BM, BN)
         r64 = rows.to(tl.int64)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < N
+        pid_k = tl.program_id(2)
+        k_lo = pid_k * (NK * BK)
         w2 = expert_base(base_ptr, table_ptr, 4, e, E, ALIGNED)
         s2 = expert_base(base_ptr, table_ptr, 5, e, E, False)
         acc = tl.zeros([BN, BM], dtype=tl.float32)
-        s_next = weight_scales(s2, n, nmask, 0, K, stride_sn, W_FP4, QW, BN, BK)
+        s_next = weight_scales(s2, n, nmask, k_lo, K, stride_sn, W_FP4, QW, BN, BK)
         for i in range(NK):
-            k0 = i * BK
+            k0 = k_lo + i * BK
             s_cur = s_next
             s_next = weight_scales(s2, n, nmask, k0 + BK, K, stride_sn, W_FP4, QW, BN, BK)
             kk = k0 + tl.arange(0, BK)
@@ -288,15 +335,20 @@ def expert_down_kernel(h_ptr, tile_e_ptr, tile_r_ptr, off_ptr, base_ptr, table_p
                         other=0.0)
             w = weight_tile(w2, s_cur, n, nmask, k0, KP, stride_wn, W_FP4, QW, BN, BK, DEC16, INTERPRET)
             acc += tl.dot(as_mma(w, INTERPRET), as_mma(tl.trans(a.to(tl.float32)), INTERPRET))
-        out = out_ptr + r64[None, :] * stride_o + n[:, None]
-        tl.store(out, round_cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=nmask[:, None] & rmask[None, :])
+        out = out_ptr + pid_k.to(tl.int64) * PLANE + r64[None, :] * stride_o + n[:, None]
+        if SPLIT == 1:
+            tl.store(out, round_cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=nmask[:, None] & rmask[None, :])
+        else:
+            tl.store(out, acc, mask=nmask[:, None] & rmask[None, :])
 
 
 @triton.jit
-def expert_combine_kernel(out_ptr, pos_ptr, y_ptr, T, N, stride_o, stride_y,
-                   SLOTS: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr):
+def expert_combine_kernel(out_ptr, pos_ptr, y_ptr, act_ptr, T, N, PLANE, stride_o, stride_y,
+                          SLOTS: tl.constexpr, SPLIT: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+                          INTERPRET: tl.constexpr):
     """y[t] = sum over t's slots, in ascending expert order, of out[pos] in fp32 (as MoE.routed adds them);
-    pos -1 = an expert another rank holds (skipped)."""
+    pos -1 = an expert another rank holds (skipped). SPLIT > 1: out is the down stage's fp32 partial sums
+    [SPLIT, R, N] (PLANE = R N), added in order and rounded to the activation dtype (act_ptr's) before the slots' sum."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     tmask = t < T
@@ -305,9 +357,14 @@ def expert_combine_kernel(out_ptr, pos_ptr, y_ptr, T, N, stride_o, stride_y,
     for j in tl.static_range(SLOTS):
         p = tl.load(pos_ptr + t * SLOTS + j, mask=tmask, other=-1)
         present = p >= 0
-        v = tl.load(out_ptr + tl.where(present, p, 0).to(tl.int64)[:, None] * stride_o + n[None, :],
-                    mask=present[:, None] & nmask[None, :], other=0.0)
-        acc = tl.where(present[:, None], acc + v.to(tl.float32), acc)
+        at = tl.where(present, p, 0).to(tl.int64)[:, None] * stride_o + n[None, :]
+        m2 = present[:, None] & nmask[None, :]
+        v = tl.load(out_ptr + at, mask=m2, other=0.0).to(tl.float32)
+        if SPLIT > 1:
+            for k in tl.static_range(1, SPLIT):
+                v += tl.load(out_ptr + k * PLANE + at, mask=m2, other=0.0)
+            v = round_cast(v, act_ptr.dtype.element_ty, INTERPRET).to(tl.float32)
+        acc = tl.where(present[:, None], acc + v, acc)
     tl.store(y_ptr + t.to(tl.int64)[:, None] * stride_y + n[None, :], acc, mask=tmask[:, None] & nmask[None, :])
 
 

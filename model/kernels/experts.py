@@ -18,6 +18,13 @@ Launches (no host synchronisation, so the routing never waits for the device):
 4. down: per (row tile, BN model channels), out = round(w2 h) [T k, dim].
 5. combine: y_t = sum of t's rows of `out` in ascending expert order, in fp32 (MoE.routed's order).
 
+A decode step's few rows (one row tile per expert) give up and down few programs, each streaming a long K
+range (h200-2026-12-05-b: 6.2x and 6.6x their bytes floor at one token). The K range can be split
+(`split_up`, `split_down`; off by default until timed on a GPU, see SPLIT_PROGRAMS_PER_SM): each program
+sums its part in fp32 and the parts are added in order (deterministic) before the rounding, for up by a
+finishing kernel that then runs the SwiGLU epilogue, for down inside combine. The same products; fp32 sums
+in another order.
+
 The weights stay where the checkpoint put them (one tensor per expert and matrix): the kernels reach them
 through a table of byte offsets from one base tensor (ExpertWeights.table), built once per device.
 Expert formats: packed FP4 (V4.1's routed experts) or block-scaled FP8 (the `--expert-dtype fp8` convert).
@@ -222,7 +229,38 @@ def launch_config(R: int, n_held: int, block: int, qw: int) -> dict:
     BM = 16 if mean <= 16 else 32 if mean <= 32 else 64
     big = BM >= 64
     return dict(BM=BM, BN=128 if big else 64, BK=max(64, block, qw), num_warps=8 if big else 4, num_stages=3,
-                dec16=True)
+                dec16=True, split_up=None, split_down=None)
+
+
+# A split K range's target: about this many programs per SM over the row tiles a few rows occupy (a decode
+# step); split_up / split_down None in the config = this rule, an int forces that many ranges. None here = no
+# split by default: the split kernels are checked under the interpreter and compile for sm_90 offline, but
+# their speed is not measured yet (benchmarks/bench_decode_gemms.py --sweep times 1 to 12 ranges against the
+# unsplit kernels; h200-2026-12-05-b measured the unsplit ones at a decode step's shape: up 110.5 µs, 6.2x its
+# bytes floor, down 58.8 µs, 6.6x, no tile, warp or stage choice better than 0.9x).
+SPLIT_PROGRAMS_PER_SM: int | None = None
+
+
+def k_ranges(K: int, BK: int, split: int) -> tuple[int, int]:
+    """(K steps of BK per range, ranges) for about `split` ranges of whole BK steps over K."""
+    steps = -(-K // BK)
+    per = -(-steps // max(1, min(split, steps)))
+    return per, -(-steps // per)
+
+
+def decode_split(R: int, E: int, N: int, K: int, cfg: dict, device: torch.device,
+                 per_sm: int | None = None) -> int:
+    """Ranges of K for a stage of R rows over E experts (BM = 16 only: a few rows per expert): enough that the
+    row tiles the rows can occupy (at most min(R, E)) times the channel blocks reach `per_sm` programs per SM
+    (default SPLIT_PROGRAMS_PER_SM; None: one range), with at least two K steps per range."""
+    per_sm = SPLIT_PROGRAMS_PER_SM if per_sm is None else per_sm
+    if per_sm is None or cfg["BM"] > 16:
+        return 1
+    from dsv41.model.kernels.gemm import _sm_count
+
+    programs = max(1, min(R, E)) * -(-N // cfg["BN"])
+    want = -(-per_sm * _sm_count(device) // programs)
+    return max(1, min(want, -(-K // cfg["BK"]) // 2))
 
 
 # ------------------------------------------------------------------------------------------ entry
@@ -246,6 +284,9 @@ def prepare(x, weights, indices, experts: ExpertWeights, config=None) -> dict:
     T, k = indices.shape
     cfg = launch_config(T * k, experts.n_experts, experts.block, qw)
     cfg.update(config or {})
+    for key, N, K in (("split_up", experts.inter, experts.dim), ("split_down", experts.dim, experts.inter)):
+        if cfg[key] is None:  # rows' tiles bounded by all the experts (held or not: an upper bound)
+            cfg[key] = decode_split(T * k, experts.n_experts, N, K, cfg, x.device)
     token, route, offsets, tile_e, tile_r, pos = sort_by_expert(weights, indices, held, cfg["BM"])
     from dsv41.model.kernels.gemm import _act_quant
 
@@ -268,7 +309,7 @@ def up(x, prep, experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor:
     """Step 3: h [T k, inter] in x's dtype (w2's quantized input; rows of unheld experts unwritten)."""
     import triton
 
-    from dsv41.model.kernels._triton_gemm import expert_up_kernel
+    from dsv41.model.kernels._triton_gemm import expert_up_finish_kernel, expert_up_kernel
 
     cfg, R = prep["cfg"], prep["T"] * prep["k"]
     E, K, N = experts.n_experts, experts.dim, experts.inter
@@ -276,54 +317,64 @@ def up(x, prep, experts: ExpertWeights, swiglu_limit: float) -> torch.Tensor:
     if R == 0:
         return h
     w1, s1 = _first(experts.w1), _first(experts.s1)
-    grid = (prep["tile_e"].numel(), triton.cdiv(N, cfg["BN"]))
+    nk, split = k_ranges(K, cfg["BK"], cfg["split_up"])
+    part = torch.empty(split, 2, R, N, dtype=torch.float32, device=x.device) if split > 1 else h
+    grid = (prep["tile_e"].numel(), triton.cdiv(N, cfg["BN"]), split)
+    common = dict(HAS_LIMIT=swiglu_limit > 0, QA=experts.block, SPLIT=split, BM=cfg["BM"], BN=cfg["BN"],
+                  INTERPRET=interpreting())
     expert_up_kernel[grid](prep["xq"], prep["token"], prep["route"], prep["tile_e"], prep["tile_r"],
-                           prep["offsets"], prep["base"], prep["table"], h, E, K, _packed(experts, K), N, prep["xq"].stride(0),
-                           h.stride(0), w1.stride(0), s1.stride(0), float(swiglu_limit),
-                           HAS_LIMIT=swiglu_limit > 0, W_FP4=experts.fmt == "fp4", QA=experts.block,
-                           QW=prep["qw"], ALIGNED=prep["aligned"], NK=triton.cdiv(K, cfg["BK"]), BM=cfg["BM"],
-                           BN=cfg["BN"], BK=cfg["BK"], INTERPRET=interpreting(),
+                           prep["offsets"], prep["base"], prep["table"], h, part, E, K, _packed(experts, K), N, R * N,
+                           prep["xq"].stride(0), h.stride(0), w1.stride(0), s1.stride(0), float(swiglu_limit),
+                           W_FP4=experts.fmt == "fp4", QW=prep["qw"], ALIGNED=prep["aligned"], NK=nk, BK=cfg["BK"],
                            DEC16=decode_mode(cfg["dec16"]) if experts.fmt == "fp4" else 0, num_warps=cfg["num_warps"],
-                           num_stages=cfg["num_stages"])
+                           num_stages=cfg["num_stages"], **common)
+    if split > 1:
+        expert_up_finish_kernel[grid[:2]](part, prep["route"], prep["tile_e"], prep["tile_r"], prep["offsets"], h, E,
+                                          N, R * N, h.stride(0), float(swiglu_limit), num_warps=4, **common)
     return h
 
 
 @opaque
 def down(h, prep, experts: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:
-    """Step 4: out [T k, dim] in the activation dtype."""
+    """Step 4: out [T k, dim] in the activation dtype; with a split K range, the ranges' fp32 sums
+    [split, T k, dim], which combine adds in order and rounds."""
     import triton
 
     from dsv41.model.kernels._triton_gemm import expert_down_kernel
 
-    cfg = prep["cfg"]
+    cfg, R = prep["cfg"], h.size(0)
     E, K, N = experts.n_experts, experts.inter, experts.dim
-    out = torch.empty(h.size(0), N, dtype=dtype, device=h.device)
-    if h.size(0) == 0:
+    nk, split = k_ranges(K, cfg["BK"], cfg["split_down"])
+    out = torch.empty(R, N, dtype=dtype, device=h.device) if split == 1 else \
+        torch.empty(split, R, N, dtype=torch.float32, device=h.device)
+    if R == 0:
         return out
     w2, s2 = _first(experts.w2), _first(experts.s2)
-    grid = (prep["tile_e"].numel(), triton.cdiv(N, cfg["BN"]))
+    grid = (prep["tile_e"].numel(), triton.cdiv(N, cfg["BN"]), split)
     expert_down_kernel[grid](h, prep["tile_e"], prep["tile_r"], prep["offsets"], prep["base"], prep["table"], out,
-                             E, K, _packed(experts, K), N, h.stride(0), out.stride(0), w2.stride(0), s2.stride(0),
-                             W_FP4=experts.fmt == "fp4", QW=prep["qw"], ALIGNED=prep["aligned"],
-                             NK=triton.cdiv(K, cfg["BK"]), BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"],
-                             INTERPRET=interpreting(), DEC16=decode_mode(cfg["dec16"]) if experts.fmt == "fp4" else 0,
+                             E, K, _packed(experts, K), N, R * N, h.stride(0), N, w2.stride(0), s2.stride(0),
+                             W_FP4=experts.fmt == "fp4", QW=prep["qw"], ALIGNED=prep["aligned"], NK=nk, SPLIT=split,
+                             BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], INTERPRET=interpreting(),
+                             DEC16=decode_mode(cfg["dec16"]) if experts.fmt == "fp4" else 0,
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
 @opaque
 def combine(out, prep) -> torch.Tensor:
-    """Step 5: y [T, dim] fp32."""
+    """Step 5: y [T, dim] fp32, from down's output (its ranges' fp32 sums where it split K)."""
     import triton
 
     from dsv41.model.kernels._triton_gemm import expert_combine_kernel
 
     T, k = prep["T"], prep["k"]
-    N = out.size(1)
+    split = out.size(0) if out.dim() == 3 else 1
+    R, N = out.shape[-2:]
     y = torch.empty(T, N, dtype=torch.float32, device=out.device)
     if T == 0:
         return y
     BT, BN = 16, 128
-    expert_combine_kernel[(triton.cdiv(T, BT), triton.cdiv(N, BN))](out, prep["pos"], y, T, N, out.stride(0), y.stride(0),
-                                                             SLOTS=k, BT=BT, BN=BN, num_warps=4)
+    expert_combine_kernel[(triton.cdiv(T, BT), triton.cdiv(N, BN))](
+        out, prep["pos"], y, prep["xq"], T, N, R * N, N, y.stride(0), SLOTS=k, SPLIT=split, BT=BT, BN=BN,
+        INTERPRET=interpreting(), num_warps=4)
     return y
