@@ -17,9 +17,9 @@ it must read over the copy ceiling measured in this run):
   Head does on CUDA) against a bf16 x bf16 GEMM with fp32 output (the same exact products, another fp32
   summation order), with the largest difference between the two.
 
-With --sweep, launch configurations (tile rows BN, K step BK, K split as programs per SM, warps, stages)
-are timed against the default in the same run, each with the largest difference of its output from the
-default's (0 where the same bits).
+With --sweep, launch configurations (tile rows BN, K step BK, K split as programs per SM, warps, stages; for
+the FP8 projections also the one-token GEMV variant, for the experts their split K ranges) are timed against the default in
+the same run, each with the largest difference of its output from the default's (0 where the same bits).
 
 Usage (GPU): python benchmarks/bench_decode_gemms.py [--json F] [--quick] [--sweep]
 """
@@ -49,8 +49,8 @@ def _sms() -> int:
 
 
 def fp8_configs(N: int, K: int) -> list[tuple[str, dict]]:
-    """Tile rows x K step x programs per SM (the K split that gives about that many), 4 warps; and a few
-    warps / stages variants."""
+    """Tile rows x K step x programs per SM (the K split that gives about that many), 4 warps; a few warps /
+    stages variants; and the one-token kernel without matrix units (gemm.launch_config's `gemv`)."""
     out = []
     for BN, BK, per_sm in itertools.product((16, 32, 64), (128, 256), (2, 8)):
         tiles = -(-N // BN)
@@ -64,6 +64,9 @@ def fp8_configs(N: int, K: int) -> list[tuple[str, dict]]:
         for w, s in ((2, 4), (4, 2), (4, 6), (8, 4)):
             out.append((f"BN{BN} BK{BK} {per_sm}/SM w{w} s{s}", dict(BN=BN, BK=BK, split=split, num_warps=w,
                                                                     num_stages=s)))
+    for BN, BK, per_sm in itertools.product((8, 16, 32), (256, 512), (4, 16)):  # GEMV: no matrix units
+        split = max(1, min(-(-per_sm * _sms() // -(-N // BN)), -(-K // BK) // 2))
+        out.append((f"gemv BN{BN} BK{BK} {per_sm}/SM", dict(gemv=True, BN=BN, BK=BK, split=split)))
     seen, unique = set(), []
     for name, cfg in out:  # per_sm values that give the same split are one launch
         key = tuple(sorted(cfg.items()))

@@ -78,8 +78,15 @@ def cases(quick: bool):
         dense = [dense[0], dense[5]]
     for fp4, fuse, BM, BN, BK, w, st in dense:
         yield ("gemm fp4" if fp4 else "gemm fp8", K.gemm_kernel, g_types,
-               dict(K_SPLIT=1280, W_FP4=fp4, QA=32, QW=32, QUANT_A=fuse, BM=BM, BN=BN, BK=BK, INTERPRET=False),
+               dict(K_SPLIT=1280, W_FP4=fp4, QA=32, QW=32, QUANT_A=fuse, BM=BM, BN=BN, BK=BK, INTERPRET=False,
+                    GEMV=False),
                g_div, w, st)
+    # the one-token kernel without matrix units (gemm.launch_config's `gemv`, off until timed): a few tile shapes
+    # of bench_decode_gemms.py's sweep
+    for fp4, BN, BK, w in ((False, 16, 256, 4), (False, 32, 256, 4), (False, 16, 512, 4), (True, 16, 256, 4)):
+        yield ("gemv fp4" if fp4 else "gemv fp8", K.gemm_kernel, g_types,
+               dict(K_SPLIT=1280, W_FP4=fp4, QA=32, QW=32, QUANT_A=True, BM=1, BN=BN, BK=BK, INTERPRET=False,
+                    GEMV=True), g_div, w, 4)
     tile = gemm.DEQUANT_TILE  # the cuBLAS path's weight dequantization, as gemm._dequant_weight launches it
     for fp4 in (False, True):
         yield ("dequant fp4" if fp4 else "dequant fp8", K.dequant_weight_kernel,

@@ -27,7 +27,7 @@
 #   decode     where a decode step's GPU time goes: the 8-layer stack's step at 128K with its kernels profiled
 #              (bench_flash_layers.py --profile), and the step's weight-streaming products at one token with
 #              their launch sweep (decode-gemms --sweep: the FP8 projections' tiles and K split, the experts'
-#              split K ranges, the head's bf16 GEMM; about 6 min)
+#              split K ranges, the head's bf16 GEMM; at most 9.5 min: run it alone in one call)
 #   gaps       launches, where the missed targets lose their time (diagnose-gaps), the indexer with the
 #              pool's real shape, the tiny recipe's training step (carry .tinydata/*.xz; about 3 min)
 #   nccl       the bundled model on 2 GPUs against 1 (benchmarks/parallel_nccl.sh; a 2-GPU machine)
@@ -160,9 +160,9 @@ step_compiled() {
 
 step_decode() {
   [ "$SMOKE" = 1 ] && { echo "  SMOKE=1: the decode step's kernels are timed on a GPU only"; return; }
-  run profile 200 "$PY" benchmarks/bench_flash_layers.py --engine-only --quick --contexts 131072 --profile 3 \
+  run profile 150 "$PY" benchmarks/bench_flash_layers.py --engine-only --quick --contexts 131072 --profile 3 \
     --json "$D/profile.json"
-  run decode_gemms 400 "$PY" -m benchmarks decode-gemms --quick --sweep --json "$D/decode_gemms.json"
+  run decode_gemms 420 "$PY" -m benchmarks decode-gemms --quick --sweep --json "$D/decode_gemms.json"
   [ "$DRY" = 1 ] && return
   for f in profile decode_gemms; do echo "---- $f (tail)"; grep -v '^USDT\|profiler_st' "$D/$f.log" | tail -n 40; done
 }

@@ -122,7 +122,10 @@ def routing(T, k, n_experts, seed, empty=(), device=DEV):
 
 
 GEMM_CONFIGS = [None, dict(BM=16, BN=16, BK=32, split=1, fuse=False, num_warps=4, num_stages=2),
-                dict(BM=16, BN=32, BK=64, split=2, fuse=True, num_warps=4, num_stages=2)]
+                dict(BM=16, BN=32, BK=64, split=2, fuse=True, num_warps=4, num_stages=2),
+                # the one-token kernel without matrix units (M <= 16; M = 37 takes gemm_kernel)
+                dict(BM=16, BN=8, BK=32, split=2, fuse=True, gemv=True, num_warps=4, num_stages=2),
+                dict(BM=16, BN=16, BK=64, split=1, fuse=False, gemv=True, num_warps=2, num_stages=2)]
 
 
 # ---------------------------------------------------------------------------------- references = the model
@@ -502,7 +505,8 @@ def test_gemm_gpu_configs_and_fp32():
     for M in (1, 16):
         x = activations(M, 5120, torch.bfloat16, seed=M)
         ref, bound = reference.fp8_block_gemm(x, w, s), abs_bound(x, w, s, "fp8")
-        for cfg in (dict(split=1), dict(fuse=False), dict(fuse=True, split=8)):
+        for cfg in (dict(split=1), dict(fuse=False), dict(fuse=True, split=8), dict(gemv=True),
+                    dict(gemv=True, BN=16, BK=256, split=4)):
             assert_gemm_close(gemm.fp8_block_gemm(x, w, s, config=cfg), ref, bound)
     x = activations(5, 5120, torch.float32, seed=3)
     assert_gemm_close(gemm.fp8_block_gemm(x, w, s), reference.fp8_block_gemm(x, w, s), abs_bound(x, w, s, "fp8"))

@@ -115,12 +115,14 @@ def act_quant_kernel(x_ptr, y_ptr, M, K, stride_x, stride_y,
 def gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, KP, stride_xm, stride_ym, split_stride, stride_wn, stride_sn,
                 K_SPLIT: tl.constexpr, W_FP4: tl.constexpr, QA: tl.constexpr, QW: tl.constexpr,
                 QUANT_A: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                INTERPRET: tl.constexpr):
+                INTERPRET: tl.constexpr, GEMV: tl.constexpr = False):
     """Program (BN weight rows, BM tokens, K range K_SPLIT): y[m, n] (+)= sum_k xq[m, k] W[n, k].
 
     QUANT_A: x is raw and is fake-quantized here per QA (decode: saves the separate act-quant launch);
     otherwise x already holds the quantized values. With a split K, program k writes its fp32 partial at
-    y + k * split_stride and split_sum_kernel adds the partials in order."""
+    y + k * split_stride and split_sum_kernel adds the partials in order. GEMV (BM = 1, one program per token):
+    the tile's products summed along K on the CUDA cores instead of the matrix units, which take at least 16
+    tokens (a decode step's one token padded to 16); the same exact products, fp32 sums in another order."""
     pid_k = tl.program_id(2)
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -140,7 +142,10 @@ def gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, KP, stride_xm, stride_ym, s
         if QUANT_A:
             a = fp8_fake_quant(a, BM, BK, QA)
         w = weight_tile(w_ptr, s_cur, n, nmask, k0, KP, stride_wn, W_FP4, QW, BN, BK)
-        acc += tl.dot(as_mma(w, INTERPRET), as_mma(tl.trans(a), INTERPRET))
+        if GEMV:
+            acc += tl.sum(w * a, axis=1)[:, None]
+        else:
+            acc += tl.dot(as_mma(w, INTERPRET), as_mma(tl.trans(a), INTERPRET))
     out = y_ptr + pid_k * split_stride + m64[None, :] * stride_ym + n[:, None]
     tl.store(out, round_cast(acc, y_ptr.dtype.element_ty, INTERPRET), mask=nmask[:, None] & mmask[None, :])
 

@@ -21,7 +21,9 @@ the weight tile is loaded as bytes and dequantized in registers (each 32-wide bl
 then multiplies the token tile on the matrix units with the weight as the left operand. Small M (decode)
 splits K across programs so that the weight streams from every SM, then adds the fp32 partials in a
 fixed order (deterministic); M <= 16 also quantizes the activation inside the GEMM (one launch). Larger M
-quantizes the activation once in its own kernel (bf16, exact) and runs unsplit 128 x 128 tiles. From
+quantizes the activation once in its own kernel (bf16, exact) and runs unsplit 128 x 128 tiles. A variant
+for one token at a time (GEMV: each weight tile times the token's activations, summed along K without the
+matrix units) is a launch-config choice, off until timed on a GPU. From
 CUBLAS_MIN_M tokens on CUDA the weight is instead dequantized to bf16 for the call (dequant_weight: one
 Triton pass over the stored bytes, equal bit for bit to formats.dequant_*_weight) and cuBLAS multiplies
 (fp32 output, rounded as the kernel rounds): the same exact operands, another fp32 summation order.
@@ -161,16 +163,18 @@ def launch_config(M: int, N: int, K: int, qa: int, qw: int, device: torch.device
     Decode (M <= 64) is bound by the weight bytes: narrow weight tiles (64 rows), the token tile padded to
     16..64, and K split until about two programs per SM stream the weight (at least two K tiles each).
     Prefill: 128 x 128 tiles (64 tokens up to M = 128), K whole; from CUBLAS_MIN_M tokens on CUDA, cuBLAS on
-    the dequantized weight instead (`cublas`)."""
+    the dequantized weight instead (`cublas`). `gemv` (a config override, M <= 16: one program per token, no
+    matrix units, gemm_kernel's GEMV) is off: not yet timed on a GPU (benchmarks/bench_decode_gemms.py --sweep)."""
     bk_min = max(qa, qw)
     if M <= 64:
         BM, BN, BK = _pow2_at_least(M, 16), 64, max(128, bk_min)
         tiles = -(-N // BN) * -(-M // BM)
         k_tiles = -(-K // BK)
         split = max(1, min(-(-2 * _sm_count(device) // tiles), k_tiles // 2))
-        return dict(BM=BM, BN=BN, BK=BK, split=split, fuse=M <= 16, num_warps=4, num_stages=4, cublas=False)
+        return dict(BM=BM, BN=BN, BK=BK, split=split, fuse=M <= 16, num_warps=4, num_stages=4, cublas=False,
+                    gemv=False)
     return dict(BM=64 if M <= 128 else 128, BN=128, BK=max(64, bk_min), split=1, fuse=False, num_warps=8,
-                num_stages=3, cublas=M >= CUBLAS_MIN_M and device.type == "cuda")
+                num_stages=3, cublas=M >= CUBLAS_MIN_M and device.type == "cuda", gemv=False)
 
 
 @opaque
@@ -222,10 +226,13 @@ def _gemm(x, w, s, N, K, fp4, qa, qw, config):
     k_split = -(-k_split // BK) * BK
     split = -(-K // k_split)
     target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    gemv = bool(cfg.get("gemv")) and M <= 16
+    if gemv:
+        BM = 1  # one program per token
     grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), split)
     gemm_kernel[grid](x2, w, s, target, M, N, K, K // 2 if fp4 else K, x2.stride(0), N, M * N, w.stride(0), s.stride(0),
                       K_SPLIT=k_split, W_FP4=fp4, QA=qa, QW=qw, QUANT_A=cfg["fuse"], BM=BM, BN=BN, BK=BK,
-                      INTERPRET=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                      INTERPRET=interpreting(), GEMV=gemv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split > 1:
         BLOCK = 1024
         split_sum_kernel[(triton.cdiv(M * N, BLOCK),)](target, out, M * N, S=split, BLOCK=BLOCK,
