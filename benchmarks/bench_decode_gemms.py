@@ -39,6 +39,7 @@ DIM = 5120
 FP8_SHAPES = (("wq_a", 1280, DIM), ("wq_b", 32768, 1280), ("wkv", 512, DIM), ("wo_b", DIM, 8192),
               ("shared w1/w3", 2304, DIM), ("shared w2", DIM, 2304), ("indexer wq_b", 4096, 1280))
 VOCAB = 129280
+DEVICE = "cuda"  # module constants, so that benchmarks/smoke_cpu.py can run the script at tiny shapes on the CPU
 BLOCK = 32  # V4.1's FP8 weight blocks (32 x 32) and activation groups
 COLD_BYTES = 256 << 20  # weights per timed graph: five times the H200's L2 cache
 EXPERT_CALLS = 16  # routings per timed graph (6 of 384 experts each)
@@ -142,13 +143,13 @@ def _sweep(rows, kernel, case, make_calls, configs, base_t, base_out) -> None:
 def fp8_cases(rows, sweep: bool, save=lambda: None) -> None:
     from dsv41.model.kernels import gemm
 
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
     for name, N, K in FP8_SHAPES:
-        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16, generator=g)
+        x = torch.randn(1, K, device=DEVICE, dtype=torch.bfloat16, generator=g)
         nbytes = N * K + -(-N // BLOCK) * -(-K // BLOCK)
         copies = max(4, min(64, -(-COLD_BYTES // nbytes)))
-        ws = [((torch.randn(N, K, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn),
-               torch.randint(120, 128, (-(-N // BLOCK), -(-K // BLOCK)), device="cuda", dtype=torch.uint8,
+        ws = [((torch.randn(N, K, device=DEVICE, generator=g) * 0.5).to(torch.float8_e4m3fn),
+               torch.randint(120, 128, (-(-N // BLOCK), -(-K // BLOCK)), device=DEVICE, dtype=torch.uint8,
                              generator=g).view(torch.float8_e8m0fnu)) for _ in range(copies)]
 
         def calls(cfg=None):
@@ -171,7 +172,7 @@ def expert_cases(rows, sweep: bool) -> None:
     from dsv41.model.kernels import experts as ek
 
     ew = be.make_experts()
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
     inputs = [be.routed_inputs(1, g) for _ in range(EXPERT_CALLS)]  # other experts each call: cold weights
     per_mat = be.INTER * be.DIM * (1 / 2 + 1 / 32)
     k = be.TOPK
@@ -205,9 +206,9 @@ def expert_cases(rows, sweep: bool) -> None:
 
 
 def head_cases(rows) -> None:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w = (torch.randn(VOCAB, DIM, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-    x = torch.randn(1, DIM, device="cuda", generator=g).to(torch.bfloat16)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    w = (torch.randn(VOCAB, DIM, device=DEVICE, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(1, DIM, device=DEVICE, generator=g).to(torch.bfloat16)
     w32 = w.float()
     fp32 = lambda: torch.nn.functional.linear(x.float(), w32)  # noqa: E731
     bf16 = lambda: torch.mm(x, w.t(), out_dtype=torch.float32)  # noqa: E731
@@ -233,7 +234,7 @@ def run(json_path=None, sweep=False, only=("fp8", "experts", "head")):
         except Exception:  # one failing part keeps the others
             traceback.print_exc()
         save()
-    print_table([r for r in rows if "floor_us" in r], "decode step's products at M = 1 (L2 flushed)")
+    print_table([r for r in rows if "floor_us" in r], "a decode step's products at one token (cold weights, from CUDA graphs)")
     return rows
 
 

@@ -1,6 +1,8 @@
-"""Run bench_gemm.py and bench_experts.py end to end on the CPU, through Triton's interpreter at tiny shapes,
-to check the scripts themselves (every case, JSON written) before GPU time is spent on them. The timings
-are one wall-clock call each and the ceilings are placeholders: the numbers mean nothing.
+"""Run bench_gemm.py, bench_experts.py and bench_decode_gemms.py (its FP8 and expert parts with their sweeps; the
+head's bf16 GEMM with fp32 output is CUDA only) end to end on the CPU, through Triton's interpreter at tiny
+shapes, to check the scripts themselves (every case, JSON written) before GPU time is spent on them. The
+timings are one wall-clock call each (no CUDA graph) and the ceilings are placeholders: the numbers mean
+nothing.
 
 Usage: python benchmarks/smoke_cpu.py [--out DIR] [--json F]     (sets TRITON_INTERPRET=1 itself;
 --json F: both benchmarks' rows in one file)
@@ -27,6 +29,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     out = Path(a.out or tempfile.mkdtemp(prefix="bench_smoke_"))
+    import bench_decode_gemms
     import bench_experts
     import bench_gemm
     import kernels_common
@@ -54,8 +57,18 @@ def main() -> int:
     bench_experts.SWEEP = (("dec16", dict(dec16=True)), ("BN32 dec16", dict(BN=32, dec16=True)))
     bench_gemm.run(str(out / "gemm.json"))
     bench_experts.run(str(out / "experts.json"), sweep=True)
+    dg = bench_decode_gemms
+    dg.DEVICE, dg._sms, dg.EXPERT_CALLS, dg.COLD_BYTES = "cpu", lambda: 4, 2, 1  # 4 weight copies, 2 routings
+    dg.cold_graph = lambda fns, reps=0: sum(once(f) for f in fns) / len(fns)
+    dg.FP8_SHAPES = (("wq_a", 40, 512), ("wo_b", 48, 1024))
+    full_configs = dg.fp8_configs
+    dg.fp8_configs = lambda N, K: [c for c in full_configs(N, K) if c[0] in (  # a tile and the GEMV
+        "BN16 BK128 2/SM", "gemv BN8 BK256 4/SM")]
+    dg.EXPERT_CONFIGS = [c for c in dg.EXPERT_CONFIGS if c[0] in ("split 2/2", "BN32 BK64 split 2/2")]
+    dg.run(str(out / "decode_gemms.json"), sweep=True, only=("fp8", "experts"))
     every = {}
-    for name, n in (("gemm", 10), ("experts", 5)):  # gemm: 4 cases, 2 variants, 4 dequant rows (wo_b)
+    # gemm: 4 cases, 2 variants, 4 dequant rows (wo_b); decode_gemms: 2 x (1 + 2) FP8 rows, 3 x (1 + 2) expert rows
+    for name, n in (("gemm", 10), ("experts", 5), ("decode_gemms", 15)):
         rows = json.loads((out / f"{name}.json").read_text())["rows"]
         assert len(rows) == n, (name, len(rows))
         every[name] = rows
