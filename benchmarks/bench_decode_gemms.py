@@ -18,8 +18,9 @@ it must read over the copy ceiling measured in this run):
   summation order), with the largest difference between the two.
 
 With --sweep, launch configurations (tile rows BN, K step BK, K split as programs per SM, warps, stages; for
-the FP8 projections also the one-token GEMV variant, for the experts their split K ranges) are timed against the default in
-the same run, each with the largest difference of its output from the default's (0 where the same bits).
+the FP8 projections also the one-token GEMV variant, for the experts their split K ranges) are timed against
+the default in the same run, each with the largest difference of its output from the default's (0 where the
+same bits), and the fastest variant of each product is listed last.
 
 Usage (GPU): python benchmarks/bench_decode_gemms.py [--json F] [--quick] [--sweep]
 """
@@ -134,8 +135,8 @@ def _sweep(rows, kernel, case, make_calls, configs, base_t, base_out) -> None:
             rows.append({"kernel": kernel, "case": f"{case} {name}", "error": f"{type(e).__name__}: {e}"[:300]})
             print(f"  {case} {name}: failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
             continue
-        rows.append({"kernel": kernel, "case": f"{case} {name}", "config": cfg, "us": t * 1e6,
-                     "over_default": t / base_t, "max_diff_from_default": _diff(y, base_out)})
+        rows.append({"kernel": kernel, "case": f"{case} {name}", "group": case, "variant": name, "config": cfg,
+                     "us": t * 1e6, "over_default": t / base_t, "max_diff_from_default": _diff(y, base_out)})
         print(f"  {case:22s} {name:30s} {t * 1e6:8.2f} us  {t / base_t:6.3f} of default  "
               f"diff {rows[-1]['max_diff_from_default']:.3g}", flush=True)
 
@@ -234,8 +235,29 @@ def run(json_path=None, sweep=False, only=("fp8", "experts", "head")):
         except Exception:  # one failing part keeps the others
             traceback.print_exc()
         save()
-    print_table([r for r in rows if "floor_us" in r], "a decode step's products at one token (cold weights, from CUDA graphs)")
+    print_table([r for r in rows if "floor_us" in r],
+                "a decode step's products at one token (cold weights, from CUDA graphs)")
+    if sweep:
+        best = best_variants(rows)
+        rows += best
+        save()
+        print("\n== the fastest variant of each product, its time over the default's in this run "
+              "(above 1: keep the default)")
+        for b in best:
+            print(f"  {b['group']:24s} {b['variant']:34s} {b['over_default']:6.3f}  {b['config']}")
     return rows
+
+
+def best_variants(rows: list[dict]) -> list[dict]:
+    """Per swept product, its fastest variant (rows with a time, none that failed): what a launch rule could
+    take, with its ratio to the default and its largest difference from the default's output."""
+    groups: dict[str, dict] = {}
+    for r in rows:
+        if "group" in r and "us" in r and (r["group"] not in groups or r["us"] < groups[r["group"]]["us"]):
+            groups[r["group"]] = r
+    return [{"kernel": "decode_best", "case": f"best {g}", "group": g, "variant": r["variant"], "config": r["config"],
+             "us": r["us"], "over_default": r["over_default"], "max_diff_from_default": r["max_diff_from_default"]}
+            for g, r in groups.items()]
 
 
 if __name__ == "__main__":
