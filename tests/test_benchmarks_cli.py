@@ -70,7 +70,7 @@ def test_gpu_only_subcommand_says_so_without_cuda():
     assert len(lines) == 1 and "needs a CUDA GPU" in lines[0]
 
 
-@pytest.mark.slow  # ~10-20 s: bench_gemm and bench_experts through the interpreter
+@pytest.mark.slow  # ~20-30 s: bench_gemm, bench_experts and bench_decode_gemms through the interpreter
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the smoke run needs Triton's interpreter")
 def test_cpu_subcommand_writes_its_json(tmp_path):
     out = tmp_path / "smoke.json"
@@ -79,8 +79,17 @@ def test_cpu_subcommand_writes_its_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["benchmark"] == "smoke_cpu"
     assert len(data["rows"]["gemm"]) == 10 and len(data["rows"]["experts"]) == 5  # gemm: 4 cases, 2 variants, 4 dequant rows
-    cases = [r for rows in data["rows"].values() for r in rows if r["kernel"] != "routed_experts_sweep"]
+    cases = [r for name in ("gemm", "experts") for r in data["rows"][name] if r["kernel"] != "routed_experts_sweep"]
     assert len(cases) == 12 and all(r["us"] > 0 and r["floor_us"] > 0 for r in cases)
+    # bench_decode_gemms: 2 FP8 products and 3 expert stages timed, each swept, then each one's fastest variant
+    decode = data["rows"]["decode_gemms"]
+    timed = [r for r in decode if r["kernel"] in ("decode_fp8_gemm", "decode_experts")]
+    best = [r for r in decode if r["kernel"] == "decode_best"]
+    assert len(timed) == 5 and all(r["us"] > 0 and r["floor_us"] > 0 for r in timed)
+    assert sorted(r["group"] for r in best) == ["experts all", "experts down", "experts up", "fp8 wo_b", "fp8 wq_a"]
+    swept = [r for r in decode if r["kernel"].endswith("_sweep")]
+    assert len(swept) == 10 and all(r["us"] > 0 and "error" not in r for r in swept)
+    assert all(min(r["us"] for r in swept if r["group"] == b["group"]) == b["us"] for b in best)
     sweep = [r for r in data["rows"]["experts"] if r["kernel"] == "routed_experts_sweep"]
     # the default first, then each configuration against it (the interpreter sums every tile in the same order)
     assert [r["case"] for r in sweep] == ["T=20 default", "T=20 dec16", "T=20 BN32 dec16"]
