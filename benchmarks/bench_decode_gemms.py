@@ -33,7 +33,7 @@ import traceback
 
 import torch
 
-from kernels_common import print_table, record, set_quick, write_json
+from kernels_common import graph_bench, print_table, record, set_quick, write_json
 
 DIM = 5120
 # (name, N, K): the FP8 projections of a V4.1-Flash layer (attention, shared expert, indexer)
@@ -46,29 +46,24 @@ COLD_BYTES = 256 << 20  # weights per timed graph: five times the H200's L2 cach
 EXPERT_CALLS = 16  # routings per timed graph (6 of 384 experts each)
 
 
-def _sms() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count
-
-
 def fp8_configs(N: int, K: int) -> list[tuple[str, dict]]:
     """Tile rows x K step x programs per SM (the K split that gives about that many), 4 warps; a few warps /
     stages variants; and the one-token kernel without matrix units (gemm.launch_config's `gemv`)."""
+    from dsv41.model.kernels.gemm import k_split
+
+    def split(BN, BK, per_sm):  # gemm.launch_config's rule at another target
+        return k_split(-(-N // BN), -(-K // BK), per_sm, torch.device(DEVICE))
+
     out = []
     for BN, BK, per_sm in itertools.product((16, 32, 64), (128, 256), (2, 8)):
-        tiles = -(-N // BN)
-        k_tiles = -(-K // BK)
-        if k_tiles < 2:
-            continue
-        split = max(1, min(-(-per_sm * _sms() // tiles), k_tiles // 2))
-        out.append((f"BN{BN} BK{BK} {per_sm}/SM", dict(BN=BN, BK=BK, split=split)))
+        if -(-K // BK) >= 2:
+            out.append((f"BN{BN} BK{BK} {per_sm}/SM", dict(BN=BN, BK=BK, split=split(BN, BK, per_sm))))
     for BN, BK, per_sm in ((16, 256, 4), (32, 256, 4), (64, 128, 2)):
-        split = max(1, min(-(-per_sm * _sms() // -(-N // BN)), -(-K // BK) // 2))
         for w, s in ((2, 4), (4, 2), (4, 6), (8, 4)):
-            out.append((f"BN{BN} BK{BK} {per_sm}/SM w{w} s{s}", dict(BN=BN, BK=BK, split=split, num_warps=w,
-                                                                    num_stages=s)))
+            out.append((f"BN{BN} BK{BK} {per_sm}/SM w{w} s{s}", dict(BN=BN, BK=BK, split=split(BN, BK, per_sm),
+                                                                    num_warps=w, num_stages=s)))
     for BN, BK, per_sm in itertools.product((8, 16, 32), (256, 512), (4, 16)):  # GEMV: no matrix units
-        split = max(1, min(-(-per_sm * _sms() // -(-N // BN)), -(-K // BK) // 2))
-        out.append((f"gemv BN{BN} BK{BK} {per_sm}/SM", dict(gemv=True, BN=BN, BK=BK, split=split)))
+        out.append((f"gemv BN{BN} BK{BK} {per_sm}/SM", dict(gemv=True, BN=BN, BK=BK, split=split(BN, BK, per_sm))))
     seen, unique = set(), []
     for name, cfg in out:  # per_sm values that give the same split are one launch
         key = tuple(sorted(cfg.items()))
@@ -88,33 +83,11 @@ EXPERT_CONFIGS += [(f"split {su}/{sd} w{w} s{s}", dict(split_up=su, split_down=s
                    for su, sd, w, s in ((4, 3, 2, 3), (4, 3, 4, 4), (4, 3, 8, 3), (4, 3, 4, 2))]
 
 
-def cold_graph(fns, reps: int = 10) -> float:
+def cold_graph(fns) -> float:
     """Seconds per call of fns (callables reading different weights, together far more than the L2 cache)
-    captured in order into one CUDA graph and replayed: each call's weights come from HBM, as in a decode
-    step, and no host work or launch cost is timed. Median of `reps` replays, divided by len(fns)."""
-    for f in fns:  # compile, allocate
-        f()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
-    return sorted(times)[len(times) // 2] / len(fns)
+    captured in order into one CUDA graph (kernels_common.graph_bench): each call's weights come from HBM, as
+    in a decode step, and no host work or launch cost is timed."""
+    return graph_bench(lambda: [f() for f in fns]) / len(fns)
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -90,10 +90,10 @@ def decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool) -> dict:
 
 @torch.inference_mode()
 def kernel_profile(step, ids: torch.Tensor) -> dict:
-    """The GPU kernels of len(ids) decode steps under torch.profiler (kernels replayed from a CUDA graph are
-    traced one by one): per step, the kernels' count, the sum of their device times, and the 40 kernels of
-    largest total device time. The sum against the step's wall time says how much of a step is the kernels
-    themselves and how much the gaps between them."""
+    """The GPU kernels of len(ids) eager decode steps under torch.profiler (the kernels the step's CUDA graph
+    replays): per step, the kernels' count, the sum of their device times, and the 40 kernels of largest total
+    device time. The sum against the graph step's time says how much of a step is the kernels themselves and
+    how much the gaps between them."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()

@@ -47,14 +47,14 @@ class Head(nn.Module):
         self._fp32: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        wants_grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
         if not self.row_independent(x):
-            w = self.weight
-            if (x.is_cuda and x.dtype == w.dtype == torch.bfloat16
-                    and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            if x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and not wants_grad:
                 return torch.mm(x.reshape(-1, x.size(-1)), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
             return F.linear(x.float(), self.fp32_weight())
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return _FixedOrderHead.apply(x, self.weight, self.host_weight())
+        if wants_grad:
+            return _FixedOrderHead.apply(x, w, self.host_weight())
         rows = x.numel() // x.size(-1)
         if rows <= host.HEAD_BF16_MAX_ROWS and self.weight.dtype == torch.bfloat16 and host.available():
             # a decode step of one or a few sequences: the bf16 weight read in column blocks, the same sums

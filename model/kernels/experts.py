@@ -256,11 +256,9 @@ def decode_split(R: int, E: int, N: int, K: int, cfg: dict, device: torch.device
     per_sm = SPLIT_PROGRAMS_PER_SM if per_sm is None else per_sm
     if per_sm is None or cfg["BM"] > 16:
         return 1
-    from dsv41.model.kernels.gemm import _sm_count
+    from dsv41.model.kernels.gemm import k_split
 
-    programs = max(1, min(R, E)) * -(-N // cfg["BN"])
-    want = -(-per_sm * _sm_count(device) // programs)
-    return max(1, min(want, -(-K // cfg["BK"]) // 2))
+    return k_split(max(1, min(R, E)) * -(-N // cfg["BN"]), -(-K // cfg["BK"]), per_sm, device)
 
 
 # ------------------------------------------------------------------------------------------ entry

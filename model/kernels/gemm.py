@@ -157,6 +157,12 @@ def _dequant_weight(w: torch.Tensor, s: torch.Tensor, N: int, K: int, qw: int, f
 CUBLAS_MIN_M = 512
 
 
+def k_split(tiles: int, k_tiles: int, per_sm: int, device: torch.device) -> int:
+    """K ranges for a launch of `tiles` output tiles over `k_tiles` K steps: enough that about `per_sm` programs
+    per SM stream the weight, with at least two K steps per range (1 when the tiles already cover that)."""
+    return max(1, min(-(-per_sm * _sm_count(device) // tiles), k_tiles // 2))
+
+
 def launch_config(M: int, N: int, K: int, qa: int, qw: int, device: torch.device) -> dict:
     """Tile sizes, K split, fused activation quantization, warps and stages for an [M, K] x [N, K]^T GEMM.
 
@@ -170,7 +176,7 @@ def launch_config(M: int, N: int, K: int, qa: int, qw: int, device: torch.device
         BM, BN, BK = _pow2_at_least(M, 16), 64, max(128, bk_min)
         tiles = -(-N // BN) * -(-M // BM)
         k_tiles = -(-K // BK)
-        split = max(1, min(-(-2 * _sm_count(device) // tiles), k_tiles // 2))
+        split = k_split(tiles, k_tiles, 2, device)
         return dict(BM=BM, BN=BN, BK=BK, split=split, fuse=M <= 16, num_warps=4, num_stages=4, cublas=False,
                     gemv=False)
     return dict(BM=64 if M <= 128 else 128, BN=128, BK=max(64, bk_min), split=1, fuse=False, num_warps=8,
