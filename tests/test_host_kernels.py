@@ -730,8 +730,154 @@ def test_scalar_sigmoid_and_softplus_are_atens_scalar_loop(monkeypatch):
     for name in ("scalar_sigmoid", "scalar_softplus"):
         real = getattr(host, name)
         monkeypatch.setattr(host, name, lambda x, _real=real, _name=name: seen.append(_name) or _real(x))
-    weights = (torch.randn(24, 256) * 0.05, torch.ones(3), torch.zeros(24))  # parameters: made outside inference
+    # parameters: made outside inference. 8 streams: the step's pieces (with 4, V4.1's, the decode step's mHC is
+    # one C call, host.mhc_step, whose sigmoid is this formula inside: test_mhc_step_in_one_call_bits)
+    weights = (torch.randn(80, 512) * 0.05, torch.ones(3), torch.zeros(80))
     with torch.inference_mode(), reference.row_invariant():
         routing.route(torch.randn(2, 8), torch.zeros(8), 2)
-        mhc.mhc_step(torch.randn(1, 1, 4, 64).bfloat16(), torch.rand(1, 1, 4), *weights, 20, 1e-6, 1e-6)
+        mhc.mhc_step(torch.randn(1, 1, 8, 64).bfloat16(), torch.rand(1, 1, 8), *weights, 20, 1e-6, 1e-6)
     assert sorted(set(seen)) == ["scalar_sigmoid", "scalar_softplus"]
+
+
+# ------------------------------------------------------------------------------------------- fixed-order attention
+
+
+def _packed_attention_case(B, T, H, D, W, N, Kw, Km, dtype, seed):
+    """Random packed operands: FP8 window rows [B, W, D], FP4 main rows in a store of 2 N rows per sequence read
+    through a row-range view (the cache's layout: a sequence's rows are not next to the next sequence's), indices
+    with -1 holes, a row with none."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g).to(dtype)
+    window = formats.pack_fp8_ue8m0(torch.randn(B, W, D, generator=g) * 3, formats.FP8_BLOCK)
+    store = formats.pack_fp4_e4m3(torch.randn(B, 2 * N, D, generator=g), formats.FP4_E4M3_BLOCK)
+    main = tuple(t[:, :N] for t in store) if Km else (None, None)
+    w_idx = torch.randint(-1, W, (B, T, Kw), generator=g)
+    m_idx = torch.randint(-1, N, (B, T, Km), generator=g) if Km else None
+    w_idx[0, 0] = -1
+    if m_idx is not None:
+        m_idx[0, 0] = -1
+    return q, window, main, torch.randn(H, generator=g), w_idx, m_idx
+
+
+@pytest.mark.parametrize("B,T,H,D,W,N,Kw,Km", [(1, 1, 4, 64, 64, 40, 64, 32), (3, 1, 4, 64, 64, 90, 64, 32),
+                                                (2, 37, 4, 64, 64, 100, 80, 70), (2, 5, 8, 128, 16, 300, 16, 200),
+                                                (1, 3, 4, 64, 64, 10, 64, 0), (2, 1, 2, 32, 8, 5, 3, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("values", [False, True])
+def test_sparse_attention_fixed_order_bits(B, T, H, D, W, N, Kw, Km, dtype, values):
+    """host.sparse_attention_packed is reference.sparse_attention_packed with attend=sparse_attention_fixed_order,
+    bit for bit (decode and prefill shapes, several blocks of 64, no main store, -1 holes, an empty row, the
+    window's fp32 values given or decoded from its bytes, a strided main store); and within rounding of REF's
+    order (reference.sparse_attention: MKL's GEMMs and torch's exp)."""
+    q, (wc, ws), (mc, ms), sink, w_idx, m_idx = _packed_attention_case(B, T, H, D, W, N, Kw, Km, dtype, B * 100 + T)
+    wv = formats.unpack_fp8_ue8m0(wc, ws, formats.FP8_BLOCK, torch.float32) if values else None
+    got = host.sparse_attention_packed(q, wc, ws, mc, ms, sink, w_idx, m_idx, 0.125, wv)
+    want = reference.sparse_attention_packed(q, wc, ws, mc, ms, sink, w_idx, m_idx, 0.125, wv,
+                                             attend=reference.sparse_attention_fixed_order)
+    assert_same(got, want)
+    assert torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))  # the row with no index: 0, as REF's
+    ref = reference.sparse_attention_packed(q, wc, ws, mc, ms, sink, w_idx, m_idx, 0.125, wv)
+    # a probability one ulp apart can round to a neighbouring bf16 value before P.V, whatever the output's dtype
+    assert float((got.float() - ref.float()).abs().max()) <= 2 ** -7 * max(1.0, float(ref.float().abs().max()))
+
+
+def test_sparse_attention_fixed_order_edges():
+    """Blocks whose indices are all -1 after a valid one (rescale exactly 1), logits large enough that the sink's
+    term is clamped (e^88: the output is 0 within fp32, as exp's inf makes it), and a NaN query row (NaN out)."""
+    q, (wc, ws), (mc, ms), sink, w_idx, m_idx = _packed_attention_case(2, 2, 4, 64, 64, 40, 64, 80, torch.float32, 7)
+    m_idx[1, 1] = -1  # a whole second block of holes
+    q[1, 0, 2] = float("nan")
+    big = torch.full_like(sink, 200.0)
+    for s in (sink, big):
+        got = host.sparse_attention_packed(q, wc, ws, mc, ms, s, w_idx, m_idx, 0.125)
+        want = reference.sparse_attention_packed(q, wc, ws, mc, ms, s, w_idx, m_idx, 0.125,
+                                                 attend=reference.sparse_attention_fixed_order)
+        assert_same(got, want)
+        assert torch.isnan(got[1, 0, 2]).all() and not torch.isnan(got[1, 0, 3]).any()
+
+
+def test_sparse_attention_dispatch(monkeypatch):
+    """kernels.sparse_attention_packed takes the C call on the CPU at inference in the "fast" mode only: the
+    "exact" mode, a gradient and the Triton interpreter keep REF's order (reference.sparse_attention)."""
+    from dsv41.model.kernels import sparse_attention as kernels_attention
+
+    calls = []
+    real = host.sparse_attention_packed
+    monkeypatch.setattr(host, "sparse_attention_packed", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q, (wc, ws), (mc, ms), sink, w_idx, m_idx = _packed_attention_case(1, 1, 4, 64, 64, 40, 64, 32, torch.bfloat16, 3)
+    with torch.inference_mode():
+        fast = kernels_attention.sparse_attention_packed(q, wc, ws, mc, ms, sink, w_idx, m_idx, 0.125)
+    assert calls == [1]
+    layers.set_gemm_mode("exact")
+    try:
+        with torch.inference_mode():
+            exact = kernels_attention.sparse_attention_packed(q, wc, ws, mc, ms, sink, w_idx, m_idx, 0.125)
+    finally:
+        layers.set_gemm_mode("fast")
+    assert calls == [1]
+    assert_same(exact, reference.sparse_attention_packed(q, wc, ws, mc, ms, sink, w_idx, m_idx, 0.125))
+    kernels_attention.sparse_attention_packed(q.requires_grad_(), wc, ws, mc, ms, sink, w_idx, m_idx, 0.125)
+    assert calls == [1]
+    assert_same(fast, real(q.detach(), wc, ws, mc, ms, sink, w_idx, m_idx, 0.125))
+
+
+def test_exp_poly_up_to_the_sink_clamp():
+    """exp_poly past 0, where the attention's sink term takes it (up to reference.SINK_EXP_MAX): within 4e-7
+    relative of exp, and finite at the clamp."""
+    d = torch.linspace(0, reference.SINK_EXP_MAX, 200_001)
+    got = reference.exp_poly(d).double()
+    assert float(((got - torch.exp(d.double())) / torch.exp(d.double())).abs().max()) < 4e-7
+    assert torch.isfinite(reference.exp_poly(torch.tensor([reference.SINK_EXP_MAX]))).all()
+
+
+# ------------------------------------------------------------------------------------------- the mHC step, whole
+
+
+@pytest.mark.parametrize("R,n,d,with_y", [(1, 4, 64, True), (5, 4, 64, False), (7, 4, 32, True), (3, 2, 16, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mhc_step_in_one_call_bits(R, n, d, with_y, dtype):
+    """host.mhc_step is reference.mhc_step_fixed_order bit for bit, and within 1e-6 of REF's mhc_step (MKL's
+    projection, the vector sigmoid) in the coefficients and one bf16 step in the streams."""
+    g = torch.Generator().manual_seed(R * 10 + n)
+    x = torch.randn(R, 1, n, d, generator=g).to(dtype)
+    fn = torch.randn((n + 2) * n, n * d, generator=g) * 0.05
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((n + 2) * n, generator=g) * 0.3
+    pre_prev = torch.rand(R, 1, n, generator=g)
+    y, post, comb = ((torch.randn(R, 1, d, generator=g).to(dtype), torch.rand(R, 1, n, generator=g) * 2,
+                      torch.rand(R, 1, n, n, generator=g)) if with_y else (None, None, None))
+    scale_mix, base_f = reference._mix_affine(scale, base, n)
+    with torch.inference_mode():
+        got = host.mhc_step(x, pre_prev, fn, scale_mix, base_f, 20, 1e-6, 1e-20, y, post, comb)
+        want = reference.mhc_step_fixed_order(x, pre_prev, fn, scale, base, 20, 1e-6, 1e-20, y, post, comb)
+        ref = reference.mhc_step(x, pre_prev, fn, scale, base, 20, 1e-6, 1e-20, y, post, comb)
+    for a, b, c in zip(got, want, ref):
+        assert_same(a, b)
+        assert float((a.float() - c.float()).abs().max()) <= (1e-6 if a.dtype == torch.float32 and a.dim() < 4
+                                                              else 2 ** -7 * float(c.float().abs().max()))
+    assert got[0] is x if y is None else got[0] is not x
+
+
+def test_mhc_step_dispatch(monkeypatch):
+    """kernels.mhc.mhc_step takes host.mhc_step in the decode step (`row_invariant`, where the sigmoids are ATen's
+    scalar formula) on the CPU at inference, in either GEMM mode: the bits of the step's pieces (the projection's
+    fixed order is the host's in both modes). Outside it (a prefill) the pieces run, torch's vector sigmoid."""
+    from dsv41.model.kernels import mhc
+
+    calls = []
+    real = host.mhc_step
+    monkeypatch.setattr(host, "mhc_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    weights = (torch.randn(24, 256) * 0.05, torch.ones(3), torch.zeros(24))
+    x, pre = torch.randn(2, 1, 4, 64).bfloat16(), torch.rand(2, 1, 4)
+    with torch.inference_mode(), reference.row_invariant():
+        one_call = mhc.mhc_step(x, pre, *weights, 20, 1e-6, 1e-6)
+        assert calls == [1]
+        monkeypatch.setattr(mhc, "_one_call", lambda *a: False)
+        pieces = mhc._host_step(x, pre, *weights, 20, 1e-6, 1e-6, None, None, None)
+        monkeypatch.undo()
+    for a, b, c in zip(one_call, reference.mhc_step_fixed_order(x, pre, *weights, 20, 1e-6, 1e-6), pieces):
+        assert_same(a, b)
+        assert_same(a, c)
+    monkeypatch.setattr(host, "mhc_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.inference_mode():
+        mhc.mhc_step(x, pre, *weights, 20, 1e-6, 1e-6)
+    assert calls == [1]

@@ -146,6 +146,12 @@ def library() -> ctypes.CDLL | None:
     lib.dsv41_rms_rstd.restype = ctypes.c_int
     lib.dsv41_rms_norm.argtypes = [ptr, ctypes.c_int, ptr, ctypes.c_int, i64, i64, f32, ptr]
     lib.dsv41_rms_norm.restype = ctypes.c_int
+    lib.dsv41_sparse_attention.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ptr,
+                                           ptr, i64, ptr, i64, ptr, f32, ptr]
+    lib.dsv41_sparse_attention.restype = ctypes.c_int
+    lib.dsv41_mhc_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ptr, f32, f32, ptr,
+                                   ptr, ptr, ptr, ptr]
+    lib.dsv41_mhc_step.restype = ctypes.c_int
     _STATUS[0] = "loaded"
     return lib
 
@@ -604,3 +610,72 @@ def scalar_softplus(t: torch.Tensor) -> torch.Tensor | None:
     """F.softplus(t) (beta 1, threshold 20) as ATen's scalar loop computes each element (None where this does not
     take t)."""
     return _scalar("dsv41_softplus_scalar", t)
+
+
+# ------------------------------------------------------------------------------- sparse attention
+def _rows_apart(*stores: torch.Tensor) -> int | None:
+    """The rows between one sequence's first row and the next's, shared by these [B, N, width] stores whose rows
+    are contiguous (a row-range view of the cache keeps its sequences' stride); None where they differ."""
+    first = stores[0]
+    if any(t.stride(-1) != 1 or t.stride(-2) != t.size(-1) for t in stores):
+        return None
+    apart = first.stride(0) // first.size(-1) if first.size(0) > 1 else first.size(1)
+    if any(t.size(0) > 1 and t.stride(0) != apart * t.size(-1) for t in stores):
+        return None
+    return apart
+
+
+def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
+                            main_codes: torch.Tensor | None, main_scales: torch.Tensor | None, sink: torch.Tensor,
+                            window_idx: torch.Tensor, main_idx: torch.Tensor | None, scale: float,
+                            window_values: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.sparse_attention_packed(..., attend=reference.sparse_attention_fixed_order) in one C call: q
+    [B, T, H, D] contiguous bf16/fp32 (D a multiple of 32); the window's FP8 bytes (or their fp32 values) and the
+    main store's FP4 bytes are read in place, one gathered block of rows at a time."""
+    B, T, H, D = q.shape
+    window = window_values if window_values is not None else window_codes
+    w_apart = _rows_apart(window) if window_values is not None else _rows_apart(window_codes, window_scales)
+    if w_apart is None:
+        window_codes, window_scales = window_codes.contiguous(), window_scales.contiguous()
+        window_values = None if window_values is None else window_values.contiguous()
+        w_apart = window.size(1)
+    win_idx = window_idx.to(torch.int64).contiguous()
+    main = main_codes is not None and main_idx is not None
+    m_apart = 0
+    if main:
+        m_apart = _rows_apart(main_codes, main_scales)
+        if m_apart is None:
+            main_codes, main_scales = main_codes.contiguous(), main_scales.contiguous()
+            m_apart = main_codes.size(1)
+        main_idx = main_idx.to(torch.int64).contiguous()
+    sink = sink.to(torch.float32).contiguous()
+    out = torch.empty_like(q)
+    ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+    if library().dsv41_sparse_attention(
+            q.data_ptr(), q.dtype == torch.bfloat16, B, T, H, D, ptr(window_values), window_codes.data_ptr(),
+            window_scales.data_ptr(), w_apart, win_idx.data_ptr(), win_idx.size(-1),
+            ptr(main_codes) if main else None, ptr(main_scales) if main else None, m_apart,
+            ptr(main_idx) if main else None, main_idx.size(-1) if main else 0, sink.data_ptr(), scale, out.data_ptr()):
+        raise MemoryError(f"sparse_attention: no scratch memory for {tuple(q.shape)}")
+    return out
+
+
+# ------------------------------------------------------------------------------- mHC
+def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale_mix: torch.Tensor, base: torch.Tensor,
+             iters: int, hc_eps: float, norm_eps: float, y: torch.Tensor | None = None,
+             post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
+    """reference.mhc_step_fixed_order in two C calls around torch's exp, for takes(x, pre_prev[, y, post, comb])
+    with y in x's dtype: x [..., n, d] (n <= SINKHORN_MAX_N), fn [(n+2) n, n d] (transposed and widened once,
+    `transposed`), scale_mix and base [(n+2) n] fp32 contiguous (the scales spread per mix: reference._mix_affine).
+    Returns (X', collapsed, pre, post, comb)."""
+    *lead, n, d = x.shape
+    x_new = x if y is None else torch.empty_like(x)
+    collapsed = x.new_empty(*lead, d)
+    pre_n, post_n, comb_n = torch.empty(*lead, n), torch.empty(*lead, n), torch.empty(*lead, n, n)
+    if library().dsv41_mhc_step(
+            x.data_ptr(), None if y is None else y.data_ptr(), None if y is None else post.data_ptr(),
+            None if y is None else comb.data_ptr(), pre_prev.data_ptr(), x.dtype == torch.bfloat16,
+            x.numel() // (n * d), n, d, transposed(fn).data_ptr(), scale_mix.data_ptr(), base.data_ptr(), hc_eps,
+            norm_eps, x_new.data_ptr(), collapsed.data_ptr(), pre_n.data_ptr(), post_n.data_ptr(), comb_n.data_ptr()):
+        raise MemoryError(f"mhc_step: no scratch memory for {tuple(x.shape)}")
+    return x_new, collapsed, pre_n, post_n, sinkhorn_normalize_(torch.exp(comb_n, out=comb_n), iters, hc_eps)

@@ -791,3 +791,206 @@ void dsv41_softplus_scalar(const float *x, float *out, int64_t n) {
         out[i] = a > 20.0f ? a : log1pf(expf(a));
     }
 }
+
+
+/* ---------------------------------------------------------------- sparse attention, every sum in a fixed order */
+/* reference.sparse_attention_fixed_order over packed rows (reference.sparse_attention_packed's operands): for each
+ * query token (b, t) the index list [window_idx ; main_idx] in blocks of ATTN_BLOCK, REF's online softmax per head
+ * with its bf16 probabilities before P.V and the sink at the end, each sum in one fixed order (the dot products over
+ * d = 0..D-1, the block's probabilities and P.V over j = 0..k-1, each from 0.0f) and exp by exp_fixed, so a token's
+ * output depends on nothing but its own operands, on any CPU. Each block's rows are gathered (decoded from their
+ * bytes: FP8 E4M3 x UE8M0 per 32 in the window, unless its fp32 values are given; E2M1 x E4M3 per 16 in the main
+ * store, the unpackers' values) once for all heads (K = V, one latent row shared by the query heads). Returns 0, or -1
+ * without the scratch memory (nothing is written then). */
+#define ATTN_BLOCK 64
+#define ATTN_SINK_MAX 88.0f
+
+/* reference.exp_fixed: SCORE_KERNEL's exp (exp_poly) for one value; 0 below EXP_FLOOR and for NaN, finite up to 88 */
+static inline float exp_fixed(float d) {
+    if (!(d >= EXP_FLOOR)) return 0.0f;
+    const float t = d * 1.44269504088896341f + 12582912.0f;
+    const float n = t - 12582912.0f;
+    const float r = (d - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = r * 1.98412698e-04f + 1.38888889e-03f;
+    p = p * r + 8.33333333e-03f;
+    p = p * r + 4.16666667e-02f;
+    p = p * r + 1.66666667e-01f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * u2f((uint32_t)((int32_t)n + 127) << 23);
+}
+
+static inline float bf16_round(float v) { return u2f((uint32_t)to_bf16(v) << 16); }
+
+static inline __attribute__((always_inline)) void attn_gather(
+        float *row, int64_t b, int64_t idx, int window, int64_t D, const float *win_values, const uint8_t *win_codes,
+        const uint8_t *win_scales, int64_t W, const uint8_t *main_codes, const uint8_t *main_scales, int64_t N) {
+    if (window && win_values) {
+        memcpy(row, win_values + (b * W + idx) * D, (size_t)D * sizeof(float));
+    } else if (window) {
+        const uint8_t *c = win_codes + (b * W + idx) * D, *s = win_scales + (b * W + idx) * (D / 32);
+        for (int64_t d = 0; d < D; d++) row[d] = e4m3_value(c[d]) * e8m0_value(s[d / 32]);
+    } else {
+        const uint8_t *c = main_codes + (b * N + idx) * (D / 2), *s = main_scales + (b * N + idx) * (D / 16);
+        for (int64_t d = 0; d < D; d++)
+            row[d] = E2M1_VALUES[(c[d / 2] >> ((d & 1) * 4)) & 0xFu] * e4m3_value(s[d / 16]);
+    }
+}
+
+static inline __attribute__((always_inline)) void sparse_attention_body(
+        const void *q, int q_bf16, int64_t B, int64_t T, int64_t H, int64_t D,
+        const float *win_values, const uint8_t *win_codes, const uint8_t *win_scales, int64_t W,
+        const int64_t *win_idx, int64_t Kw, const uint8_t *main_codes, const uint8_t *main_scales, int64_t N,
+        const int64_t *main_idx, int64_t Km, const float *sink, float scale, void *out, float *scratch) {
+    float *rows = scratch, *keys_t = rows + ATTN_BLOCK * D, *qf = keys_t + ATTN_BLOCK * D, *acc = qf + H * D;
+    float *run_max = acc + H * D, *denom = run_max + H, *pv = denom + H;
+    float logit[ATTN_BLOCK], p[ATTN_BLOCK], pb[ATTN_BLOCK];
+    int valid[ATTN_BLOCK];
+    const int64_t K = Kw + Km;
+    for (int64_t bt = 0; bt < B * T; bt++) {
+        const int64_t b = bt / T;
+        for (int64_t i = 0; i < H * D; i++) { qf[i] = load(q, bt * H * D + i, q_bf16); acc[i] = 0.0f; }
+        for (int64_t h = 0; h < H; h++) { run_max[h] = -1e30f; denom[h] = 0.0f; }
+        for (int64_t start = 0; start < K; start += ATTN_BLOCK) {
+            const int64_t k = K - start < ATTN_BLOCK ? K - start : ATTN_BLOCK;
+            for (int64_t j = 0; j < k; j++) {
+                const int64_t at = start + j, window = at < Kw;
+                const int64_t idx = window ? win_idx[bt * Kw + at] : main_idx[bt * Km + at - Kw];
+                float *row = rows + j * D;
+                valid[j] = idx >= 0;
+                if (valid[j]) attn_gather(row, b, idx, (int)window, D, win_values, win_codes, win_scales, W,
+                                          main_codes, main_scales, N);
+                else memset(row, 0, (size_t)D * sizeof(float));
+                for (int64_t d = 0; d < D; d++) keys_t[d * ATTN_BLOCK + j] = row[d];
+            }
+            for (int64_t h = 0; h < H; h++) {
+                const float *qh = qf + h * D;
+                for (int64_t j = 0; j < k; j++) logit[j] = 0.0f;
+                for (int64_t d = 0; d < D; d++) {  /* lanes over the keys: each key's sum still runs d = 0, 1, ... */
+                    const float qd = qh[d];
+                    const float *kd = keys_t + d * ATTN_BLOCK;
+                    for (int64_t j = 0; j < k; j++) logit[j] = logit[j] + qd * kd[j];
+                }
+                float block_max = -__builtin_inff();
+                for (int64_t j = 0; j < k; j++) {
+                    logit[j] = valid[j] ? logit[j] * scale : -__builtin_inff();
+                    if (logit[j] != logit[j] || logit[j] > block_max) block_max = logit[j];  /* NaN stays */
+                }
+                const float old = run_max[h];
+                const float new_max = old != old ? old : (block_max != block_max || block_max > old ? block_max : old);
+                const float rescale = exp_fixed(old - new_max);
+                float psum = 0.0f;
+                for (int64_t j = 0; j < k; j++) {
+                    p[j] = exp_fixed(logit[j] - new_max);
+                    psum = psum + p[j];
+                    pb[j] = bf16_round(p[j]);
+                }
+                denom[h] = denom[h] * rescale + psum;
+                for (int64_t d = 0; d < D; d++) pv[d] = 0.0f;
+                for (int64_t j = 0; j < k; j++) {  /* lanes over d: each output's sum runs j = 0, 1, ... */
+                    const float w = pb[j];
+                    const float *row = rows + j * D;
+                    for (int64_t d = 0; d < D; d++) pv[d] = pv[d] + w * row[d];
+                }
+                float *ah = acc + h * D;
+                for (int64_t d = 0; d < D; d++) ah[d] = ah[d] * rescale + pv[d];
+                run_max[h] = new_max;
+            }
+        }
+        for (int64_t h = 0; h < H; h++) {
+            float gap = sink[h] - run_max[h];
+            if (gap > ATTN_SINK_MAX) gap = ATTN_SINK_MAX;
+            const float total = denom[h] + exp_fixed(gap);
+            for (int64_t d = 0; d < D; d++) store(out, (bt * H + h) * D + d, acc[h * D + d] / total, q_bf16);
+        }
+    }
+}
+
+#define ATTN_KERNEL(NAME, TARGET)                                                                                 \
+TARGET static void NAME(const void *q, int q_bf16, int64_t B, int64_t T, int64_t H, int64_t D,                   \
+                        const float *win_values, const uint8_t *win_codes, const uint8_t *win_scales, int64_t W, \
+                        const int64_t *win_idx, int64_t Kw, const uint8_t *main_codes, const uint8_t *main_scales,\
+                        int64_t N, const int64_t *main_idx, int64_t Km, const float *sink, float scale, void *out, \
+                        float *scratch) {                                                                        \
+    sparse_attention_body(q, q_bf16, B, T, H, D, win_values, win_codes, win_scales, W, win_idx, Kw, main_codes,  \
+                          main_scales, N, main_idx, Km, sink, scale, out, scratch);                             \
+}
+ATTN_KERNEL(dsv41_sparse_attention_base, HEAD_OPT)
+#if defined(__x86_64__) && defined(__GNUC__)
+ATTN_KERNEL(dsv41_sparse_attention_avx2, HEAD_OPT __attribute__((target("avx2"))))
+ATTN_KERNEL(dsv41_sparse_attention_avx512, HEAD_OPT __attribute__((target("avx512f"))))
+#endif
+
+int dsv41_sparse_attention(const void *q, int q_bf16, int64_t B, int64_t T, int64_t H, int64_t D,
+                           const float *win_values, const uint8_t *win_codes, const uint8_t *win_scales, int64_t W,
+                           const int64_t *win_idx, int64_t Kw, const uint8_t *main_codes, const uint8_t *main_scales,
+                           int64_t N, const int64_t *main_idx, int64_t Km, const float *sink, float scale,
+                           void *out) {
+    float *scratch = malloc(sizeof(float) * (size_t)(2 * ATTN_BLOCK * D + 2 * H * D + 2 * H + D));
+    if (!scratch) return -1;
+#if defined(__x86_64__) && defined(__GNUC__)
+    static int isa = -1;
+    if (isa < 0) isa = dsv41_head_isa();
+    if (isa == 2) dsv41_sparse_attention_avx512(q, q_bf16, B, T, H, D, win_values, win_codes, win_scales, W, win_idx,
+                                                Kw, main_codes, main_scales, N, main_idx, Km, sink, scale, out,
+                                                scratch);
+    else if (isa == 1) dsv41_sparse_attention_avx2(q, q_bf16, B, T, H, D, win_values, win_codes, win_scales, W,
+                                                   win_idx, Kw, main_codes, main_scales, N, main_idx, Km, sink, scale,
+                                                   out, scratch);
+    else
+#endif
+    dsv41_sparse_attention_base(q, q_bf16, B, T, H, D, win_values, win_codes, win_scales, W, win_idx, Kw, main_codes,
+                                main_scales, N, main_idx, Km, sink, scale, out, scratch);
+    free(scratch);
+    return 0;
+}
+
+
+/* ---------------------------------------------------------------- one mHC step */
+/* reference.mhc_step_fixed_order (model/kernels/mhc.py's host step in the decode step's row-invariant mode) up to
+ * the softmax's exp: with y (not NULL) the residual update x_new = dsv41_mhc_expand(y, x, post_in, comb_in), else
+ * x_new is x (nothing written); collapsed = dsv41_mhc_collapse(x_new, pre_prev); then the coefficients of x_new: its
+ * fp32 values' RMS statistic (dsv41_rms_rstd), the projection by fn_t [n d, (n+2) n] in the fixed order, times the
+ * statistic, the affine map per mix (z = mix * scale_mix + base), pre = sigmoid + hc_eps and post = 2 sigmoid
+ * (ATen's scalar formula, as dsv41_sigmoid_scalar), and comb = z - its row's max, whose exp the caller takes
+ * (torch's, MKL's or Sleef's vector code: no C function here has its bits) before dsv41_sinkhorn_normalize. x, y,
+ * x_new and collapsed in one dtype (bf16 or fp32); the rest fp32. Returns 0, or -1 without the scratch memory. */
+int dsv41_mhc_step(const void *x, const void *y, const float *post_in, const float *comb_in, const float *pre_prev,
+                   int bf16, int64_t R, int64_t n, int64_t d, const float *fn_t, const float *scale_mix,
+                   const float *base, float hc_eps, float norm_eps, void *x_new, void *collapsed, float *pre,
+                   float *post, float *comb) {
+    const int64_t nd = n * d, M = (n + 2) * n;
+    float *flat = malloc(sizeof(float) * (size_t)(R * nd + R * M + R));
+    if (!flat) return -1;
+    float *mix = flat + R * nd, *rstd = mix + R * M;
+    const void *xs = x;
+    if (y) {
+        dsv41_mhc_expand(y, x, post_in, comb_in, x_new, R, n, d, bf16, bf16);
+        xs = x_new;
+    }
+    dsv41_mhc_collapse(xs, pre_prev, collapsed, R, n, d, bf16);
+    for (int64_t i = 0; i < R * nd; i++) flat[i] = load(xs, i, bf16);
+    if (dsv41_rms_rstd(flat, 0, R, nd, norm_eps, rstd)) {
+        free(flat);
+        return -1;
+    }
+    dsv41_fixed_order_matmul(flat, R, nd, nd, fn_t, M, mix, M);
+    for (int64_t r = 0; r < R; r++) {
+        float *z = mix + r * M;
+        for (int64_t m = 0; m < M; m++) z[m] = z[m] * rstd[r] * scale_mix[m] + base[m];
+        for (int64_t j = 0; j < n; j++) {
+            pre[r * n + j] = 1.0f / (1.0f + expf(-z[j])) + hc_eps;
+            post[r * n + j] = 1.0f / (1.0f + expf(-z[n + j])) * 2.0f;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const float *zi = z + 2 * n + i * n;
+            float top = zi[0];
+            for (int64_t j = 1; j < n; j++)
+                if (top == top && (zi[j] != zi[j] || zi[j] > top)) top = zi[j];  /* torch.amax: NaN wins */
+            for (int64_t j = 0; j < n; j++) comb[(r * n + i) * n + j] = zi[j] - top;
+        }
+    }
+    free(flat);
+    return 0;
+}

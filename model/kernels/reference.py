@@ -202,11 +202,57 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
     return (acc / denom.unsqueeze(-1)).to(q.dtype)
 
 
+SINK_EXP_MAX = 88.0  # host_kernels.c's ATTN_SINK_MAX: e^88 is still finite in fp32
+
+
+def sparse_attention_fixed_order(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                                 scale: float) -> torch.Tensor:
+    """sparse_attention (the same operands, REF's online softmax over blocks of SPARSE_BLOCK indices, its bf16
+    probabilities before P.V, the sink at the end) with every sum in one fixed order and one exp: each dot product
+    q.kv over d = 0, 1, ..., D-1, each block's sum of probabilities and each P.V output over the block's indices in
+    order, every sum from 0.0; exp by exp_poly (the sink's term at most e^SINK_EXP_MAX, which only an empty row
+    reaches: its output is 0 either way). Invalid indices (-1) give a zero row and a -inf logit.
+
+    This is the CPU's fast path (host.sparse_attention_packed, one C call per layer; "exact" GEMM mode keeps
+    `sparse_attention`, whose MKL batched GEMMs and vectorized exp round in an order that depends on the CPU):
+    a token's output depends only on its own operands, on any x86-64 CPU. The same products; fp32 sums in
+    another order, and another exp within a few ulps. Written as loops of torch operators (D + 2k per block), the
+    test oracle of the C function, not a fast path itself."""
+    B, T, H, D = q.shape
+    qf, kvf = q.float(), kv.float()
+    batch = torch.arange(B, device=q.device).view(B, 1, 1)
+    acc = torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device)
+    denom = torch.zeros(B, T, H, dtype=torch.float32, device=q.device)
+    run_max = torch.full((B, T, H), -1e30, dtype=torch.float32, device=q.device)
+    for start in range(0, idx.size(-1), SPARSE_BLOCK):
+        block = idx[..., start:start + SPARSE_BLOCK].long()
+        valid = block >= 0
+        rows = torch.where(valid.unsqueeze(-1), kvf[batch, block.clamp_min(0)], 0.0)  # [B, T, k, D]
+        logit = torch.zeros(B, T, H, block.size(-1), dtype=torch.float32, device=q.device)
+        for d in range(D):
+            logit = logit + qf[..., d:d + 1] * rows[..., d].unsqueeze(2)
+        logit = torch.where(valid.unsqueeze(2), logit * scale, -torch.inf)
+        new_max = torch.maximum(run_max, logit.amax(dim=-1))
+        rescale = exp_poly(run_max - new_max)
+        p = exp_poly(logit - new_max.unsqueeze(-1))
+        psum = torch.zeros_like(denom)
+        pv = torch.zeros_like(acc)
+        pb = p.to(torch.bfloat16).float()
+        for j in range(block.size(-1)):
+            psum = psum + p[..., j]
+            pv = pv + pb[..., j:j + 1] * rows[:, :, j].unsqueeze(2)
+        denom = denom * rescale + psum
+        acc = acc * rescale.unsqueeze(-1) + pv
+        run_max = new_max
+    total = denom + exp_poly((sink.float() - run_max).clamp(max=SINK_EXP_MAX))
+    return (acc / total.unsqueeze(-1)).to(q.dtype)
+
+
 def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
                             main_codes: torch.Tensor | None, main_scales: torch.Tensor | None,
                             sink: torch.Tensor, window_idx: torch.Tensor, main_idx: torch.Tensor | None,
                             scale: float, window_values: torch.Tensor | None = None,
-                            unpack=None) -> torch.Tensor:
+                            unpack=None, attend=None) -> torch.Tensor:
     """Sparse MQA with a sink over packed KV.
 
     q [B,T,H,D]; window rows packed FP8 E4M3 + UE8M0 per 32 (codes [B,W,D] uint8, scales [B,W,D/32] uint8);
@@ -216,7 +262,8 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
     concatenated, the main ones shifted by W. window_values: the window rows already decoded to fp32 (a
     BatchCache keeps them as it writes them), used instead of decoding window_codes and window_scales.
     unpack(fmt, codes, scales, block): the bytes' fp32 values (default formats' unpackers; the CPU dispatch passes
-    kernels.quant.unpack, the same values in one C call)."""
+    kernels.quant.unpack, the same values in one C call). attend: the attention over the unpacked rows
+    (default `sparse_attention`; `sparse_attention_fixed_order` is the oracle of host.sparse_attention_packed)."""
     unpack = unpack or _formats_unpack
     if window_values is None:
         window_values = unpack("fp8_ue8m0", window_codes, window_scales, formats.FP8_BLOCK)
@@ -234,7 +281,7 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
         main = unpack("fp4_e4m3", main_codes, main_scales, formats.FP4_E4M3_BLOCK)
         kv = torch.cat([window, main], dim=1)
         idx = torch.cat([window_idx, torch.where(main_idx >= 0, main_idx + window.size(1), -1)], dim=-1)
-    return sparse_attention(q, kv, sink, idx.long(), scale)
+    return (attend or sparse_attention)(q, kv, sink, idx.long(), scale)
 
 
 def _formats_unpack(fmt: str, codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
@@ -435,7 +482,8 @@ SCORE_LANES, SCORE_CHUNK, EXP_FLOOR = 16, 1024, -87.0  # host_kernels.c's consta
 
 
 def exp_poly(d: torch.Tensor) -> torch.Tensor:
-    """exp(d) for fp32 d <= 0 with fp32 multiplies and adds only (host_kernels.c's exp, the same bits on any CPU):
+    """exp(d) for fp32 d <= 0 (and up to 88: sparse_attention_fixed_order's sink term) with fp32 multiplies and adds
+    only (host_kernels.c's exp, the same bits on any CPU):
     2^n p(r), n = round(d log2 e), r = d - n ln2 (ln2 in two parts), p the degree-7 Taylor polynomial; 0 below
     EXP_FLOOR (-87, where 2^n would leave the normal range; such a term is under 2^-125 of the sum)."""
     t = d * 1.44269504088896341 + 12582912.0  # + 1.5 * 2^23 rounds n to nearest into the low bits
@@ -551,6 +599,22 @@ def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: t
     xf = x_new.float()  # once for both readers of X'
     collapsed = _collapse(xf, pre_prev, x_new.dtype)
     pre_n, post_n, comb_n = _hc_coefficients(xf, fn, scale, base, iters, hc_eps, norm_eps)
+    return x_new, collapsed, pre_n, post_n, comb_n
+
+
+def mhc_step_fixed_order(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor,
+                         base: torch.Tensor, iters: int, hc_eps: float, norm_eps: float, y: torch.Tensor | None = None,
+                         post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
+    """mhc_step as the CPU's decode step computes it (host.mhc_step; model/kernels/mhc.py): the projection W_fn X
+    summed in the fixed order (fixed_order_matmul: a token's coefficients do not depend on the tokens beside it)
+    and the sigmoids by ATen's scalar formula (`row_invariant`). The oracle of the C step."""
+    with row_invariant():
+        x_new = x if y is None else expand(y, x, post, comb)
+        xf = x_new.float()
+        collapsed = _collapse(xf, pre_prev, x_new.dtype)
+        project = lambda flat, w: fixed_order_matmul(flat.reshape(-1, flat.size(-1)), w.float().t()).view(  # noqa: E731
+            *flat.shape[:-1], w.size(0))
+        pre_n, post_n, comb_n = _hc_coefficients(xf, fn, scale, base, iters, hc_eps, norm_eps, project=project)
     return x_new, collapsed, pre_n, post_n, comb_n
 
 

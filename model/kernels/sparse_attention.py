@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.model.kernels import cdiv, interpreting, opaque, quant, reference, use_triton, whole_waves
+from dsv41.model.kernels import cdiv, gemm, host, interpreting, opaque, quant, reference, use_triton, whole_waves
 
 DENSE, FP8, FP4, NONE = 0, 1, 2, 3
 
@@ -54,6 +54,9 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
     kernel decodes the bytes itself)."""
     usable = force_triton or (supported(q, window_codes.size(-1)) and q.dtype == torch.bfloat16)
     if not usable or not use_triton(q, window_codes, main_codes, force=force_triton):
+        if host_applies(q, window_codes):
+            return host.sparse_attention_packed(q, window_codes, window_scales, main_codes, main_scales, sink,
+                                                window_idx, main_idx, scale, window_values)
         return reference.sparse_attention_packed(q, window_codes, window_scales, main_codes, main_scales, sink,
                                                  window_idx, main_idx, scale, window_values, unpack=quant.unpack)
     segments = [(FP8, window_codes, window_scales, window_idx)]
@@ -69,6 +72,15 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
     if not use_triton(q, kv, force=force_triton) or kv.dtype != torch.bfloat16:
         return reference.sparse_attention(q, kv, sink, idx, scale)
     return _launch(q, sink, scale, [(DENSE, kv, None, idx)], variant)
+
+
+def host_applies(q: torch.Tensor, window_codes: torch.Tensor) -> bool:
+    """Whether the CPU takes host.sparse_attention_packed (reference.sparse_attention_fixed_order's sums, one C
+    call): a contiguous bf16/fp32 CPU q with no gradient wanted, whole FP8 and FP4 scale blocks, the library
+    loaded, the "fast" GEMM mode (the "exact" mode keeps REF's order: reference.sparse_attention) and no Triton
+    interpreter (whose runs compare the kernels against the reference)."""
+    return (q.dim() == 4 and q.size(-1) % 32 == 0 and window_codes.size(-1) == q.size(-1)
+            and gemm.GEMM_MODE["mode"] == "fast" and not interpreting() and host.takes(q))
 
 
 def supported(q: torch.Tensor, head_dim: int) -> bool:
