@@ -231,6 +231,17 @@ class Linear(nn.Module):
                 and (x.dtype == torch.bfloat16 or x.dtype == torch.float32)
                 and x.shape[-1] % self.block == 0 and x.is_contiguous() and host.available())
 
+    def _host_current(self) -> bool:
+        """Whether the transposed weight of the host path is kept and current (the weight and scale unchanged
+        since it was made): `_host_weight` and `_fused_host` less what they ask of the call, which MoE's routed
+        host path asks once per call (host_path_applies and x's dtype, width and layout)."""
+        cached = self._dequantized
+        if cached is None or cached[3] is None:
+            return False
+        params = self._parameters
+        w = params["weight"]
+        return cached[0] == (w._version, params["scale"]._version, w.data_ptr())
+
     def _host_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         """The cached fp32 weight when forward's last branch is certain to run on the host with no graph
         through x, else None. This is the decode step's common case, answered from the cache without

@@ -97,6 +97,7 @@ class MoE(nn.Module):
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, dense, args.fp8_block_size, args.swiglu_limit,
                                      args.trainable)
         self._quantized_experts: bool | None = None  # every routed expert FP8/FP4 inference weights (every_row)
+        self._layout: tuple | None = None  # (the experts held, their linears where `_routed_host` can run)
         self._chosen: torch.Tensor | None = None  # the last forward's expert indices, and their counts (`load`)
         self._load: torch.Tensor | None = None
 
@@ -169,19 +170,41 @@ class MoE(nn.Module):
         block size (whole blocks in w2's input width too), x contiguous bf16/fp32 and every hidden and output width
         whole vector chunks of ATen's elementwise loops (so silu computes each element as in the loop, whatever the
         rows beside it). Else None (the loop runs; its first call also fills the weight caches)."""
-        if not self._sums_rows_alone(x) or any(e is None for e in self.experts):
+        if not self._sums_rows_alone(x):
             return None
-        first = self.experts[0]
-        if (first.w1.out_features % reference.VECTOR_CHUNK or first.w2.out_features % reference.VECTOR_CHUNK
-                or first.w2.in_features % first.w2.block):  # w2's input is the hidden state, not x
+        linears = self._host_linears()
+        block = linears[0][0].block if linears else 0
+        # what Linear._fused_host asks of its input, asked once of x (w2's input, the hidden state, has x's dtype
+        # and layout, and its width is whole blocks: _host_linears)
+        if (not linears or x.shape[-1] % block or not x.is_contiguous()
+                or (x.dtype != torch.bfloat16 and x.dtype != torch.float32)):
             return None
         counts = torch.bincount(indices.flatten(), minlength=self.n_routed).tolist()
         used = [e for e, c in enumerate(counts) if c]
-        for e in used:  # (w2's _fused_host asks of x what its own input, the hidden state, also has: see above)
-            for lin in (self.experts[e].w1, self.experts[e].w3, self.experts[e].w2):
-                if lin._host_weight(x) is None or not lin._fused_host(x) or lin.block != first.w1.block:
+        for e in used:
+            for lin in linears[e]:
+                if not lin._host_current():
                     return None
         return counts, used
+
+    def _host_linears(self) -> list:
+        """Each routed expert's (w1, w3, w2) where the layout lets `_routed_host` run, else []: every expert held
+        here, no bias, one block size, every hidden and output width whole vector chunks of ATen's elementwise loops
+        (so silu computes each element as in the loop, whatever the rows beside it) and w2's input whole blocks.
+        Read again only when the experts held change (parallel.py shards them after the model is built)."""
+        held_now = tuple(self.experts._modules.values())
+        if self._layout is None or self._layout[0] != held_now:
+            held = all(e is not None for e in held_now)
+            linears = [(e.w1, e.w3, e.w2) for e in self.experts] if held else []
+            first = linears[0] if linears else None
+            if first is None or (first[0].out_features % reference.VECTOR_CHUNK
+                                 or first[2].out_features % reference.VECTOR_CHUNK
+                                 or first[2].in_features % first[2].block
+                                 or any(lin.bias is not None or lin.block != first[0].block
+                                        for trio in linears for lin in trio)):
+                linears = []
+            self._layout = (held_now, linears)
+        return self._layout[1]
 
     def _routed_host(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, counts: list[int],
                      used: list[int]) -> torch.Tensor:
@@ -195,15 +218,14 @@ class MoE(nn.Module):
         flat = indices.flatten()
         order = torch.argsort(flat, stable=True)
         rows = torch.div(order, k, rounding_mode="floor")
-        lins = [self.experts[e] for e in used]
-        ptr = lambda lin: lin._dequantized[4]  # noqa: E731 - the transposed weight's address, kept by the layer
+        trios = [self._layout[1][e] for e in used]  # (w1, w3, w2), their transposed weights kept (_host_experts)
         counts_used = [counts[e] for e in used]
-        first = lins[0]
-        gate, up = host.fp8_linear_grouped(x[rows], first.w1.block, counts_used, [ptr(e.w1) for e in lins],
-                                           first.w1.out_features, [ptr(e.w3) for e in lins], first.w3.out_features)
-        h = first._hidden(gate.float(), up.float(), weights.flatten()[order].unsqueeze(-1)).to(x.dtype)
-        out = host.fp8_linear_grouped(h, first.w2.block, counts_used, [ptr(e.w2) for e in lins],
-                                      first.w2.out_features).float()
+        w1, w3, w2 = trios[0]
+        gate, up = host.fp8_linear_grouped(x[rows], w1.block, counts_used, [t[0]._dequantized[4] for t in trios],
+                                           w1.out_features, [t[1]._dequantized[4] for t in trios], w3.out_features)
+        h = self.experts[used[0]]._hidden(gate.float(), up.float(), weights.flatten()[order].unsqueeze(-1)).to(x.dtype)
+        out = host.fp8_linear_grouped(h, w2.block, counts_used, [t[2]._dequantized[4] for t in trios],
+                                      w2.out_features).float()
         y = torch.zeros(n_tok, self.dim, dtype=torch.float32)
         if n_tok == 1:  # one token (a one-sequence decode step): its slots are out's rows already, by expert
             for j in range(k):
@@ -229,6 +251,9 @@ class MoE(nn.Module):
         weights, indices = self.gate(x)
         n = x.size(0) if rows_in_use is None else rows_in_use
         if self._sums_rows_alone(x):
+            y = self._every_row_host(x, weights, indices, n)
+            if y is not None:
+                return y.reshape(shape)
             # every expert GEMM sums each row on its own here (the host's fixed-order GEMMs), so the routed loop
             # (each chosen expert on its own rows) gives every row the bits above without running each chosen
             # expert on every row: k expert-rows a row instead of up to n_routed
@@ -239,6 +264,42 @@ class MoE(nn.Module):
             y = self.routed(x, weights, indices, every_row=n)
         y += self.shared_experts(x).float()
         return y.to(x.dtype).reshape(shape)
+
+    def _every_row_host(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+                        n: int) -> torch.Tensor | None:
+        """`every_row`'s host path (`_routed_host` for the first n rows, the shared expert on all, their sum) in two
+        C calls around torch's silu, the one operator whose bits C does not have (ATen's vector code): host.moe_up
+        (the expert sort, each expert's rows and the shared expert through w1 and w3, the clamps), F.silu on all of
+        them at once (whole vector chunks: each element as computed alone; `_host_linears`), host.moe_down (the
+        products, the routing weights, w2, each token's sum in expert order, the shared output). The same bits as
+        the path it replaces (tests/test_host_kernels.py); None where it does not apply (`_host_experts`' checks,
+        the shared expert on the host path with the routed experts' block, width and limit, fp32 weights)."""
+        linears = self._host_linears()
+        shared = self.shared_experts
+        s1, s3, s2 = shared.w1, shared.w3, shared.w2
+        if not linears or weights.dtype != torch.float32 or not indices.is_contiguous():
+            return None
+        w1, w3, w2 = linears[0]
+        block = w1.block
+        if (x.shape[-1] % block or not x.is_contiguous() or (x.dtype != torch.bfloat16 and x.dtype != torch.float32)
+                or shared.limit != self.experts[0].limit or s1.out_features != w1.out_features
+                or any(lin.block != block or lin.bias is not None or lin.kind == "dense" or lin.trainable
+                       or not lin._host_current() for lin in (s1, s3, s2))):
+            return None
+        if n < indices.size(0):
+            indices, weights = indices[:n], weights[:n]
+        used = set(indices.flatten().tolist())
+        E = len(linears)
+        p1, p3, p2 = [None] * E, [None] * E, [None] * E
+        for e in used:
+            a, b, c = linears[e]
+            if not (a._host_current() and b._host_current() and c._host_current()):
+                return None
+            p1[e], p3[e], p2[e] = a._dequantized[4], b._dequantized[4], c._dequantized[4]
+        gate, up, order = host.moe_up(x, indices, block, p1, p3, s1._dequantized[4], s3._dequantized[4],
+                                      w1.out_features, shared.limit)
+        return host.moe_down(F.silu(gate), up, weights.contiguous(), indices, order, block, p2, s2._dequantized[4],
+                             self.dim, x.dtype)
 
     def _sums_rows_alone(self, x: torch.Tensor) -> bool:
         """Whether each routed expert's three GEMMs sum a row's outputs independently of the other rows: every

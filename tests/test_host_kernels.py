@@ -554,6 +554,33 @@ def test_routed_moe_host_path_is_the_loops_bits(tiny_model, monkeypatch, n_tok):
         moe.experts._modules[last] = held
 
 
+@pytest.mark.parametrize("n_tok,in_use", [(1, 1), (5, 5), (33, 33), (8, 5)])
+def test_moe_every_row_in_two_calls_is_the_paths_bits(tiny_model, monkeypatch, n_tok, in_use):
+    """MoE.every_row's host path in two C calls around torch's silu (host.moe_up, host.moe_down) against the path it
+    replaces (`_routed_host` for the rows in use, the shared expert on every row, their sum): the same bits, at one
+    token, a few, more tokens than experts, and with padding rows (rows_in_use < R); it runs only once the layers'
+    weight caches are filled (the first call takes the loop, which fills them)."""
+    from dsv41.model import moe as moe_module
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    layers_moe = [b.ffn for b in tiny_model.layers if isinstance(b.ffn, moe_module.MoE)]
+    ran = []
+    real = moe_module.MoE._every_row_host
+    monkeypatch.setattr(moe_module.MoE, "_every_row_host",
+                        lambda self, *a: (lambda y: ran.append(y is not None) or y)(real(self, *a)))
+    g = torch.Generator().manual_seed(n_tok)
+    for moe in layers_moe:
+        x = (torch.randn(n_tok, 1, moe.dim, generator=g) * 2).bfloat16()
+        with torch.inference_mode():
+            moe.every_row(x, in_use)  # fills the caches
+            two_calls = moe.every_row(x, in_use)
+            with monkeypatch.context() as m:
+                m.setattr(moe_module.MoE, "_every_row_host", lambda self, *a: None)
+                before = moe.every_row(x, in_use)
+        assert_same(two_calls, before)
+    assert ran and ran[-1], "the two-call path did not run"
+
+
 # ------------------------------------------------------------------------------------------- the KV cache's formats
 
 PACKERS = [("fp8_ue8m0", formats.FP8_BLOCK), ("mxfp4", formats.MXFP4_BLOCK), ("fp4_e4m3", formats.FP4_E4M3_BLOCK)]
@@ -847,7 +874,7 @@ def test_mhc_step_in_one_call_bits(R, n, d, with_y, dtype):
                       torch.rand(R, 1, n, n, generator=g)) if with_y else (None, None, None))
     scale_mix, base_f = reference._mix_affine(scale, base, n)
     with torch.inference_mode():
-        got = host.mhc_step(x, pre_prev, fn, scale_mix, base_f, 20, 1e-6, 1e-20, y, post, comb)
+        got = host.mhc_step(x, pre_prev, host.transposed(fn), scale_mix, base_f, 20, 1e-6, 1e-20, y, post, comb)
         want = reference.mhc_step_fixed_order(x, pre_prev, fn, scale, base, 20, 1e-6, 1e-20, y, post, comb)
         ref = reference.mhc_step(x, pre_prev, fn, scale, base, 20, 1e-6, 1e-20, y, post, comb)
     for a, b, c in zip(got, want, ref):

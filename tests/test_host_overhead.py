@@ -552,7 +552,7 @@ def test_moe_bits(bundled):
 def test_moe_every_row_takes_the_routed_loop_on_the_host_with_the_same_bits(bundled, monkeypatch):
     """MoE.every_row (a continuous batch's decode step): on the CPU's fixed-order host GEMMs each chosen expert runs
     on its own rows only, and every row gets the bits of the every-expert-on-every-row form, alone or in a batch,
-    padding rows included."""
+    padding rows included; so does the whole layer in two C calls (`_every_row_host`, the default there)."""
     from dsv41.model.moe import MoE
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set by the kernel tests: it sends Linear to the kernels
@@ -570,8 +570,10 @@ def test_moe_every_row_takes_the_routed_loop_on_the_host_with_the_same_bits(bund
         calls.clear()
         with torch.inference_mode():
             assert m._sums_rows_alone(x)
+            two_calls, two_calls_padded = m.every_row(x), m.every_row(x, rows_in_use=5)
             with monkeypatch.context() as patch:
                 patch.setattr(MoE, "routed", routed)
+                patch.setattr(MoE, "_every_row_host", lambda self, *a: None)
                 fast, fast_padded = m.every_row(x), m.every_row(x, rows_in_use=5)
                 assert calls == [{}, {}]  # the routed loop, not every_row's dense form
                 patch.setattr(MoE, "_sums_rows_alone", lambda self, x: False)
@@ -582,6 +584,8 @@ def test_moe_every_row_takes_the_routed_loop_on_the_host_with_the_same_bits(bund
         assert_same(fast, alone)
         assert_same(fast_padded[:5], dense_padded[:5])
         assert_same(fast_padded[:5], fast[:5])
+        assert_same(two_calls, fast)
+        assert_same(two_calls_padded, fast_padded)
     with monkeypatch.context() as patch:  # without the C library the expert GEMMs are MKL's: the dense form
         patch.setattr(host, "available", lambda: False)
         assert not model.layers[0].ffn._sums_rows_alone(x)

@@ -152,6 +152,12 @@ def library() -> ctypes.CDLL | None:
     lib.dsv41_mhc_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ptr, f32, f32, ptr,
                                    ptr, ptr, ptr, ptr]
     lib.dsv41_mhc_step.restype = ctypes.c_int
+    lib.dsv41_moe_up.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, f32, f32, ptr, i64, ptr, ptr, ptr, ptr,
+                                 i64, f32, ptr, ptr, ptr]
+    lib.dsv41_moe_up.restype = ctypes.c_int
+    lib.dsv41_moe_down.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, f32, f32, ptr, ptr, ptr, i64, ptr, ptr, i64,
+                                   ctypes.c_int, ptr]
+    lib.dsv41_moe_down.restype = ctypes.c_int
     _STATUS[0] = "loaded"
     return lib
 
@@ -661,12 +667,12 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
 
 
 # ------------------------------------------------------------------------------- mHC
-def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale_mix: torch.Tensor, base: torch.Tensor,
+def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn_t: torch.Tensor, scale_mix: torch.Tensor, base: torch.Tensor,
              iters: int, hc_eps: float, norm_eps: float, y: torch.Tensor | None = None,
              post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
     """reference.mhc_step_fixed_order in two C calls around torch's exp, for takes(x, pre_prev[, y, post, comb])
-    with y in x's dtype: x [..., n, d] (n <= SINKHORN_MAX_N), fn [(n+2) n, n d] (transposed and widened once,
-    `transposed`), scale_mix and base [(n+2) n] fp32 contiguous (the scales spread per mix: reference._mix_affine).
+    with y in x's dtype: x [..., n, d] (n <= SINKHORN_MAX_N), fn_t = transposed(W_fn) [n d, (n+2) n] fp32, scale_mix
+    and base [(n+2) n] fp32 contiguous (the scales spread per mix: reference._mix_affine).
     Returns (X', collapsed, pre, post, comb)."""
     *lead, n, d = x.shape
     x_new = x if y is None else torch.empty_like(x)
@@ -675,7 +681,46 @@ def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale_mi
     if library().dsv41_mhc_step(
             x.data_ptr(), None if y is None else y.data_ptr(), None if y is None else post.data_ptr(),
             None if y is None else comb.data_ptr(), pre_prev.data_ptr(), x.dtype == torch.bfloat16,
-            x.numel() // (n * d), n, d, transposed(fn).data_ptr(), scale_mix.data_ptr(), base.data_ptr(), hc_eps,
+            x.numel() // (n * d), n, d, fn_t.data_ptr(), scale_mix.data_ptr(), base.data_ptr(), hc_eps,
             norm_eps, x_new.data_ptr(), collapsed.data_ptr(), pre_n.data_ptr(), post_n.data_ptr(), comb_n.data_ptr()):
         raise MemoryError(f"mhc_step: no scratch memory for {tuple(x.shape)}")
     return x_new, collapsed, pre_n, post_n, sinkhorn_normalize_(torch.exp(comb_n, out=comb_n), iters, hc_eps)
+
+
+# ------------------------------------------------------------------------------- a MoE layer's decode step
+def moe_up(x: torch.Tensor, indices: torch.Tensor, block: int, w1: list, w3: list, shared_w1: int, shared_w3: int,
+           N: int, limit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first half of MoE.every_row's host path in one C call (host_kernels.c, dsv41_moe_up): x [R, K]
+    contiguous bf16/fp32 (K whole blocks), indices [n, k] int64 contiguous (the first n tokens' experts), w1[e] /
+    w3[e] the addresses of expert e's transposed fp32 weights [K, N] (None for an expert no token chose),
+    shared_w1 / shared_w3 the shared expert's. Returns (gate, up) fp32 [n k + R, N], clamped, the routed rows by
+    expert and then the shared rows, and the sorted assignments [n k] for moe_down."""
+    R, K = x.shape
+    n, k = indices.shape
+    E = len(w1)
+    gate = torch.empty(n * k + R, N)
+    up = torch.empty(n * k + R, N)
+    order = torch.empty(n * k, dtype=torch.int64)
+    pointers = ctypes.c_void_p * E
+    if library().dsv41_moe_up(x.data_ptr(), x.dtype == torch.bfloat16, R, n, k, K, block, formats.FP8_AMAX_FLOOR,
+                              formats._FP8_RATIO, indices.data_ptr(), E, pointers(*w1), pointers(*w3), shared_w1,
+                              shared_w3, N, limit, gate.data_ptr(), up.data_ptr(), order.data_ptr()):
+        raise MemoryError(f"moe_up: no scratch memory for {tuple(x.shape)} x {n * k} assignments")
+    return gate, up, order
+
+
+def moe_down(silu_gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+             order: torch.Tensor, block: int, w2: list, shared_w2: int, D: int, dtype: torch.dtype) -> torch.Tensor:
+    """The second half (dsv41_moe_down): silu_gate = F.silu(gate) and up of moe_up, weights [n, k] fp32
+    contiguous (the router's), indices and order as moe_up's, w2[e] the address of expert e's transposed w2 [N, D]
+    (None where unchosen), shared_w2 the shared expert's -> the layer's output [R, D] in dtype (x's)."""
+    M, N = up.shape
+    n, k = indices.shape
+    R = M - n * k
+    E = len(w2)
+    out = torch.empty(R, D, dtype=dtype)
+    if library().dsv41_moe_down(silu_gate.data_ptr(), up.data_ptr(), R, n, k, N, block, formats.FP8_AMAX_FLOOR,
+                                formats._FP8_RATIO, indices.data_ptr(), order.data_ptr(), weights.data_ptr(), E,
+                                (ctypes.c_void_p * E)(*w2), shared_w2, D, dtype == torch.bfloat16, out.data_ptr()):
+        raise MemoryError(f"moe_down: no scratch memory for {R} tokens x {n * k} assignments")
+    return out

@@ -823,6 +823,17 @@ static inline float exp_fixed(float d) {
 
 static inline float bf16_round(float v) { return u2f((uint32_t)to_bf16(v) << 16); }
 
+/* e4m3_value of every byte, filled on first use (a race fills it twice with the same values) */
+static float E4M3_TABLE[256];
+static volatile int e4m3_table_ready = 0;
+
+static void e4m3_table_fill(void) {
+    if (e4m3_table_ready) return;
+    for (int c = 0; c < 256; c++) E4M3_TABLE[c] = e4m3_value((uint8_t)c);
+    e4m3_table_ready = 1;
+}
+
+/* one row's values as the unpackers give them (each a code's value times its block's scale, one product) */
 static inline __attribute__((always_inline)) void attn_gather(
         float *row, int64_t b, int64_t idx, int window, int64_t D, const float *win_values, const uint8_t *win_codes,
         const uint8_t *win_scales, int64_t W, const uint8_t *main_codes, const uint8_t *main_scales, int64_t N) {
@@ -830,11 +841,20 @@ static inline __attribute__((always_inline)) void attn_gather(
         memcpy(row, win_values + (b * W + idx) * D, (size_t)D * sizeof(float));
     } else if (window) {
         const uint8_t *c = win_codes + (b * W + idx) * D, *s = win_scales + (b * W + idx) * (D / 32);
-        for (int64_t d = 0; d < D; d++) row[d] = e4m3_value(c[d]) * e8m0_value(s[d / 32]);
+        for (int64_t g = 0; g < D; g += 32) {
+            const float scale = e8m0_value(s[g / 32]);
+            for (int64_t i = g; i < g + 32; i++) row[i] = E4M3_TABLE[c[i]] * scale;
+        }
     } else {
         const uint8_t *c = main_codes + (b * N + idx) * (D / 2), *s = main_scales + (b * N + idx) * (D / 16);
-        for (int64_t d = 0; d < D; d++)
-            row[d] = E2M1_VALUES[(c[d / 2] >> ((d & 1) * 4)) & 0xFu] * e4m3_value(s[d / 16]);
+        for (int64_t g = 0; g < D; g += 16) {
+            const float scale = E4M3_TABLE[s[g / 16]];
+            for (int64_t i = g; i < g + 16; i += 2) {
+                const uint8_t pair = c[i / 2];
+                row[i] = E2M1_VALUES[pair & 0xFu] * scale;
+                row[i + 1] = E2M1_VALUES[pair >> 4] * scale;
+            }
+        }
     }
 }
 
@@ -929,6 +949,7 @@ int dsv41_sparse_attention(const void *q, int q_bf16, int64_t B, int64_t T, int6
                            void *out) {
     float *scratch = malloc(sizeof(float) * (size_t)(2 * ATTN_BLOCK * D + 2 * H * D + 2 * H + D));
     if (!scratch) return -1;
+    e4m3_table_fill();
 #if defined(__x86_64__) && defined(__GNUC__)
     static int isa = -1;
     if (isa < 0) isa = dsv41_head_isa();
@@ -993,4 +1014,136 @@ int dsv41_mhc_step(const void *x, const void *y, const float *post_in, const flo
     }
     free(flat);
     return 0;
+}
+
+
+/* ---------------------------------------------------------------- a MoE layer's decode step, in two calls */
+/* MoE.every_row's host path (model/moe.py: `_routed_host` for the routed experts, Expert.forward for the shared
+ * one) as two calls around the one operator whose bits stay torch's, silu (ATen's vector code, Sleef's exp):
+ *
+ * dsv41_moe_up: the (token, slot) assignments a = t k + j of the first n tokens sorted by expert (a stable counting
+ * sort: `_routed_host`'s argsort), into order [n k]; each expert's tokens through its w1 and w3 (dsv41_fp8_linear on
+ * the gathered rows: each row's FP8 activation and fixed-order sums, outputs rounded to x's dtype), then the shared
+ * expert's w1 and w3 on all R tokens, each output widened to fp32 and clamped as Expert._hidden and
+ * reference.swiglu clamp (up to [-limit, limit], gate to at most limit; none for limit <= 0): gate and up
+ * [n k + R, N] fp32, the routed rows first (by expert), then the shared rows. w1[e], w3[e]: expert e's transposed
+ * fp32 weights [K, N] (NULL for an expert no token chose). Returns 0, or -1 without the scratch memory. */
+static int moe_gather_linear(const void *x, int x_bf16, int64_t K, int64_t block, float amax_floor, float ratio,
+                             const int64_t *rows, int64_t count, const float *wa, int64_t Na, const float *wb,
+                             int64_t Nb, void *out_a, void *out_b) {
+    const size_t size = x_bf16 ? 2 : 4;
+    char *xg = malloc((size_t)(count * K) * size);
+    if (!xg) return -1;
+    for (int64_t i = 0; i < count; i++)
+        memcpy(xg + (size_t)(i * K) * size, (const char *)x + (size_t)(rows[i] * K) * size, (size_t)K * size);
+    const int rc = dsv41_fp8_linear(xg, x_bf16, count, K, block, amax_floor, ratio, wa, Na, out_a, wb, Nb, out_b,
+                                    x_bf16);
+    free(xg);
+    return rc;
+}
+
+/* counts[e] of the assignments' experts and order: the assignments by expert, each expert's in their order */
+static int moe_sort(const int64_t *indices, int64_t assignments, int64_t E, int64_t *counts, int64_t *order) {
+    int64_t *next = malloc(sizeof(int64_t) * (size_t)(E > 0 ? E : 1));
+    if (!next) return -1;
+    for (int64_t e = 0; e < E; e++) counts[e] = 0;
+    for (int64_t a = 0; a < assignments; a++) counts[indices[a]]++;
+    int64_t start = 0;
+    for (int64_t e = 0; e < E; e++) { next[e] = start; start += counts[e]; }
+    for (int64_t a = 0; a < assignments; a++) order[next[indices[a]]++] = a;
+    free(next);
+    return 0;
+}
+
+int dsv41_moe_up(const void *x, int x_bf16, int64_t R, int64_t n, int64_t k, int64_t K, int64_t block,
+                 float amax_floor, float ratio, const int64_t *indices, int64_t E, const float *const *w1,
+                 const float *const *w3, const float *shared_w1, const float *shared_w3, int64_t N, float limit,
+                 float *gate, float *up, int64_t *order) {
+    const int64_t nk = n * k, M = nk + R;
+    const size_t size = x_bf16 ? 2 : 4;
+    int64_t *counts = malloc(sizeof(int64_t) * (size_t)(E + M));
+    char *g_raw = malloc((size_t)(M * N) * size), *u_raw = malloc((size_t)(M * N) * size);
+    if (!counts || !g_raw || !u_raw) {
+        free(counts); free(g_raw); free(u_raw);
+        return -1;
+    }
+    int64_t *rows = counts + E;
+    int rc = moe_sort(indices, nk, E, counts, order);
+    for (int64_t i = 0; i < nk; i++) rows[i] = order[i] / k;
+    for (int64_t t = 0; t < R; t++) rows[nk + t] = t;
+    int64_t row = 0;
+    for (int64_t e = 0; e < E && !rc; e++) {
+        if (!counts[e]) continue;
+        rc = moe_gather_linear(x, x_bf16, K, block, amax_floor, ratio, rows + row, counts[e], w1[e], N, w3[e], N,
+                               g_raw + (size_t)(row * N) * size, u_raw + (size_t)(row * N) * size);
+        row += counts[e];
+    }
+    if (!rc && R)
+        rc = moe_gather_linear(x, x_bf16, K, block, amax_floor, ratio, rows + nk, R, shared_w1, N, shared_w3, N,
+                               g_raw + (size_t)(nk * N) * size, u_raw + (size_t)(nk * N) * size);
+    if (!rc)
+        for (int64_t i = 0; i < M * N; i++) {
+            float g = load(g_raw, i, x_bf16), u = load(u_raw, i, x_bf16);
+            if (limit > 0) {
+                u = u < -limit ? -limit : (u > limit ? limit : u);
+                g = g > limit ? limit : g;
+            }
+            gate[i] = g;
+            up[i] = u;
+        }
+    free(counts); free(g_raw); free(u_raw);
+    return rc ? -1 : 0;
+}
+
+/* dsv41_moe_down: h = silu(gate) * up in fp32 (silu_gate: torch's silu of dsv41_moe_up's gate), times the routing
+ * weight on the routed rows (weights [n k] at the sorted assignment: Expert._hidden), rounded to x's dtype; each
+ * expert's rows through its w2 and the shared rows through shared_w2 (dsv41_fp8_linear, outputs in x's dtype and
+ * widened); then per token 0 + its routed outputs in ascending expert order (`_routed_host`'s sum; tokens n.. have
+ * none), + its shared output, rounded to x's dtype: out [R, D]. Returns 0, or -1 without the scratch memory. */
+int dsv41_moe_down(const float *silu_gate, const float *up, int64_t R, int64_t n, int64_t k, int64_t N,
+                   int64_t block, float amax_floor, float ratio, const int64_t *indices, const int64_t *order,
+                   const float *weights, int64_t E, const float *const *w2, const float *shared_w2, int64_t D,
+                   int x_bf16, void *out) {
+    const int64_t nk = n * k, M = nk + R;
+    const size_t size = x_bf16 ? 2 : 4;
+    int64_t *counts = malloc(sizeof(int64_t) * (size_t)(E > 0 ? E : 1));
+    char *h = malloc((size_t)(M * N) * size), *o_raw = malloc((size_t)(M * D) * size);
+    float *y = malloc(sizeof(float) * (size_t)(R * D));
+    if (!counts || !h || !o_raw || !y) {
+        free(counts); free(h); free(o_raw); free(y);
+        return -1;
+    }
+    for (int64_t e = 0; e < E; e++) counts[e] = 0;
+    for (int64_t a = 0; a < nk; a++) counts[indices[a]]++;
+    for (int64_t i = 0; i < M; i++) {
+        const float w = i < nk ? weights[order[i]] : 0.0f;
+        for (int64_t c = 0; c < N; c++) {
+            float v = silu_gate[i * N + c] * up[i * N + c];
+            if (i < nk) v = w * v;
+            store(h, i * N + c, v, x_bf16);
+        }
+    }
+    int rc = 0;
+    int64_t row = 0;
+    for (int64_t e = 0; e < E && !rc; e++) {
+        if (!counts[e]) continue;
+        rc = dsv41_fp8_linear(h + (size_t)(row * N) * size, x_bf16, counts[e], N, block, amax_floor, ratio, w2[e], D,
+                              o_raw + (size_t)(row * D) * size, NULL, 0, NULL, x_bf16);
+        row += counts[e];
+    }
+    if (!rc && R)
+        rc = dsv41_fp8_linear(h + (size_t)(nk * N) * size, x_bf16, R, N, block, amax_floor, ratio, shared_w2, D,
+                              o_raw + (size_t)(nk * D) * size, NULL, 0, NULL, x_bf16);
+    if (!rc) {
+        for (int64_t i = 0; i < R * D; i++) y[i] = 0.0f;
+        for (int64_t i = 0; i < nk; i++) {  /* by expert: each token's outputs arrive in ascending expert order */
+            float *yt = y + (order[i] / k) * D;
+            for (int64_t c = 0; c < D; c++) yt[c] = yt[c] + load(o_raw, i * D + c, x_bf16);
+        }
+        for (int64_t t = 0; t < R; t++)
+            for (int64_t c = 0; c < D; c++)
+                store(out, t * D + c, y[t * D + c] + load(o_raw, (nk + t) * D + c, x_bf16), x_bf16);
+    }
+    free(counts); free(h); free(o_raw); free(y);
+    return rc ? -1 : 0;
 }
