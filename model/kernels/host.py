@@ -146,8 +146,8 @@ def library() -> ctypes.CDLL | None:
     lib.dsv41_rms_rstd.restype = ctypes.c_int
     lib.dsv41_rms_norm.argtypes = [ptr, ctypes.c_int, ptr, ctypes.c_int, i64, i64, f32, ptr]
     lib.dsv41_rms_norm.restype = ctypes.c_int
-    lib.dsv41_sparse_attention.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ptr,
-                                           ptr, i64, ptr, i64, ptr, f32, ptr]
+    lib.dsv41_sparse_attention.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64,
+                                           ptr, ptr, i64, i64, ptr, i64, ptr, f32, ptr]
     lib.dsv41_sparse_attention.restype = ctypes.c_int
     lib.dsv41_mhc_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ptr, f32, f32, ptr,
                                    ptr, ptr, ptr, ptr]
@@ -637,7 +637,8 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
                             window_values: torch.Tensor | None = None) -> torch.Tensor:
     """reference.sparse_attention_packed(..., attend=reference.sparse_attention_fixed_order) in one C call: q
     [B, T, H, D] contiguous bf16/fp32 (D a multiple of 32); the window's FP8 bytes (or their fp32 values) and the
-    main store's FP4 bytes are read in place, one gathered block of rows at a time."""
+    main store's FP4 bytes are read in place: a decode step's token decodes the rows it selects, a prefill's tokens
+    share each sequence's rows, decoded once."""
     B, T, H, D = q.shape
     window = window_values if window_values is not None else window_codes
     w_apart = _rows_apart(window) if window_values is not None else _rows_apart(window_codes, window_scales)
@@ -659,9 +660,10 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
     ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     if library().dsv41_sparse_attention(
             q.data_ptr(), q.dtype == torch.bfloat16, B, T, H, D, ptr(window_values), window_codes.data_ptr(),
-            window_scales.data_ptr(), w_apart, win_idx.data_ptr(), win_idx.size(-1),
+            window_scales.data_ptr(), w_apart, window.size(1), win_idx.data_ptr(), win_idx.size(-1),
             ptr(main_codes) if main else None, ptr(main_scales) if main else None, m_apart,
-            ptr(main_idx) if main else None, main_idx.size(-1) if main else 0, sink.data_ptr(), scale, out.data_ptr()):
+            main_codes.size(1) if main else 0, ptr(main_idx) if main else None, main_idx.size(-1) if main else 0,
+            sink.data_ptr(), scale, out.data_ptr()):
         raise MemoryError(f"sparse_attention: no scratch memory for {tuple(q.shape)}")
     return out
 

@@ -806,8 +806,9 @@ void dsv41_softplus_scalar(const float *x, float *out, int64_t n) {
 #define ATTN_SINK_MAX 88.0f
 
 /* reference.exp_fixed: SCORE_KERNEL's exp (exp_poly) for one value; 0 below EXP_FLOOR and for NaN, finite up to 88 */
-static inline float exp_fixed(float d) {
-    if (!(d >= EXP_FLOOR)) return 0.0f;
+static inline float exp_fixed(float d_in) {
+    const int keep = d_in >= EXP_FLOOR;  /* no branch: a loop of these vectorizes */
+    const float d = keep ? d_in : 0.0f;
     const float t = d * 1.44269504088896341f + 12582912.0f;
     const float n = t - 12582912.0f;
     const float r = (d - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
@@ -818,10 +819,16 @@ static inline float exp_fixed(float d) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    return p * u2f((uint32_t)((int32_t)n + 127) << 23);
+    const float v = p * u2f((uint32_t)((int32_t)n + 127) << 23);
+    return keep ? v : 0.0f;
 }
 
-static inline float bf16_round(float v) { return u2f((uint32_t)to_bf16(v) << 16); }
+/* v rounded to bf16 (nearest even) and widened back; a NaN stays a NaN */
+static inline float bf16_round(float v) {
+    const uint32_t u = f2u(v);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? v : u2f(r);
+}
 
 /* e4m3_value of every byte, filled on first use (a race fills it twice with the same values) */
 static float E4M3_TABLE[256];
@@ -833,43 +840,67 @@ static void e4m3_table_fill(void) {
     e4m3_table_ready = 1;
 }
 
-/* one row's values as the unpackers give them (each a code's value times its block's scale, one product) */
-static inline __attribute__((always_inline)) void attn_gather(
-        float *row, int64_t b, int64_t idx, int window, int64_t D, const float *win_values, const uint8_t *win_codes,
-        const uint8_t *win_scales, int64_t W, const uint8_t *main_codes, const uint8_t *main_scales, int64_t N) {
-    if (window && win_values) {
-        memcpy(row, win_values + (b * W + idx) * D, (size_t)D * sizeof(float));
-    } else if (window) {
-        const uint8_t *c = win_codes + (b * W + idx) * D, *s = win_scales + (b * W + idx) * (D / 32);
-        for (int64_t g = 0; g < D; g += 32) {
-            const float scale = e8m0_value(s[g / 32]);
-            for (int64_t i = g; i < g + 32; i++) row[i] = E4M3_TABLE[c[i]] * scale;
-        }
-    } else {
-        const uint8_t *c = main_codes + (b * N + idx) * (D / 2), *s = main_scales + (b * N + idx) * (D / 16);
-        for (int64_t g = 0; g < D; g += 16) {
-            const float scale = E4M3_TABLE[s[g / 16]];
-            for (int64_t i = g; i < g + 16; i += 2) {
-                const uint8_t pair = c[i / 2];
-                row[i] = E2M1_VALUES[pair & 0xFu] * scale;
-                row[i + 1] = E2M1_VALUES[pair >> 4] * scale;
+/* the unpackers' values of `rows` rows of a store (each code's value times its block's scale, one product): FP8
+ * E4M3 bytes with UE8M0 per 32 (window) or E2M1 pairs with E4M3 per 16 (main) */
+static void attn_decode_rows(float *out, const uint8_t *codes, const uint8_t *scales, int64_t rows, int64_t D,
+                             int fp4) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = out + r * D;
+        if (!fp4) {
+            const uint8_t *c = codes + r * D, *s = scales + r * (D / 32);
+            for (int64_t g = 0; g < D; g += 32) {
+                const float scale = e8m0_value(s[g / 32]);
+                for (int64_t i = g; i < g + 32; i++) row[i] = E4M3_TABLE[c[i]] * scale;
+            }
+        } else {
+            const uint8_t *c = codes + r * (D / 2), *s = scales + r * (D / 16);
+            for (int64_t g = 0; g < D; g += 16) {
+                const float scale = E4M3_TABLE[s[g / 16]];
+                for (int64_t i = g; i < g + 16; i += 2) {
+                    const uint8_t pair = c[i / 2];
+                    row[i] = E2M1_VALUES[pair & 0xFu] * scale;
+                    row[i + 1] = E2M1_VALUES[pair >> 4] * scale;
+                }
             }
         }
     }
 }
 
+/* The body over every query token. A store's rows are read as fp32 values: the window's given (win_values), or
+ * else, and the main store's, decoded from their bytes; for several tokens a sequence (a prefill) each store's
+ * W_rows / N_rows rows are decoded once per sequence into `decoded` (the tokens share most of them), for one
+ * token only the rows it selects. W and N: the rows between one sequence's first row and the next's. */
 static inline __attribute__((always_inline)) void sparse_attention_body(
         const void *q, int q_bf16, int64_t B, int64_t T, int64_t H, int64_t D,
-        const float *win_values, const uint8_t *win_codes, const uint8_t *win_scales, int64_t W,
+        const float *win_values, const uint8_t *win_codes, const uint8_t *win_scales, int64_t W, int64_t W_rows,
         const int64_t *win_idx, int64_t Kw, const uint8_t *main_codes, const uint8_t *main_scales, int64_t N,
-        const int64_t *main_idx, int64_t Km, const float *sink, float scale, void *out, float *scratch) {
+        int64_t N_rows, const int64_t *main_idx, int64_t Km, const float *sink, float scale, void *out,
+        float *scratch, float *decoded) {
     float *rows = scratch, *keys_t = rows + ATTN_BLOCK * D, *qf = keys_t + ATTN_BLOCK * D, *acc = qf + H * D;
     float *run_max = acc + H * D, *denom = run_max + H, *pv = denom + H;
     float logit[ATTN_BLOCK], p[ATTN_BLOCK], pb[ATTN_BLOCK];
+    const float *src[ATTN_BLOCK];
     int valid[ATTN_BLOCK];
     const int64_t K = Kw + Km;
+    const float *window_b = NULL, *main_b = NULL;  /* sequence b's rows as values, where they are */
     for (int64_t bt = 0; bt < B * T; bt++) {
         const int64_t b = bt / T;
+        if (bt % T == 0) {
+            window_b = win_values ? win_values + b * W * D : NULL;
+            main_b = NULL;
+            if (decoded) {
+                float *next = decoded;
+                if (!win_values) {
+                    attn_decode_rows(next, win_codes + b * W * D, win_scales + b * W * (D / 32), W_rows, D, 0);
+                    window_b = next;
+                    next += W_rows * D;
+                }
+                if (Km) {
+                    attn_decode_rows(next, main_codes + b * N * (D / 2), main_scales + b * N * (D / 16), N_rows, D, 1);
+                    main_b = next;
+                }
+            }
+        }
         for (int64_t i = 0; i < H * D; i++) { qf[i] = load(q, bt * H * D + i, q_bf16); acc[i] = 0.0f; }
         for (int64_t h = 0; h < H; h++) { run_max[h] = -1e30f; denom[h] = 0.0f; }
         for (int64_t start = 0; start < K; start += ATTN_BLOCK) {
@@ -877,12 +908,17 @@ static inline __attribute__((always_inline)) void sparse_attention_body(
             for (int64_t j = 0; j < k; j++) {
                 const int64_t at = start + j, window = at < Kw;
                 const int64_t idx = window ? win_idx[bt * Kw + at] : main_idx[bt * Km + at - Kw];
-                float *row = rows + j * D;
+                float *row = rows + j * D;  /* where a row is decoded; rows held as values are read in place */
                 valid[j] = idx >= 0;
-                if (valid[j]) attn_gather(row, b, idx, (int)window, D, win_values, win_codes, win_scales, W,
-                                          main_codes, main_scales, N);
-                else memset(row, 0, (size_t)D * sizeof(float));
-                for (int64_t d = 0; d < D; d++) keys_t[d * ATTN_BLOCK + j] = row[d];
+                src[j] = row;
+                if (!valid[j]) memset(row, 0, (size_t)D * sizeof(float));
+                else if (window && window_b) src[j] = window_b + idx * D;
+                else if (window) attn_decode_rows(row, win_codes + (b * W + idx) * D,
+                                                  win_scales + (b * W + idx) * (D / 32), 1, D, 0);
+                else if (main_b) src[j] = main_b + idx * D;
+                else attn_decode_rows(row, main_codes + (b * N + idx) * (D / 2), main_scales + (b * N + idx) * (D / 16),
+                                      1, D, 1);
+                for (int64_t d = 0; d < D; d++) keys_t[d * ATTN_BLOCK + j] = src[j][d];
             }
             for (int64_t h = 0; h < H; h++) {
                 const float *qh = qf + h * D;
@@ -900,17 +936,15 @@ static inline __attribute__((always_inline)) void sparse_attention_body(
                 const float old = run_max[h];
                 const float new_max = old != old ? old : (block_max != block_max || block_max > old ? block_max : old);
                 const float rescale = exp_fixed(old - new_max);
+                for (int64_t j = 0; j < k; j++) p[j] = exp_fixed(logit[j] - new_max);
+                for (int64_t j = 0; j < k; j++) pb[j] = bf16_round(p[j]);
                 float psum = 0.0f;
-                for (int64_t j = 0; j < k; j++) {
-                    p[j] = exp_fixed(logit[j] - new_max);
-                    psum = psum + p[j];
-                    pb[j] = bf16_round(p[j]);
-                }
+                for (int64_t j = 0; j < k; j++) psum = psum + p[j];
                 denom[h] = denom[h] * rescale + psum;
                 for (int64_t d = 0; d < D; d++) pv[d] = 0.0f;
                 for (int64_t j = 0; j < k; j++) {  /* lanes over d: each output's sum runs j = 0, 1, ... */
                     const float w = pb[j];
-                    const float *row = rows + j * D;
+                    const float *row = src[j];
                     for (int64_t d = 0; d < D; d++) pv[d] = pv[d] + w * row[d];
                 }
                 float *ah = acc + h * D;
@@ -927,14 +961,16 @@ static inline __attribute__((always_inline)) void sparse_attention_body(
     }
 }
 
+#define ATTN_ARGS(T_)                                                                                            \
+    const void *q, int q_bf16, int64_t B, int64_t T_, int64_t H, int64_t D, const float *win_values,              \
+    const uint8_t *win_codes, const uint8_t *win_scales, int64_t W, int64_t W_rows, const int64_t *win_idx,      \
+    int64_t Kw, const uint8_t *main_codes, const uint8_t *main_scales, int64_t N, int64_t N_rows,                \
+    const int64_t *main_idx, int64_t Km, const float *sink, float scale, void *out
+#define ATTN_CALL q, q_bf16, B, T, H, D, win_values, win_codes, win_scales, W, W_rows, win_idx, Kw, main_codes,     \
+    main_scales, N, N_rows, main_idx, Km, sink, scale, out
 #define ATTN_KERNEL(NAME, TARGET)                                                                                 \
-TARGET static void NAME(const void *q, int q_bf16, int64_t B, int64_t T, int64_t H, int64_t D,                   \
-                        const float *win_values, const uint8_t *win_codes, const uint8_t *win_scales, int64_t W, \
-                        const int64_t *win_idx, int64_t Kw, const uint8_t *main_codes, const uint8_t *main_scales,\
-                        int64_t N, const int64_t *main_idx, int64_t Km, const float *sink, float scale, void *out, \
-                        float *scratch) {                                                                        \
-    sparse_attention_body(q, q_bf16, B, T, H, D, win_values, win_codes, win_scales, W, win_idx, Kw, main_codes,  \
-                          main_scales, N, main_idx, Km, sink, scale, out, scratch);                             \
+TARGET static void NAME(ATTN_ARGS(T), float *scratch, float *decoded) {                                          \
+    sparse_attention_body(ATTN_CALL, scratch, decoded);                                                          \
 }
 ATTN_KERNEL(dsv41_sparse_attention_base, HEAD_OPT)
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -942,27 +978,20 @@ ATTN_KERNEL(dsv41_sparse_attention_avx2, HEAD_OPT __attribute__((target("avx2"))
 ATTN_KERNEL(dsv41_sparse_attention_avx512, HEAD_OPT __attribute__((target("avx512f"))))
 #endif
 
-int dsv41_sparse_attention(const void *q, int q_bf16, int64_t B, int64_t T, int64_t H, int64_t D,
-                           const float *win_values, const uint8_t *win_codes, const uint8_t *win_scales, int64_t W,
-                           const int64_t *win_idx, int64_t Kw, const uint8_t *main_codes, const uint8_t *main_scales,
-                           int64_t N, const int64_t *main_idx, int64_t Km, const float *sink, float scale,
-                           void *out) {
-    float *scratch = malloc(sizeof(float) * (size_t)(2 * ATTN_BLOCK * D + 2 * H * D + 2 * H + D));
+int dsv41_sparse_attention(ATTN_ARGS(T)) {
+    const int64_t decoded_size = T > 1 ? (win_values ? 0 : W_rows * D) + (Km ? N_rows * D : 0) : 0;
+    float *scratch = malloc(sizeof(float) * (size_t)(2 * ATTN_BLOCK * D + 2 * H * D + 2 * H + D + decoded_size));
     if (!scratch) return -1;
+    float *decoded = decoded_size ? scratch + 2 * ATTN_BLOCK * D + 2 * H * D + 2 * H + D : NULL;
     e4m3_table_fill();
 #if defined(__x86_64__) && defined(__GNUC__)
     static int isa = -1;
     if (isa < 0) isa = dsv41_head_isa();
-    if (isa == 2) dsv41_sparse_attention_avx512(q, q_bf16, B, T, H, D, win_values, win_codes, win_scales, W, win_idx,
-                                                Kw, main_codes, main_scales, N, main_idx, Km, sink, scale, out,
-                                                scratch);
-    else if (isa == 1) dsv41_sparse_attention_avx2(q, q_bf16, B, T, H, D, win_values, win_codes, win_scales, W,
-                                                   win_idx, Kw, main_codes, main_scales, N, main_idx, Km, sink, scale,
-                                                   out, scratch);
+    if (isa == 2) dsv41_sparse_attention_avx512(ATTN_CALL, scratch, decoded);
+    else if (isa == 1) dsv41_sparse_attention_avx2(ATTN_CALL, scratch, decoded);
     else
 #endif
-    dsv41_sparse_attention_base(q, q_bf16, B, T, H, D, win_values, win_codes, win_scales, W, win_idx, Kw, main_codes,
-                                main_scales, N, main_idx, Km, sink, scale, out, scratch);
+    dsv41_sparse_attention_base(ATTN_CALL, scratch, decoded);
     free(scratch);
     return 0;
 }
