@@ -97,7 +97,8 @@ class MoE(nn.Module):
         self.shared_experts = Expert(args.dim, args.moe_inter_dim, dense, args.fp8_block_size, args.swiglu_limit,
                                      args.trainable)
         self._quantized_experts: bool | None = None  # every routed expert FP8/FP4 inference weights (every_row)
-        self._layout: tuple | None = None  # (the experts held, their linears where `_routed_host` can run)
+        # (the experts held, their linears where `_routed_host` can run, the shared expert's where it joins them)
+        self._layout: tuple | None = None
         self._chosen: torch.Tensor | None = None  # the last forward's expert indices, and their counts (`load`)
         self._load: torch.Tensor | None = None
 
@@ -203,7 +204,14 @@ class MoE(nn.Module):
                                  or any(lin.bias is not None or lin.block != first[0].block
                                         for trio in linears for lin in trio)):
                 linears = []
-            self._layout = (held_now, linears)
+            shared = self.shared_experts
+            trio = (shared.w1, shared.w3, shared.w2)
+            # the shared expert joins the two-call path (_every_row_host) where it has the routed experts' block,
+            # hidden width and limit and is quantized for inference
+            same = linears and shared.limit == self.experts[0].limit and trio[0].out_features == first[0].out_features
+            same = same and all(lin.block == first[0].block and lin.bias is None and lin.kind != "dense"
+                                and not lin.trainable for lin in trio)
+            self._layout = (held_now, linears, trio if same else None)
         return self._layout[1]
 
     def _routed_host(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, counts: list[int],
@@ -275,16 +283,13 @@ class MoE(nn.Module):
         the path it replaces (tests/test_host_kernels.py); None where it does not apply (`_host_experts`' checks,
         the shared expert on the host path with the routed experts' block, width and limit, fp32 weights)."""
         linears = self._host_linears()
-        shared = self.shared_experts
-        s1, s3, s2 = shared.w1, shared.w3, shared.w2
-        if not linears or weights.dtype != torch.float32 or not indices.is_contiguous():
+        if not linears or self._layout[2] is None or weights.dtype != torch.float32 or not indices.is_contiguous():
             return None
-        w1, w3, w2 = linears[0]
+        s1, s3, s2 = self._layout[2]
+        w1 = linears[0][0]
         block = w1.block
         if (x.shape[-1] % block or not x.is_contiguous() or (x.dtype != torch.bfloat16 and x.dtype != torch.float32)
-                or shared.limit != self.experts[0].limit or s1.out_features != w1.out_features
-                or any(lin.block != block or lin.bias is not None or lin.kind == "dense" or lin.trainable
-                       or not lin._host_current() for lin in (s1, s3, s2))):
+                or not (s1._host_current() and s3._host_current() and s2._host_current())):
             return None
         if n < indices.size(0):
             indices, weights = indices[:n], weights[:n]
@@ -297,7 +302,7 @@ class MoE(nn.Module):
                 return None
             p1[e], p3[e], p2[e] = a._dequantized[4], b._dequantized[4], c._dequantized[4]
         gate, up, order = host.moe_up(x, indices, block, p1, p3, s1._dequantized[4], s3._dequantized[4],
-                                      w1.out_features, shared.limit)
+                                      w1.out_features, self.shared_experts.limit)
         return host.moe_down(F.silu(gate), up, weights.contiguous(), indices, order, block, p2, s2._dequantized[4],
                              self.dim, x.dtype)
 

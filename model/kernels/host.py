@@ -472,10 +472,12 @@ def fixed_order_grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: int) ->
     *lead, G, D = x.shape
     x2 = x.reshape(-1, G * D).float().contiguous()
     wt = transposed(w, groups)
-    out = torch.empty(x2.size(0), G, wt.size(-1), dtype=torch.float32)
-    for g in range(G):
-        fixed_order_matmul(x2[:, g * D:(g + 1) * D], wt[g], out[:, g])
-    return out.view(*lead, G, wt.size(-1))
+    M, N = x2.size(0), wt.size(-1)
+    out = torch.empty(M, G, N, dtype=torch.float32)
+    matmul, xp, wp, op = library().dsv41_fixed_order_matmul, x2.data_ptr(), wt.data_ptr(), out.data_ptr()
+    for g in range(G):  # group g: x2's columns g D.., wt[g], out's columns g N.. (addresses: no views a group)
+        matmul(xp + 4 * g * D, M, D, G * D, wp + 4 * g * D * N, N, op + 4 * g * N, G * N)
+    return out.view(*lead, G, N)
 
 
 # ------------------------------------------------------------------------------- the KV cache's formats
