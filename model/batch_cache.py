@@ -301,10 +301,16 @@ class BatchCache:
         """This step's window row of each row (packed FP8 [R, 1, D] and scales) at slot p mod W."""
         rows = self.row_ids
         slots = self.step_memo("window_slots", lambda: self.positions[:self.rows] % self.window_size)
-        self.window_codes[layer_id][rows, slots] = packed[0][:, 0]
-        self.window_scales[layer_id][rows, slots] = packed[1][:, 0]
+        codes, scales = packed
+        if host.put_rows(self.window_codes[layer_id], slots, codes):  # the CPU: each row's bytes by address
+            host.put_rows(self.window_scales[layer_id], slots, scales)
+            if self.window_values is not None:
+                host.put_rows(self.window_values[layer_id], slots, _decoded(codes, scales))
+            return
+        self.window_codes[layer_id][rows, slots] = codes[:, 0]
+        self.window_scales[layer_id][rows, slots] = scales[:, 0]
         if self.window_values is not None:
-            self.window_values[layer_id][rows, slots] = _decoded(packed[0][:, 0], packed[1][:, 0])
+            self.window_values[layer_id][rows, slots] = _decoded(codes[:, 0], scales[:, 0])
 
     def window_rows(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.window_codes[layer_id][:self.rows], self.window_scales[layer_id][:self.rows]
@@ -319,8 +325,10 @@ class BatchCache:
         pooled value is only used when its group completes at this token)."""
         rows = self.row_ids
         slot = self.positions[:self.rows] % self.ratio[layer_id]
-        self.pending_kv[layer_id][rows, slot] = kv[:, 0]
-        self.pending_score[layer_id][rows, slot] = score[:, 0]
+        if not (host.put_rows(self.pending_kv[layer_id], slot, kv)
+                and host.put_rows(self.pending_score[layer_id], slot, score)):
+            self.pending_kv[layer_id][rows, slot] = kv[:, 0]
+            self.pending_score[layer_id][rows, slot] = score[:, 0]
         return self.pending_kv[layer_id][:self.rows], self.pending_score[layer_id][:self.rows]
 
     def entry_positions(self, layer_id: int) -> torch.Tensor:
@@ -332,9 +340,11 @@ class BatchCache:
         for the rows in use whose group completes at this token (position p with (p + 1) mod m == 0)."""
         rows = self.row_ids
         n = self.n_compressed[layer_id]
+        at = n[:self.rows]
         for store, new in ((self.main[layer_id], main), (self.index_keys[layer_id], keys)):
             for t, v in zip(store, new):
-                t[rows, n[:self.rows]] = v[:, 0]
+                if not host.put_rows(t, at, v):
+                    t[rows, at] = v[:, 0]
         R = self.rows
         n[:R] += ((self.positions[:R] + 1) % self.ratio[layer_id] == 0) & self.live[:R]
 

@@ -908,3 +908,31 @@ def test_mhc_step_dispatch(monkeypatch):
     with torch.inference_mode():
         mhc.mhc_step(x, pre, *weights, 20, 1e-6, 1e-6)
     assert calls == [1]
+
+
+# ------------------------------------------------------------------------------------------- the batch cache's writes
+
+
+def test_put_rows_is_the_indexed_put():
+    """host.put_rows(dst, slots, src) is dst[arange(R), slots] = src[:, 0] for the batch cache's stores (uint8
+    bytes, fp32 values, a trailing dim or none), leaves the rows past R alone, refuses what it does not take (a
+    strided store, another dtype, a gradient) without writing, and raises on a slot outside the ring."""
+    g = torch.Generator().manual_seed(5)
+    for dst, src in ((torch.randint(0, 255, (6, 4, 32), dtype=torch.uint8, generator=g),
+                      torch.randint(0, 255, (3, 1, 32), dtype=torch.uint8, generator=g)),
+                     (torch.randn(6, 5, 8, generator=g), torch.randn(3, 1, 8, generator=g)),
+                     (torch.randn(5, 9, generator=g), torch.randn(3, 1, generator=g))):
+        slots = torch.tensor([2, 0, dst.size(1) - 1])
+        want = dst.clone()
+        want[torch.arange(3), slots] = src[:, 0]
+        with torch.inference_mode():
+            assert host.put_rows(dst, slots, src)
+        assert_same(dst, want)
+    with torch.inference_mode():
+        assert not host.put_rows(dst.t().contiguous().t(), slots, src)
+        assert not host.put_rows(dst, slots, src.double())
+        with pytest.raises(IndexError, match="outside"):
+            host.put_rows(dst, torch.tensor([0, 1, dst.size(1)]), src)
+    before = dst.clone()
+    assert not host.put_rows(dst, slots, src)  # grad mode on: torch's put records it
+    assert_same(dst, before)

@@ -152,6 +152,8 @@ def library() -> ctypes.CDLL | None:
     lib.dsv41_mhc_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ptr, f32, f32, ptr,
                                    ptr, ptr, ptr, ptr]
     lib.dsv41_mhc_step.restype = ctypes.c_int
+    lib.dsv41_put_rows.argtypes = [ptr, i64, i64, ptr, ptr, i64]
+    lib.dsv41_put_rows.restype = ctypes.c_int
     lib.dsv41_moe_up.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, f32, f32, ptr, i64, ptr, ptr, ptr, ptr,
                                  i64, f32, ptr, ptr, ptr]
     lib.dsv41_moe_up.restype = ctypes.c_int
@@ -728,3 +730,21 @@ def moe_down(silu_gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, i
                                 (ctypes.c_void_p * E)(*w2), shared_w2, D, dtype == torch.bfloat16, out.data_ptr()):
         raise MemoryError(f"moe_down: no scratch memory for {R} tokens x {n * k} assignments")
     return out
+
+
+# ------------------------------------------------------------------------------- the batch cache's writes
+def put_rows(dst: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> bool:
+    """dst[r, slots[r]] = src[r] for each row r < R = slots' length, in one C call: dst [S, W, ...] contiguous (S >=
+    R), src R rows of dst's trailing shape contiguous in dst's dtype, slots int64 contiguous, all on the CPU, no
+    gradient wanted. False (nothing written) where it does not take them: the caller's torch put runs."""
+    if (library() is None or torch.is_grad_enabled() or dst.is_cuda or not dst.is_contiguous()
+            or not src.is_contiguous() or src.dtype != dst.dtype or slots.dtype != torch.int64
+            or not slots.is_contiguous() or slots.dim() != 1):
+        return False
+    R, W = slots.size(0), dst.size(1)
+    row = dst[0, 0].numel() if dst.dim() > 2 else 1
+    if src.numel() != R * row or dst.size(0) < R:
+        return False
+    if library().dsv41_put_rows(dst.data_ptr(), W, row * dst.element_size(), slots.data_ptr(), src.data_ptr(), R):
+        raise IndexError(f"put_rows: a slot outside 0..{W - 1}")
+    return True

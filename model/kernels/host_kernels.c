@@ -1176,3 +1176,18 @@ int dsv41_moe_down(const float *silu_gate, const float *up, int64_t R, int64_t n
     free(counts); free(h); free(o_raw); free(y);
     return rc ? -1 : 0;
 }
+
+
+/* ---------------------------------------------------------------- the batch cache's per-row writes */
+/* dst[r, slots[r]] = src[r] for r < R: dst [S, W, row_bytes] (S >= R sequences of W rows), src [R, row_bytes]
+ * contiguous; BatchCache's writes of a decode step (a window row into its ring slot, a group projection into its
+ * slot, a compressed entry at its index), where torch took an advanced-indexing put and a select a tensor.
+ * Returns 0, or -1 (nothing written) where a slot is outside 0..W-1. */
+int dsv41_put_rows(void *dst, int64_t W, int64_t row_bytes, const int64_t *slots, const void *src, int64_t R) {
+    for (int64_t r = 0; r < R; r++)
+        if (slots[r] < 0 || slots[r] >= W) return -1;
+    for (int64_t r = 0; r < R; r++)
+        memcpy((char *)dst + (size_t)((r * W + slots[r]) * row_bytes), (const char *)src + (size_t)(r * row_bytes),
+               (size_t)row_bytes);
+    return 0;
+}
