@@ -581,6 +581,23 @@ def test_moe_every_row_in_two_calls_is_the_paths_bits(tiny_model, monkeypatch, n
     assert ran and ran[-1], "the two-call path did not run"
 
 
+def test_moe_calls_refuse_an_expert_they_cannot_read():
+    """host.moe_up / moe_down check every assignment before reading: an expert index outside 0..E-1, or one chosen
+    whose weights were not passed, raises (no read out of bounds)."""
+    x = torch.randn(2, 64).bfloat16()
+    w = torch.randn(64, 32)
+    ptrs = [w.data_ptr(), None, w.data_ptr()]
+    for bad in ([[0, 3], [2, 0]], [[0, 1], [2, 0]], [[-1, 0], [2, 0]]):
+        with pytest.raises(IndexError, match="expert index"):
+            host.moe_up(x, torch.tensor(bad), 32, ptrs, ptrs, w.data_ptr(), w.data_ptr(), 32, 10.0)
+    indices = torch.tensor([[0, 2], [2, 0]])
+    gate, up, order = host.moe_up(x, indices, 32, ptrs, ptrs, w.data_ptr(), w.data_ptr(), 32, 10.0)
+    w2 = torch.randn(32, 64)
+    with pytest.raises(IndexError, match="expert index"):
+        host.moe_down(gate, up, torch.rand(2, 2), indices, order, 32, [w2.data_ptr(), None, None], w2.data_ptr(), 64,
+                      torch.bfloat16)
+
+
 # ------------------------------------------------------------------------------------------- the KV cache's formats
 
 PACKERS = [("fp8_ue8m0", formats.FP8_BLOCK), ("mxfp4", formats.MXFP4_BLOCK), ("fp4_e4m3", formats.FP4_E4M3_BLOCK)]
@@ -828,6 +845,7 @@ def test_sparse_attention_dispatch(monkeypatch):
     "exact" mode, a gradient and the Triton interpreter keep REF's order (reference.sparse_attention)."""
     from dsv41.model.kernels import sparse_attention as kernels_attention
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set by the kernel tests: it keeps the reference
     calls = []
     real = host.sparse_attention_packed
     monkeypatch.setattr(host, "sparse_attention_packed", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -890,6 +908,7 @@ def test_mhc_step_dispatch(monkeypatch):
     fixed order is the host's in both modes). Outside it (a prefill) the pieces run, torch's vector sigmoid."""
     from dsv41.model.kernels import mhc
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set by the kernel tests: the Triton path's checks
     calls = []
     real = host.mhc_step
     monkeypatch.setattr(host, "mhc_step", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -708,11 +708,18 @@ def moe_up(x: torch.Tensor, indices: torch.Tensor, block: int, w1: list, w3: lis
     up = torch.empty(n * k + R, N)
     order = torch.empty(n * k, dtype=torch.int64)
     pointers = ctypes.c_void_p * E
-    if library().dsv41_moe_up(x.data_ptr(), x.dtype == torch.bfloat16, R, n, k, K, block, formats.FP8_AMAX_FLOOR,
-                              formats._FP8_RATIO, indices.data_ptr(), E, pointers(*w1), pointers(*w3), shared_w1,
-                              shared_w3, N, limit, gate.data_ptr(), up.data_ptr(), order.data_ptr()):
-        raise MemoryError(f"moe_up: no scratch memory for {tuple(x.shape)} x {n * k} assignments")
+    _moe_status("moe_up", library().dsv41_moe_up(
+        x.data_ptr(), x.dtype == torch.bfloat16, R, n, k, K, block, formats.FP8_AMAX_FLOOR, formats._FP8_RATIO,
+        indices.data_ptr(), E, pointers(*w1), pointers(*w3), shared_w1, shared_w3, N, limit, gate.data_ptr(),
+        up.data_ptr(), order.data_ptr()), E)
     return gate, up, order
+
+
+def _moe_status(name: str, rc: int, E: int) -> None:
+    if rc == -2:
+        raise IndexError(f"{name}: an expert index outside 0..{E - 1}, or an expert chosen without its weights")
+    if rc:
+        raise MemoryError(f"{name}: no scratch memory")
 
 
 def moe_down(silu_gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
@@ -725,10 +732,10 @@ def moe_down(silu_gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, i
     R = M - n * k
     E = len(w2)
     out = torch.empty(R, D, dtype=dtype)
-    if library().dsv41_moe_down(silu_gate.data_ptr(), up.data_ptr(), R, n, k, N, block, formats.FP8_AMAX_FLOOR,
-                                formats._FP8_RATIO, indices.data_ptr(), order.data_ptr(), weights.data_ptr(), E,
-                                (ctypes.c_void_p * E)(*w2), shared_w2, D, dtype == torch.bfloat16, out.data_ptr()):
-        raise MemoryError(f"moe_down: no scratch memory for {R} tokens x {n * k} assignments")
+    _moe_status("moe_down", library().dsv41_moe_down(
+        silu_gate.data_ptr(), up.data_ptr(), R, n, k, N, block, formats.FP8_AMAX_FLOOR, formats._FP8_RATIO,
+        indices.data_ptr(), order.data_ptr(), weights.data_ptr(), E, (ctypes.c_void_p * E)(*w2), shared_w2, D,
+        dtype == torch.bfloat16, out.data_ptr()), E)
     return out
 
 

@@ -1056,7 +1056,8 @@ int dsv41_mhc_step(const void *x, const void *y, const float *post_in, const flo
  * expert's w1 and w3 on all R tokens, each output widened to fp32 and clamped as Expert._hidden and
  * reference.swiglu clamp (up to [-limit, limit], gate to at most limit; none for limit <= 0): gate and up
  * [n k + R, N] fp32, the routed rows first (by expert), then the shared rows. w1[e], w3[e]: expert e's transposed
- * fp32 weights [K, N] (NULL for an expert no token chose). Returns 0, or -1 without the scratch memory. */
+ * fp32 weights [K, N] (NULL for an expert no token chose). Returns 0, -1 without the scratch memory, -2 for an
+ * expert index outside 0..E-1 or without weights (nothing read out of bounds). */
 static int moe_gather_linear(const void *x, int x_bf16, int64_t K, int64_t block, float amax_floor, float ratio,
                              const int64_t *rows, int64_t count, const float *wa, int64_t Na, const float *wb,
                              int64_t Nb, void *out_a, void *out_b) {
@@ -1071,7 +1072,15 @@ static int moe_gather_linear(const void *x, int x_bf16, int64_t K, int64_t block
     return rc;
 }
 
-/* counts[e] of the assignments' experts and order: the assignments by expert, each expert's in their order */
+/* -2 where an assignment's expert is outside 0..E-1 or has no weights in w, else 0 */
+static int moe_check(const int64_t *indices, int64_t assignments, int64_t E, const float *const *w) {
+    for (int64_t a = 0; a < assignments; a++)
+        if (indices[a] < 0 || indices[a] >= E || !w[indices[a]]) return -2;
+    return 0;
+}
+
+/* counts[e] of the assignments' experts and order: the assignments by expert, each expert's in their order
+ * (indices checked by moe_check); -1 without scratch memory */
 static int moe_sort(const int64_t *indices, int64_t assignments, int64_t E, int64_t *counts, int64_t *order) {
     int64_t *next = malloc(sizeof(int64_t) * (size_t)(E > 0 ? E : 1));
     if (!next) return -1;
@@ -1097,7 +1106,9 @@ int dsv41_moe_up(const void *x, int x_bf16, int64_t R, int64_t n, int64_t k, int
         return -1;
     }
     int64_t *rows = counts + E;
-    int rc = moe_sort(indices, nk, E, counts, order);
+    int rc = moe_check(indices, nk, E, w1);
+    if (!rc) rc = moe_check(indices, nk, E, w3);
+    if (!rc) rc = moe_sort(indices, nk, E, counts, order);
     for (int64_t i = 0; i < nk; i++) rows[i] = order[i] / k;
     for (int64_t t = 0; t < R; t++) rows[nk + t] = t;
     int64_t row = 0;
@@ -1121,14 +1132,15 @@ int dsv41_moe_up(const void *x, int x_bf16, int64_t R, int64_t n, int64_t k, int
             up[i] = u;
         }
     free(counts); free(g_raw); free(u_raw);
-    return rc ? -1 : 0;
+    return rc == -2 ? -2 : (rc ? -1 : 0);
 }
 
 /* dsv41_moe_down: h = silu(gate) * up in fp32 (silu_gate: torch's silu of dsv41_moe_up's gate), times the routing
  * weight on the routed rows (weights [n k] at the sorted assignment: Expert._hidden), rounded to x's dtype; each
  * expert's rows through its w2 and the shared rows through shared_w2 (dsv41_fp8_linear, outputs in x's dtype and
  * widened); then per token 0 + its routed outputs in ascending expert order (`_routed_host`'s sum; tokens n.. have
- * none), + its shared output, rounded to x's dtype: out [R, D]. Returns 0, or -1 without the scratch memory. */
+ * none), + its shared output, rounded to x's dtype: out [R, D]. Returns 0, -1 without the scratch memory, -2 as
+ * dsv41_moe_up's. */
 int dsv41_moe_down(const float *silu_gate, const float *up, int64_t R, int64_t n, int64_t k, int64_t N,
                    int64_t block, float amax_floor, float ratio, const int64_t *indices, const int64_t *order,
                    const float *weights, int64_t E, const float *const *w2, const float *shared_w2, int64_t D,
@@ -1143,7 +1155,13 @@ int dsv41_moe_down(const float *silu_gate, const float *up, int64_t R, int64_t n
         return -1;
     }
     for (int64_t e = 0; e < E; e++) counts[e] = 0;
-    for (int64_t a = 0; a < nk; a++) counts[indices[a]]++;
+    for (int64_t a = 0; a < nk; a++) {
+        if (indices[a] < 0 || indices[a] >= E || !w2[indices[a]] || order[a] < 0 || order[a] >= nk) {
+            free(counts); free(h); free(o_raw); free(y);
+            return -2;
+        }
+        counts[indices[a]]++;
+    }
     for (int64_t i = 0; i < M; i++) {
         const float w = i < nk ? weights[order[i]] : 0.0f;
         for (int64_t c = 0; c < N; c++) {
