@@ -647,7 +647,7 @@ def test_unpackers_are_formats_values(fmt, block):
 
 def test_cache_codecs_and_the_attention_take_the_host_formats(monkeypatch):
     """The cache's codecs and the references' unpackers reach the C calls on the CPU at inference (and keep
-    formats' code without the library, with a graph, or on strided bytes)."""
+    formats' code without the library or with a graph; strided bytes are copied first)."""
     from dsv41.model import cache
     from dsv41.model.kernels import quant
 
@@ -662,10 +662,12 @@ def test_cache_codecs_and_the_attention_take_the_host_formats(monkeypatch):
             codec.unpack(packed, torch.float32)
     assert sorted(set(calls)) == ["pack_fp4_e4m3", "pack_fp8_ue8m0", "pack_mxfp4", "unpack"]
     calls.clear()
-    codes = torch.zeros(4, 64, dtype=torch.uint8)
-    assert not host.takes_codes(codes.t())  # strided bytes keep formats' code
-    quant.unpack("fp8_ue8m0", codes.t().contiguous().t(), torch.zeros(4, 2, dtype=torch.uint8), 32)
-    assert calls == []
+    codes = torch.randint(0, 255, (4, 64), dtype=torch.uint8)
+    scales = torch.randint(100, 140, (4, 2), dtype=torch.uint8)
+    assert not host.takes_codes(codes.t())  # strided bytes: copied, then the C call (the same values)
+    strided = codes.t().contiguous().t()
+    assert_same(quant.unpack("fp8_ue8m0", strided, scales, 32), formats.unpack_fp8_ue8m0(strided, scales, 32))
+    assert calls == ["unpack"]
     assert host.takes(x) is False  # grad mode on outside inference: the packers keep formats' code
 
 
@@ -819,6 +821,9 @@ def test_sparse_attention_fixed_order_bits(B, T, H, D, W, N, Kw, Km, dtype, valu
     want = reference.sparse_attention_packed(q, wc, ws, mc, ms, sink, w_idx, m_idx, 0.125, wv,
                                              attend=reference.sparse_attention_fixed_order)
     assert_same(got, want)
+    order = ["base", "avx2", "avx512"]
+    for version in order[: order.index(host.head_isa()) + 1]:  # every ISA version this CPU runs: the same bits
+        assert_same(host.sparse_attention_packed(q, wc, ws, mc, ms, sink, w_idx, m_idx, 0.125, wv, version), want)
     assert torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))  # the row with no index: 0, as REF's
     ref = reference.sparse_attention_packed(q, wc, ws, mc, ms, sink, w_idx, m_idx, 0.125, wv)
     # a probability one ulp apart can round to a neighbouring bf16 value before P.V, whatever the output's dtype

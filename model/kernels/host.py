@@ -149,6 +149,8 @@ def library() -> ctypes.CDLL | None:
     lib.dsv41_sparse_attention.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, i64,
                                            ptr, ptr, i64, i64, ptr, i64, ptr, f32, ptr]
     lib.dsv41_sparse_attention.restype = ctypes.c_int
+    lib.dsv41_sparse_attention_version.argtypes = [ctypes.c_int, *lib.dsv41_sparse_attention.argtypes]
+    lib.dsv41_sparse_attention_version.restype = ctypes.c_int
     lib.dsv41_mhc_step.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ptr, f32, f32, ptr,
                                    ptr, ptr, ptr, ptr]
     lib.dsv41_mhc_step.restype = ctypes.c_int
@@ -638,8 +640,9 @@ def _rows_apart(*stores: torch.Tensor) -> int | None:
 def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_scales: torch.Tensor,
                             main_codes: torch.Tensor | None, main_scales: torch.Tensor | None, sink: torch.Tensor,
                             window_idx: torch.Tensor, main_idx: torch.Tensor | None, scale: float,
-                            window_values: torch.Tensor | None = None) -> torch.Tensor:
-    """reference.sparse_attention_packed(..., attend=reference.sparse_attention_fixed_order) in one C call: q
+                            window_values: torch.Tensor | None = None, version: str | None = None) -> torch.Tensor:
+    """reference.sparse_attention_packed(..., attend=reference.sparse_attention_fixed_order) in one C call (version:
+    "base", "avx2" or "avx512" as in head_logits, for the tests; default the widest the CPU runs): q
     [B, T, H, D] contiguous bf16/fp32 (D a multiple of 32); the window's FP8 bytes (or their fp32 values) and the
     main store's FP4 bytes are read in place: a decode step's token decodes the rows it selects, a prefill's tokens
     share each sequence's rows, decoded once."""
@@ -662,8 +665,9 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
     sink = sink.to(torch.float32).contiguous()
     out = torch.empty_like(q)
     ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
-    if library().dsv41_sparse_attention(
-            q.data_ptr(), q.dtype == torch.bfloat16, B, T, H, D, ptr(window_values), window_codes.data_ptr(),
+    isa = -1 if version is None else ["base", "avx2", "avx512"].index(version)
+    if library().dsv41_sparse_attention_version(
+            isa, q.data_ptr(), q.dtype == torch.bfloat16, B, T, H, D, ptr(window_values), window_codes.data_ptr(),
             window_scales.data_ptr(), w_apart, window.size(1), win_idx.data_ptr(), win_idx.size(-1),
             ptr(main_codes) if main else None, ptr(main_scales) if main else None, m_apart,
             main_codes.size(1) if main else 0, ptr(main_idx) if main else None, main_idx.size(-1) if main else 0,

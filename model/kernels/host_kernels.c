@@ -978,7 +978,9 @@ ATTN_KERNEL(dsv41_sparse_attention_avx2, HEAD_OPT __attribute__((target("avx2"))
 ATTN_KERNEL(dsv41_sparse_attention_avx512, HEAD_OPT __attribute__((target("avx512f"))))
 #endif
 
-int dsv41_sparse_attention(ATTN_ARGS(T)) {
+/* version: 2 AVX-512, 1 AVX2, 0 the baseline, -1 the widest this CPU runs (dsv41_head_isa); every version the same
+ * bits (tests/test_host_kernels.py runs each one the CPU has) */
+int dsv41_sparse_attention_version(int version, ATTN_ARGS(T)) {
     const int64_t decoded_size = T > 1 ? (win_values ? 0 : W_rows * D) + (Km ? N_rows * D : 0) : 0;
     float *scratch = malloc(sizeof(float) * (size_t)(2 * ATTN_BLOCK * D + 2 * H * D + 2 * H + D + decoded_size));
     if (!scratch) return -1;
@@ -987,14 +989,17 @@ int dsv41_sparse_attention(ATTN_ARGS(T)) {
 #if defined(__x86_64__) && defined(__GNUC__)
     static int isa = -1;
     if (isa < 0) isa = dsv41_head_isa();
-    if (isa == 2) dsv41_sparse_attention_avx512(ATTN_CALL, scratch, decoded);
-    else if (isa == 1) dsv41_sparse_attention_avx2(ATTN_CALL, scratch, decoded);
+    if (version < 0 || version > isa) version = isa;
+    if (version == 2) dsv41_sparse_attention_avx512(ATTN_CALL, scratch, decoded);
+    else if (version == 1) dsv41_sparse_attention_avx2(ATTN_CALL, scratch, decoded);
     else
 #endif
     dsv41_sparse_attention_base(ATTN_CALL, scratch, decoded);
     free(scratch);
     return 0;
 }
+
+int dsv41_sparse_attention(ATTN_ARGS(T)) { return dsv41_sparse_attention_version(-1, ATTN_CALL); }
 
 
 /* ---------------------------------------------------------------- one mHC step */
