@@ -225,11 +225,35 @@ TARGET void NAME##_strided(const float *x, int64_t R, int64_t K, int64_t ldx, co
             for (int c = 0; c < (CB); c++) *(VU *)(out + r * ldo + v0 + (VW) * c) = a[c];                        \
         }                                                                                                        \
     }                                                                                                            \
-    for (int64_t r = 0; r < R; r++) { /* the last, partial block of columns */                                   \
-        float *o = out + r * ldo;                                                                                \
-        for (int64_t j = full; j < V; j++) o[j] = x[r * ldx] * wt[j];                                            \
-        for (int64_t k = 1; k < K; k++)                                                                          \
-            for (int64_t j = full; j < V; j++) o[j] = o[j] + x[r * ldx + k] * wt[k * V + j];                     \
+    /* whole vectors past the last block (a narrow GEMM: the mHC projection's 24 outputs, the router's 8, a wo_a   \
+     * group's 32 were all left to the loop below), RB rows at a time */                                          \
+    const int64_t fullv = V / (VW) * (VW);                                                                       \
+    for (int64_t v0 = full; v0 < fullv; v0 += (VW)) {                                                            \
+        int64_t r = 0;                                                                                           \
+        for (; r + (RB) <= R; r += (RB)) {                                                                       \
+            VT a[RB], w = *(const VU *)(wt + v0);                                                                \
+            for (int i = 0; i < (RB); i++) a[i] = x[(r + i) * ldx] * w;                                          \
+            for (int64_t k = 1; k < K; k++) {                                                                    \
+                w = *(const VU *)(wt + k * V + v0);                                                              \
+                for (int i = 0; i < (RB); i++) a[i] = a[i] + x[(r + i) * ldx + k] * w;                           \
+            }                                                                                                    \
+            for (int i = 0; i < (RB); i++) *(VU *)(out + (r + i) * ldo + v0) = a[i];                             \
+        }                                                                                                        \
+        for (; r < R; r++) {                                                                                     \
+            VT a = x[r * ldx] * *(const VU *)(wt + v0);                                                          \
+            for (int64_t k = 1; k < K; k++) a = a + x[r * ldx + k] * *(const VU *)(wt + k * V + v0);             \
+            *(VU *)(out + r * ldo + v0) = a;                                                                     \
+        }                                                                                                        \
+    }                                                                                                            \
+    const int64_t tail = V - fullv;                                                                              \
+    for (int64_t r = 0; tail && r < R; r++) { /* the last columns, fewer than a vector, summed in registers */     \
+        float acc[VW];                                                                                           \
+        for (int64_t j = 0; j < tail; j++) acc[j] = x[r * ldx] * wt[fullv + j];                                  \
+        for (int64_t k = 1; k < K; k++) {                                                                        \
+            const float xk = x[r * ldx + k];                                                                     \
+            for (int64_t j = 0; j < tail; j++) acc[j] = acc[j] + xk * wt[k * V + fullv + j];                     \
+        }                                                                                                        \
+        for (int64_t j = 0; j < tail; j++) out[r * ldo + fullv + j] = acc[j];                                    \
     }                                                                                                            \
 }                                                                                                                \
 TARGET void NAME(const float *x, int64_t R, int64_t K, const float *wt, int64_t V, float *out) {                 \
