@@ -142,8 +142,7 @@ class Linear(nn.Module):
             return self._cached_weight()
         # another dtype (the attention's wo_a einsum in bf16 on CUDA) is kept as well: cast once, not at every
         # step (at V4.1-Flash's wo_a, 33.5M values: the fp32 copy read and a bf16 copy written per layer and step)
-        w = self.weight
-        key = (w._version, self.scale._version, w.data_ptr(), dtype)
+        key = (*self._weight_key(), dtype)
         hit = self._dequantized_as
         if hit is None or hit[0] != key:
             fp32 = self._dequantized
@@ -157,8 +156,7 @@ class Linear(nn.Module):
         """The fp32 dequantized stored weight, rebuilt when the weight or scale changes in place (version)
         or is replaced (address: a new .data, or a move to another device, whose address space CUDA's
         unified addressing keeps apart from the host's)."""
-        w = self.weight
-        key = (w._version, self.scale._version, w.data_ptr())
+        key = self._weight_key()
         cached = self._dequantized
         if cached is None or cached[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # cached: an ordinary tensor, usable anywhere
@@ -245,11 +243,15 @@ class Linear(nn.Module):
         since it was made): `_host_weight` and `_fused_host` less what they ask of the call, which MoE's routed
         host path asks once per call (host_path_applies and x's dtype, width and layout)."""
         cached = self._dequantized
-        if cached is None or cached[3] is None:
-            return False
+        return cached is not None and cached[3] is not None and cached[0] == self._weight_key()
+
+    def _weight_key(self) -> tuple:
+        """What the dequantized weight caches are made from: the stored weight's and scale's versions (an in-place
+        change) and the weight's address (a new .data, or a move to another device, whose address space CUDA's
+        unified addressing keeps apart from the host's). Read through _parameters: this is asked every call."""
         params = self._parameters
         w = params["weight"]
-        return cached[0] == (w._version, params["scale"]._version, w.data_ptr())
+        return w._version, params["scale"]._version, w.data_ptr()
 
     def _host_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         """The cached fp32 weight when forward's last branch is certain to run on the host with no graph
@@ -261,10 +263,7 @@ class Linear(nn.Module):
                 or GEMM_MODE["mode"] == "exact" or kernels.interpreting()
                 or torch.is_grad_enabled() and x.requires_grad):
             return None
-        w = self.weight
-        if cached[0] != (w._version, self.scale._version, w.data_ptr()):
-            return None
-        return cached[1]
+        return cached[1] if cached[0] == self._weight_key() else None
 
 
 def host_path_applies(x: torch.Tensor) -> bool:

@@ -174,11 +174,7 @@ class MoE(nn.Module):
         if not self._sums_rows_alone(x):
             return None
         linears = self._host_linears()
-        block = linears[0][0].block if linears else 0
-        # what Linear._fused_host asks of its input, asked once of x (w2's input, the hidden state, has x's dtype
-        # and layout, and its width is whole blocks: _host_linears)
-        if (not linears or x.shape[-1] % block or not x.is_contiguous()
-                or (x.dtype != torch.bfloat16 and x.dtype != torch.float32)):
+        if not self._host_input(x, linears):
             return None
         counts = torch.bincount(indices.flatten(), minlength=self.n_routed).tolist()
         used = [e for e, c in enumerate(counts) if c]
@@ -187,6 +183,13 @@ class MoE(nn.Module):
                 if not lin._host_current():
                     return None
         return counts, used
+
+    @staticmethod
+    def _host_input(x: torch.Tensor, linears: list) -> bool:
+        """What Linear._fused_host asks of its input, asked once of x for every expert GEMM (w2's input, the hidden
+        state, has x's dtype and layout, and its width is whole blocks: _host_linears)."""
+        return (bool(linears) and x.shape[-1] % linears[0][0].block == 0 and x.is_contiguous()
+                and (x.dtype == torch.bfloat16 or x.dtype == torch.float32))
 
     def _host_linears(self) -> list:
         """Each routed expert's (w1, w3, w2) where the layout lets `_routed_host` run, else []: every expert held
@@ -283,14 +286,14 @@ class MoE(nn.Module):
         the path it replaces (tests/test_host_kernels.py); None where it does not apply (`_host_experts`' checks,
         the shared expert on the host path with the routed experts' block, width and limit, fp32 weights)."""
         linears = self._host_linears()
-        if not linears or self._layout[2] is None or weights.dtype != torch.float32 or not indices.is_contiguous():
+        if (not self._host_input(x, linears) or self._layout[2] is None or weights.dtype != torch.float32
+                or not indices.is_contiguous()):
             return None
         s1, s3, s2 = self._layout[2]
+        if not (s1._host_current() and s3._host_current() and s2._host_current()):
+            return None
         w1 = linears[0][0]
         block = w1.block
-        if (x.shape[-1] % block or not x.is_contiguous() or (x.dtype != torch.bfloat16 and x.dtype != torch.float32)
-                or not (s1._host_current() and s3._host_current() and s2._host_current())):
-            return None
         if n < indices.size(0):
             indices, weights = indices[:n], weights[:n]
         used = set(indices.flatten().tolist())

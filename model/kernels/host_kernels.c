@@ -672,18 +672,32 @@ void dsv41_pack_fp4_e4m3(const void *x, int x_bf16, int64_t numel, int64_t block
     }
 }
 
+/* e4m3_value of every byte, filled on first use (a race fills it twice with the same values) */
+static float E4M3_TABLE[256];
+static volatile int e4m3_table_ready = 0;
+
+static void e4m3_table_fill(void) {
+    if (e4m3_table_ready) return;
+    for (int c = 0; c < 256; c++) E4M3_TABLE[c] = e4m3_value((uint8_t)c);
+    e4m3_table_ready = 1;
+}
+
 /* The unpackers, to fp32 [numel]: fmt 0 formats.unpack_fp8_ue8m0 (E4M3 bytes, UE8M0 per block), 1
  * formats.unpack_fp4_e4m3 (E2M1 pairs, E4M3 per block), 2 formats.unpack_mxfp4 (E2M1 pairs, UE8M0 per block):
- * each value times its block's scale, one fp32 product. */
+ * each value times its block's scale, one fp32 product (block even; the E4M3 values by table). */
 void dsv41_unpack(const uint8_t *codes, const uint8_t *scales, int64_t numel, int64_t block, int fmt, float *out) {
+    e4m3_table_fill();
     for (int64_t g = 0; g < numel; g += block) {
         const uint8_t sb = scales[g / block];
-        const float scale = fmt == 1 ? e4m3_value(sb) : e8m0_value(sb);
-        for (int64_t i = 0; i < block; i++) {
-            float v;
-            if (fmt == 0) v = e4m3_value(codes[g + i]);
-            else v = E2M1_VALUES[(codes[(g + i) / 2] >> (((g + i) & 1) * 4)) & 0xFu];
-            out[g + i] = v * scale;
+        const float scale = fmt == 1 ? E4M3_TABLE[sb] : e8m0_value(sb);
+        if (fmt == 0) {
+            for (int64_t i = g; i < g + block; i++) out[i] = E4M3_TABLE[codes[i]] * scale;
+        } else {
+            for (int64_t i = g; i < g + block; i += 2) {
+                const uint8_t pair = codes[i / 2];
+                out[i] = E2M1_VALUES[pair & 0xFu] * scale;
+                out[i + 1] = E2M1_VALUES[pair >> 4] * scale;
+            }
         }
     }
 }
@@ -854,40 +868,11 @@ static inline float bf16_round(float v) {
     return (u & 0x7FFFFFFFu) > 0x7F800000u ? v : u2f(r);
 }
 
-/* e4m3_value of every byte, filled on first use (a race fills it twice with the same values) */
-static float E4M3_TABLE[256];
-static volatile int e4m3_table_ready = 0;
-
-static void e4m3_table_fill(void) {
-    if (e4m3_table_ready) return;
-    for (int c = 0; c < 256; c++) E4M3_TABLE[c] = e4m3_value((uint8_t)c);
-    e4m3_table_ready = 1;
-}
-
-/* the unpackers' values of `rows` rows of a store (each code's value times its block's scale, one product): FP8
- * E4M3 bytes with UE8M0 per 32 (window) or E2M1 pairs with E4M3 per 16 (main) */
+/* the unpackers' values of `rows` consecutive rows of a store: FP8 E4M3 bytes with UE8M0 per 32 (window) or E2M1
+ * pairs with E4M3 per 16 (main) */
 static void attn_decode_rows(float *out, const uint8_t *codes, const uint8_t *scales, int64_t rows, int64_t D,
                              int fp4) {
-    for (int64_t r = 0; r < rows; r++) {
-        float *row = out + r * D;
-        if (!fp4) {
-            const uint8_t *c = codes + r * D, *s = scales + r * (D / 32);
-            for (int64_t g = 0; g < D; g += 32) {
-                const float scale = e8m0_value(s[g / 32]);
-                for (int64_t i = g; i < g + 32; i++) row[i] = E4M3_TABLE[c[i]] * scale;
-            }
-        } else {
-            const uint8_t *c = codes + r * (D / 2), *s = scales + r * (D / 16);
-            for (int64_t g = 0; g < D; g += 16) {
-                const float scale = E4M3_TABLE[s[g / 16]];
-                for (int64_t i = g; i < g + 16; i += 2) {
-                    const uint8_t pair = c[i / 2];
-                    row[i] = E2M1_VALUES[pair & 0xFu] * scale;
-                    row[i + 1] = E2M1_VALUES[pair >> 4] * scale;
-                }
-            }
-        }
-    }
+    dsv41_unpack(codes, scales, rows * D, fp4 ? 16 : 32, fp4 ? 1 : 0, out);
 }
 
 /* The body over every query token. A store's rows are read as fp32 values: the window's given (win_values), or
@@ -1009,7 +994,6 @@ int dsv41_sparse_attention_version(int version, ATTN_ARGS(T)) {
     float *scratch = malloc(sizeof(float) * (size_t)(2 * ATTN_BLOCK * D + 2 * H * D + 2 * H + D + decoded_size));
     if (!scratch) return -1;
     float *decoded = decoded_size ? scratch + 2 * ATTN_BLOCK * D + 2 * H * D + 2 * H + D : NULL;
-    e4m3_table_fill();
 #if defined(__x86_64__) && defined(__GNUC__)
     static int isa = -1;
     if (isa < 0) isa = dsv41_head_isa();

@@ -110,10 +110,8 @@ def unpack(fmt: str, codes: torch.Tensor, scales: torch.Tensor, block: int,
     """formats.unpack_<fmt>(codes, scales, block, dtype), fmt "fp8_ue8m0", "fp4_e4m3" or "mxfp4": one C call on the
     CPU (host.unpack, the same values), formats' torch code elsewhere (the CUDA kernels decode the bytes
     themselves; what is left there is not on a decode step's path)."""
-    if host.takes_codes(codes, scales):
-        return host.unpack(fmt, codes, scales, block, dtype)
-    if codes.device.type == "cpu" and host.available():
-        # strided bytes (a continuous batch's index keys: each row's first n entries of its store) copied first:
+    if codes.device.type == "cpu":
+        # strided bytes (a continuous batch's index keys: each row's first n entries of its store) are copied first:
         # a copy of the bytes costs one operator where formats' decode takes a dozen; the same values
         contiguous = codes.contiguous(), scales.contiguous()
         if host.takes_codes(*contiguous):
