@@ -167,8 +167,31 @@ def prefill_chunk_at(model, ctx: int, chunk: int, cuda: bool) -> dict:
                    1, cuda)
 
 
+def apply_settings(settings) -> dict:
+    """--set MODULE.NAME=VALUE (a Python literal): a launch rule's module constant of dsv41.model.kernels set for
+    this run, e.g. experts.SPLIT_PROGRAMS_PER_SM=2 or gemm.DECODE_GEMV=dict(...) written as a dict literal, so
+    that a rule that is off by default is timed inside the step against the default, one process each."""
+    import ast
+    import importlib
+
+    out = {}
+    for item in settings or ():
+        target, sep, literal = item.partition("=")
+        module, _, name = target.rpartition(".")
+        if not sep or not module:
+            raise SystemExit(f"--set {item!r}: expected MODULE.NAME=VALUE")
+        mod = importlib.import_module(f"dsv41.model.kernels.{module}")
+        if not hasattr(mod, name):
+            raise SystemExit(f"--set {item!r}: dsv41.model.kernels.{module} has no {name}")
+        value = ast.literal_eval(literal)
+        setattr(mod, name, value)
+        out[target] = value
+    return out
+
+
 def run(json_path=None, device=None, tiny=False, contexts=None, chunk=None, prefill_tokens=None, steps=None,
-        warmup=2, experts=None, quick=False, engine_only=False, compiled=False, profile_steps=0):
+        warmup=2, experts=None, quick=False, engine_only=False, compiled=False, profile_steps=0, settings=None):
+    settings = apply_settings(settings)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
     if tiny:
@@ -190,7 +213,8 @@ def run(json_path=None, device=None, tiny=False, contexts=None, chunk=None, pref
     info = {"config": args.name, "layers": {i: fs.REPRESENTS[i] for i in range(args.n_layers)},
             "routed_experts": args.n_routed_experts, "dim": args.dim, "omitted": fs.OMITTED,
             "weights_GiB": fs.gib(fs.weight_bytes(model)), "build_s": round(time.perf_counter() - t0, 1),
-            "flash_layer_types": fs.flash_layer_types(), "chunk": chunk, "decode_steps": steps, **fs.memory_note()}
+            "flash_layer_types": fs.flash_layer_types(), "chunk": chunk, "decode_steps": steps, "settings": settings,
+            **fs.memory_note()}
     print(f"model: {info}", flush=True)
     rows, failures = [], []
     kinds = ("decode", "engine", "graph", "chunk") if cuda else ("decode", "engine", "chunk")
@@ -262,6 +286,9 @@ if __name__ == "__main__":
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="on CUDA, after the other cases: the eager engine step again, then STEPS more steps under "
                          "torch.profiler (the kernels' count and device time per step, the 40 largest)")
+    ap.add_argument("--set", action="append", metavar="MODULE.NAME=VALUE",
+                    help="set a launch rule's constant of dsv41.model.kernels for this run (repeatable), e.g. "
+                         "experts.SPLIT_PROGRAMS_PER_SM=2")
     a = ap.parse_args()
     run(a.json, a.device, a.tiny, a.contexts, a.chunk, a.prefill_tokens, a.steps, a.warmup, a.experts, a.quick,
-        a.engine_only, a.compiled, a.profile)
+        a.engine_only, a.compiled, a.profile, a.set)

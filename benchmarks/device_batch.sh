@@ -28,6 +28,10 @@
 #              (bench_flash_layers.py --profile), and the step's weight-streaming products at one token with
 #              their launch sweep (decode-gemms --sweep: the FP8 projections' tiles and K split, the experts'
 #              split K ranges, the head's bf16 GEMM; at most 9.5 min: run it alone in one call)
+#   ab         launch rules that are off by default, timed inside the 8-layer stack's engine step at 128K against
+#              the default, one process each, interleaved over ROUNDS rounds (default 2): VARIANTS holds the
+#              variants separated by ';', each a space-separated list of bench_flash_layers.py --set items, or
+#              "default" (about 25 s a run)
 #   gaps       launches, where the missed targets lose their time (diagnose-gaps), the indexer with the
 #              pool's real shape, the tiny recipe's training step (carry .tinydata/*.xz; about 3 min)
 #   nccl       the bundled model on 2 GPUs against 1 (benchmarks/parallel_nccl.sh; a 2-GPU machine)
@@ -37,7 +41,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEPS=benchmarks/.device_deps
-ALL_STEPS="gpu-tests kernels model engine compiled decode gaps nccl"
+ALL_STEPS="gpu-tests kernels model engine compiled decode ab gaps nccl"
 
 case "${1:-}" in
   --list) echo "$ALL_STEPS"; exit 0 ;;
@@ -165,6 +169,23 @@ step_decode() {
   run decode_gemms 420 "$PY" -m benchmarks decode-gemms --quick --sweep --json "$D/decode_gemms.json"
   [ "$DRY" = 1 ] && return
   for f in profile decode_gemms; do echo "---- $f (tail)"; grep -v '^USDT\|profiler_st' "$D/$f.log" | tail -n 40; done
+}
+
+step_ab() {
+  local variants=${VARIANTS:-default} rounds=${ROUNDS:-2} r i v sets
+  for r in $(seq 1 "$rounds"); do
+    i=0
+    IFS=';' read -ra list <<< "$variants"
+    for v in "${list[@]}"; do
+      sets=()
+      for item in $v; do [ "$item" = default ] || sets+=(--set "$item"); done
+      run "v${i}_r$r" 150 "$PY" benchmarks/bench_flash_layers.py --engine-only --quick --contexts 131072 \
+        --json "$D/v${i}_r$r.json" "${sets[@]}"
+      [ "$DRY" = 1 ] || echo "  v$i ($v) round $r: $(grep -h '^engine decode step' "$D/v${i}_r$r.log" | tr -s ' ' | tr '\n' '|')" \
+        | tee -a "$OUT/steps.txt"
+      i=$((i + 1))
+    done
+  done
 }
 
 step_gaps() {

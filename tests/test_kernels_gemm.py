@@ -232,6 +232,36 @@ def test_fp4_gemm_interpreted(cfg, M):
         assert_gemm_close(out, reference.fp4_gemm(x, w, s, 32), abs_bound(x, w, s, "fp4"))
 
 
+def test_decode_gemv_rule(monkeypatch):
+    """gemm.DECODE_GEMV (off by default) makes the GEMV the launch for up to max_m tokens, its split by k_split
+    over its own tiles; more tokens, or a K step that is not a whole number of scale blocks, keep the matrix units."""
+    cpu = torch.device("cpu")
+    assert gemm.DECODE_GEMV is None and not gemm.launch_config(1, 1280, 5120, 32, 32, cpu)["gemv"]
+    monkeypatch.setattr(gemm, "DECODE_GEMV", dict(max_m=2, BN=16, BK=256, per_sm=4))
+    cfg = gemm.launch_config(1, 1280, 5120, 32, 32, cpu)
+    assert cfg["gemv"] and (cfg["BM"], cfg["BN"], cfg["BK"]) == (1, 16, 256) and cfg["fuse"]
+    assert cfg["split"] == gemm.k_split(80, 20, 4, cpu)
+    assert gemm.launch_config(2, 1280, 5120, 32, 32, cpu)["gemv"]
+    assert not gemm.launch_config(3, 1280, 5120, 32, 32, cpu)["gemv"]
+    assert not gemm.launch_config(1, 1280, 5120, 32, 512, cpu)["gemv"]  # BK 256 holds no whole 512-wide block
+
+
+@interp
+def test_decode_gemv_rule_interpreted(monkeypatch):
+    """Both formats through the rule's launch (one and two tokens, a partial tile and K split) against the
+    references."""
+    monkeypatch.setattr(gemm, "DECODE_GEMV", dict(max_m=2, BN=16, BK=64, per_sm=64))
+    for M in (1, 2):
+        w, s = fp8_weight(40, 256, seed=M)
+        x = activations(M, 256, torch.bfloat16, seed=M + 3)
+        assert gemm.launch_config(M, 40, 256, 32, 32, x.device)["split"] > 1
+        assert_gemm_close(gemm.fp8_block_gemm(x, w, s, 32, force_triton=True),
+                          reference.fp8_block_gemm(x, w, s, 32), abs_bound(x, w, s, "fp8"))
+        w, s = fp4_weight(40, 256, seed=M)
+        assert_gemm_close(gemm.fp4_gemm(x, w, s, 32, force_triton=True), reference.fp4_gemm(x, w, s, 32),
+                          abs_bound(x, w, s, "fp4"))
+
+
 @interp
 def test_gemm_leading_dims_and_empty_interpreted():
     w, s = fp8_weight(40, 64, seed=3)

@@ -163,15 +163,29 @@ def k_split(tiles: int, k_tiles: int, per_sm: int, device: torch.device) -> int:
     return max(1, min(-(-per_sm * _sm_count(device) // tiles), k_tiles // 2))
 
 
+# The one-token GEMV for decode steps of at most `max_m` tokens, with its own tiles: dict(max_m=, BN=, BK=,
+# per_sm=) (per_sm: the K split's programs per SM, as k_split), or None: the matrix-unit tiles at every M <= 64.
+# None by default until a GPU run times it inside the engine's step (benchmarks/bench_flash_layers.py --set
+# gemm.DECODE_GEMV=...; bench_decode_gemms.py --sweep times it per projection). A GEMV program reads its weight
+# tile once per token, so it pays at one token, where the matrix units multiply 15 rows of padding.
+DECODE_GEMV: dict | None = None
+
+
 def launch_config(M: int, N: int, K: int, qa: int, qw: int, device: torch.device) -> dict:
     """Tile sizes, K split, fused activation quantization, warps and stages for an [M, K] x [N, K]^T GEMM.
 
     Decode (M <= 64) is bound by the weight bytes: narrow weight tiles (64 rows), the token tile padded to
     16..64, and K split until about two programs per SM stream the weight (at least two K tiles each).
     Prefill: 128 x 128 tiles (64 tokens up to M = 128), K whole; from CUBLAS_MIN_M tokens on CUDA, cuBLAS on
-    the dequantized weight instead (`cublas`). `gemv` (a config override, M <= 16: one program per token, no
-    matrix units, gemm_kernel's GEMV) is off: not yet timed on a GPU (benchmarks/bench_decode_gemms.py --sweep)."""
+    the dequantized weight instead (`cublas`). `gemv` (M <= 16: one program per token, no matrix units,
+    gemm_kernel's GEMV) is a config override, or the rule for M <= DECODE_GEMV["max_m"] where that is set."""
     bk_min = max(qa, qw)
+    gemv = DECODE_GEMV
+    if gemv is not None and M <= min(gemv["max_m"], 16) and gemv["BK"] % bk_min == 0:
+        tiles = -(-N // gemv["BN"]) * M
+        split = k_split(tiles, -(-K // gemv["BK"]), gemv["per_sm"], device)
+        return dict(BM=1, BN=gemv["BN"], BK=gemv["BK"], split=split, fuse=True, num_warps=4, num_stages=4,
+                    cublas=False, gemv=True)
     if M <= 64:
         BM, BN, BK = _pow2_at_least(M, 16), 64, max(128, bk_min)
         tiles = -(-N // BN) * -(-M // BM)
