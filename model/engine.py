@@ -16,8 +16,11 @@ Everything runs under torch.inference_mode(). Batched scoring for evaluation use
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -432,6 +435,9 @@ class RequestTooLarge(ValueError):
 # request asks for its own --prefill-chunk): short on the CPU, where a chunk's time is host work and stalls
 # the running rows; longer on a GPU, where one forward of 2048 tokens costs little more than one of 256.
 PREFILL_CHUNK = {"cpu": 256, "cuda": 2048}
+# Prompts handed to the second prefill thread and not yet entered as rows (`Scheduler._admit`): one it runs,
+# one queued for it to start at once.
+PREFILL_THREAD_DEPTH = 2
 
 
 class _Sequence:
@@ -467,6 +473,69 @@ class _Sequence:
         return c.prefix_cache is None and c.ced == "full" and not self.request.images and not c.dspark
 
 
+class _PrefillThread:
+    """Plain prompts prefilled on a second thread while the scheduler's thread decodes (the CPU, where a
+    prefill and a decode step each keep one core busy: their operators release the GIL, the C kernels and
+    ATen's alike). A job is a `_Sequence`; `prefill(seq)` fills its own KVCache, as the scheduler's thread
+    would, chunk by chunk at the same cuts, so its numbers do not depend on which thread ran it. The thread
+    starts when a job comes and ends when none is left; it takes the caller's grad and inference modes and
+    intra-op thread count. A job is a list of sequences (equal-length prompts prefill in one forward, as
+    `Scheduler._companions` groups them); its exception comes back with it and is raised on the scheduler's
+    thread."""
+
+    def __init__(self, prefill: Callable):
+        self._prefill = prefill
+        self._jobs: collections.deque = collections.deque()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: list) -> None:
+        with self._lock:
+            self._jobs.append(job)
+            if self._thread is None:
+                modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_num_threads())
+                self._thread = threading.Thread(target=self._loop, args=modes, name="dsv41-prefill", daemon=True)
+                self._thread.start()
+
+    def _run(self, job: list) -> None:
+        try:
+            self._done.put((job, self._prefill(job), None))
+        except BaseException as e:  # noqa: BLE001 - raised again on the scheduler's thread
+            self._done.put((job, None, e))
+
+    def _loop(self, grad: bool, inference: bool, threads: int) -> None:
+        torch.set_num_threads(threads)
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            while True:
+                with self._lock:
+                    if not self._jobs:
+                        self._thread = None
+                        return
+                    job = self._jobs.popleft()
+                self._run(job)
+
+    def results(self, wait: bool) -> list[tuple]:
+        """(job, (cache, logits), exception or None) of every job done, at least one if `wait`."""
+        out = []
+        try:
+            if wait:
+                out.append(self._done.get())
+            while True:
+                out.append(self._done.get_nowait())
+        except queue.Empty:
+            return out
+
+
+def overlap_prefill_default(device) -> bool:
+    """Whether the scheduler prefills on a second thread (`_PrefillThread`): on the CPU with at least two cores
+    this process may use, unless DSV41_PREFILL_THREAD=0. On CUDA a prefill and a decode step share one GPU."""
+    if torch.device(device).type != "cpu" or os.environ.get("DSV41_PREFILL_THREAD", "1") == "0":
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores >= 2
+
+
 class Scheduler:
     """Continuous batching over one `BatchCache`.
 
@@ -493,7 +562,7 @@ class Scheduler:
 
     def __init__(self, generator: "Generator", max_batch_size: int = 32, max_batch_tokens: int | None = None,
                  prefill_chunk: int | None = None, cuda_graphs: bool | None = None,
-                 static_shapes: bool | None = None):
+                 static_shapes: bool | None = None, overlap_prefill: bool | None = None):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         self.gen, self.model, self.args = generator, generator.model, generator.args
@@ -512,6 +581,12 @@ class Scheduler:
         self.prefilling: _Sequence | None = None
         self.running: list[_Sequence] = []  # running[i] is in row i
         self.speculating: list[_Sequence] = []  # DSpark requests, each in its own KVCache
+        # plain prompts prefilling on the second thread (overlap_prefill): each holds a row and its tokens
+        if overlap_prefill is None:
+            overlap_prefill = overlap_prefill_default(generator.device)
+        self._prefiller = _PrefillThread(self._prefill_whole) if overlap_prefill else None
+        self.handed: list[_Sequence] = []
+        self._cancelled: set = set()
         self.steps = 0
         self._keys = itertools.count()
         _reset_peak_memory(generator.device)
@@ -540,6 +615,9 @@ class Scheduler:
         if self.prefilling is not None and self.prefilling.key == key:
             self.prefilling = None
             return True
+        if any(seq.key == key for seq in self.handed) and key not in self._cancelled:
+            self._cancelled.add(key)  # its prefill's result is dropped as it comes back
+            return True
         for seq in self.running:
             if seq.key == key:
                 self._release(seq)
@@ -553,7 +631,7 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self.speculating)
+        return bool(self.waiting or self.prefilling or self.running or self.speculating or self.handed)
 
     def run(self):
         """Step until every request finished; yields (key, GenerationResult) as each finishes."""
@@ -572,15 +650,75 @@ class Scheduler:
         return [(seq.key, self._result(seq)) for seq in finished]
 
     def _reserved(self) -> int:
-        return sum(seq.need for seq in self.running) + sum(seq.need for seq in self.speculating)
+        return sum(seq.need for group in (self.running, self.speculating, self.handed) for seq in group)
+
+    def _rows_taken(self) -> int:
+        return len(self.running) + len(self.speculating) + len(self.handed)
 
     def _admit(self, finished: list) -> None:
+        if self._prefiller is None:
+            self._admit_here(finished)
+            return
+        # With the second thread: take the prompts it has done, hand it the next plain ones (in order, two at a
+        # time: each holds its row), then prefill here as without it (this step's prompt tokens), so that both
+        # threads prefill while few rows decode; with nothing else to do, wait for the thread.
+        self._collect(finished, wait=False)
+        while (self.waiting and self.waiting[0].chunked()
+               and len(self.handed) < PREFILL_THREAD_DEPTH and self._rows_taken() < self.max_batch_size
+               and self._reserved() + self.waiting[0].need <= self.max_batch_tokens):
+            seq = self.waiting.pop(0)
+            seq.started = time.perf_counter()
+            if self.cache.static:
+                self.cache.reserve(seq.need)
+            size = self._next_chunk(seq)
+            job = [seq, *self._companions(seq, size, size)]
+            self.handed += job
+            self._prefiller.submit(job)
+        self._admit_here(finished)
+        if not (self.running or self.speculating or self.prefilling) and self.handed:
+            self._collect(finished, wait=True)
+
+    def _collect(self, finished: list, wait: bool) -> None:
+        """Enter the prompts the second thread has prefilled (at least one if `wait`); a cancelled one is
+        dropped, and a prefill's exception is raised here once the others are in."""
+        error = None
+        for job, out, exc in self._prefiller.results(wait):
+            for src, seq in enumerate(job):
+                self.handed.remove(seq)
+                if seq.key in self._cancelled:
+                    self._cancelled.discard(seq.key)
+                elif exc is not None:
+                    error = error or exc
+                else:
+                    self._enter(seq, out[1][src:src + 1], out[0], src, None, finished)
+        if error is not None:
+            raise error
+
+    def _prefill_whole(self, job: list[_Sequence]) -> tuple[KVCache, torch.Tensor]:
+        """The second thread's job: one plain prompt whole into its own KVCache, cut as `_next_chunk` cuts
+        it, or a group of equal-length prompts each whole in one forward (`_group_forward`)."""
+        if len(job) > 1:
+            return self._group_forward(job, len(job[0].request.prompt_ids))
+        seq, t0 = job[0], time.perf_counter()
+        ids = seq.request.prompt_ids
+        cache = self.model.new_cache(1)
+        chunk = seq.config.prefill_chunk or self.prefill_chunk
+        for start in range(0, len(ids), chunk):
+            logits = self.model(torch.tensor([ids[start:start + chunk]], device=self.gen.device), start_pos=start,
+                                cache=cache)
+        seq.done_tokens = len(ids)
+        seq.prefill_stats = {"cached_tokens": 0, "replayed_tokens": 0, "prefilled_tokens": len(ids),
+                             "decoder_tokens": len(ids), "prefix_hit": None}
+        seq.prefill_seconds += time.perf_counter() - t0
+        return cache, logits
+
+    def _admit_here(self, finished: list) -> None:
         """Prefill up to `prefill_chunk` prompt tokens this step (whole chunks, at least one), admitting
         waiting requests as rows and the token budget allow: several short prompts, or one chunk of a long one."""
         spent = 0
         while True:
             if self.prefilling is None:
-                if not (self.waiting and len(self.running) + len(self.speculating) < self.max_batch_size
+                if not (self.waiting and self._rows_taken() < self.max_batch_size
                         and self._reserved() + self.waiting[0].need <= self.max_batch_tokens):
                     return
                 self.prefilling = self.waiting.pop(0)
@@ -610,7 +748,7 @@ class Scheduler:
         n = len(seq.request.prompt_ids)
         if not (self.groups_prefills and seq.chunked() and seq.done_tokens == 0 and size == n):
             return []
-        rows = self.max_batch_size - len(self.running) - len(self.speculating) - 1
+        rows = self.max_batch_size - self._rows_taken() - 1
         reserved = self._reserved() + seq.need
         group = []
         for other in self.waiting:
@@ -636,8 +774,15 @@ class Scheduler:
         return torch.device(self.gen.device).type == "cpu" and torch.get_num_threads() == 1
 
     def _prefill_group(self, seqs: list[_Sequence], size: int, finished: list) -> None:
-        """Prefill the whole prompts of `seqs` (all `size` tokens long) in one forward over a KVCache of
-        len(seqs) sequences, then enter each as `_prefill` does; the forward's time is shared among them."""
+        """Prefill the whole prompts of `seqs` (all `size` tokens long) in one forward, then enter each as
+        `_prefill` does."""
+        cache, logits = self._group_forward(seqs, size)
+        for src, seq in enumerate(seqs):
+            self._enter(seq, logits[src:src + 1], cache, src, None, finished)
+
+    def _group_forward(self, seqs: list[_Sequence], size: int) -> tuple[KVCache, torch.Tensor]:
+        """The whole prompts of `seqs` (all `size` tokens long) in one forward over a KVCache of len(seqs)
+        sequences; the forward's time is shared among them."""
         t0 = time.perf_counter()
         cache = self.model.new_cache(len(seqs))
         ids = torch.tensor([seq.request.prompt_ids for seq in seqs], device=self.gen.device)
@@ -645,12 +790,12 @@ class Scheduler:
             logits = self.model(ids, start_pos=0, cache=cache)
         _sync(self.gen.device)
         share = (time.perf_counter() - t0) / len(seqs)
-        for src, seq in enumerate(seqs):
+        for seq in seqs:
             seq.done_tokens = size
             seq.prefill_seconds += share
             seq.prefill_stats = {"cached_tokens": 0, "replayed_tokens": 0, "prefilled_tokens": size,
                                  "decoder_tokens": size, "prefix_hit": None}
-            self._enter(seq, logits[src:src + 1], cache, src, None, finished)
+        return cache, logits
 
     def _next_chunk(self, seq: _Sequence) -> int:
         """The prompt tokens `seq`'s next prefill forward takes. A prompt is cut at fixed multiples of the

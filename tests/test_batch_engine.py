@@ -3,9 +3,12 @@ Transformer.decode), and the scheduler over them (model/engine.py)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from dsv41.model import engine
 from dsv41.model.batch_cache import BatchCache
 from dsv41.model.engine import GenerationConfig, Generator, Request, RequestTooLarge, Scheduler
 
@@ -362,13 +365,13 @@ def test_equal_length_prompts_prefill_together(tiny_model, one_thread, monkeypat
     ids = prompts((9, 17, 9, 9, 5, 17, 9, 9, 9), seed=2)
     lengths = (6, 4, 9, 3, 7, 5, 8, 2, 6)
     groups = []
-    real = Scheduler._prefill_group
+    real = Scheduler._group_forward
 
-    def spy(self, seqs, size, finished):
+    def spy(self, seqs, size):
         groups.append((size, len(seqs)))
-        return real(self, seqs, size, finished)
+        return real(self, seqs, size)
 
-    monkeypatch.setattr(Scheduler, "_prefill_group", spy)
+    monkeypatch.setattr(Scheduler, "_group_forward", spy)
     alone = [gen.generate(p, greedy(n)).output_ids for p, n in zip(ids, lengths)]
     assert groups == []  # one request at a time: nothing to group
     scheduler = Scheduler(gen, max_batch_size=8, prefill_chunk=40)
@@ -376,7 +379,9 @@ def test_equal_length_prompts_prefill_together(tiny_model, one_thread, monkeypat
         scheduler.submit(Request(p, greedy(n)), key=i)
     together = dict(scheduler.run())
     assert [together[i].output_ids for i in range(len(ids))] == alone
-    assert groups[:2] == [(9, 4), (17, 2)]  # 4 x 9 tokens in the first step's 40, then both 17s
+    # 4 x 9 tokens in the first step's 40, and both 17s (in either order: the second prefill thread, where
+    # the CPU has two cores, runs its groups beside the scheduler's thread)
+    assert sorted(groups[:2]) == [(9, 4), (17, 2)]
     assert all(size * n <= 40 for size, n in groups)
     groups.clear()
     torch.set_num_threads(2)
@@ -385,10 +390,11 @@ def test_equal_length_prompts_prefill_together(tiny_model, one_thread, monkeypat
 
 
 def test_long_prompts_prefill_in_chunks_between_decode_steps(tiny_model):
-    """A long prompt enters in chunks while a running row keeps decoding (one token per step)."""
+    """A long prompt enters in chunks while a running row keeps decoding (one token per step), where no second
+    thread prefills (on CUDA, or one core)."""
     gen = Generator(tiny_model)
     short, long = prompts((4, 100), seed=5)
-    scheduler = Scheduler(gen, max_batch_size=4, prefill_chunk=16)
+    scheduler = Scheduler(gen, max_batch_size=4, prefill_chunk=16, overlap_prefill=False)
     a = scheduler.submit(Request(short, greedy(30)))
     b = scheduler.submit(Request(long, greedy(5)))
     progress = []
@@ -408,7 +414,7 @@ def test_long_prompts_prefill_in_chunks_between_decode_steps(tiny_model):
 
 def test_cancel_frees_the_row_and_too_large_is_refused(tiny_model):
     gen = Generator(tiny_model)
-    scheduler = Scheduler(gen, max_batch_size=2, max_batch_tokens=120)
+    scheduler = Scheduler(gen, max_batch_size=2, max_batch_tokens=120, overlap_prefill=False)  # steps counted
     p = prompts((6, 6, 6), seed=2)
     keys = [scheduler.submit(Request(x, greedy(40))) for x in p]
     for _ in range(4):
@@ -423,6 +429,81 @@ def test_cancel_frees_the_row_and_too_large_is_refused(tiny_model):
         scheduler.submit(Request(p[0], greedy(200)))
     with pytest.raises(RequestTooLarge, match="context"):
         Scheduler(gen).submit(Request(p[0], greedy(tiny_model.args.max_position_embeddings)))
+
+
+def test_the_prefill_thread_prefills_beside_the_decode_steps(tiny_model, monkeypatch):
+    """overlap_prefill: plain prompts prefill on the second thread while rows decode on the scheduler's
+    thread, and every request gets the tokens it gets alone (chunked as alone, several chunks each)."""
+    gen = Generator(tiny_model)
+    ids = prompts((30, 5, 17, 40, 9, 26), seed=8)
+    lengths = (9, 14, 4, 11, 6, 8)
+    alone = [gen.generate(p, greedy(n, prefill_chunk=8)).output_ids for p, n in zip(ids, lengths)]
+    threads = []
+    real = Scheduler._prefill_whole
+
+    def spy(self, job):
+        threads.append(threading.current_thread().name)
+        return real(self, job)
+
+    monkeypatch.setattr(Scheduler, "_prefill_whole", spy)
+    scheduler = Scheduler(gen, max_batch_size=3, overlap_prefill=True)
+    for i, (p, n) in enumerate(zip(ids, lengths)):
+        scheduler.submit(Request(p, greedy(n, prefill_chunk=8)), key=i)
+    together = dict(scheduler.run())
+    assert [together[i].output_ids for i in range(len(ids))] == alone
+    assert threads and set(threads) == {"dsv41-prefill"} and not scheduler.handed
+    assert all(together[i].prefill["prefilled_tokens"] == len(p) and together[i].prefill_seconds > 0
+               for i, p in enumerate(ids))
+
+
+def test_a_request_cancelled_or_failing_on_the_prefill_thread(tiny_model, monkeypatch):
+    """A request cancelled while the second thread prefills it never comes back and frees its row; the
+    running row beside it keeps its tokens alone; an exception in the thread's prefill is raised by `run`."""
+    gen = Generator(tiny_model)
+    a_ids, b_ids = prompts((6, 20), seed=9)
+    alone = gen.generate(a_ids, greedy(12)).output_ids
+    gate = threading.Event()
+    gate.set()
+    real = Scheduler._prefill_whole
+
+    def gated(self, job):
+        gate.wait(timeout=60)
+        return real(self, job)
+
+    monkeypatch.setattr(Scheduler, "_prefill_whole", gated)
+    scheduler = Scheduler(gen, max_batch_size=2, overlap_prefill=True)
+    a = scheduler.submit(Request(a_ids, greedy(12)))
+    results = {}
+    while not scheduler.running:
+        results.update(scheduler.step())
+    gate.clear()  # b's prefill waits on the thread while a decodes
+    b = scheduler.submit(Request(b_ids, greedy(5)))
+    results.update(scheduler.step())
+    assert [s.key for s in scheduler.handed] == [b] and scheduler.cancel(b) and not scheduler.cancel(b)
+    gate.set()
+    results.update(scheduler.run())
+    assert set(results) == {a} and results[a].output_ids == alone and not scheduler.handed
+
+    def boom(self, job):
+        raise RuntimeError("prefill failed")
+
+    monkeypatch.setattr(Scheduler, "_prefill_whole", boom)
+    scheduler = Scheduler(gen, max_batch_size=2, overlap_prefill=True)
+    scheduler.submit(Request(a_ids, greedy(3)))
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        list(scheduler.run())
+
+
+def test_the_prefill_thread_default(monkeypatch):
+    """On the CPU with two cores or more, unless DSV41_PREFILL_THREAD=0; never on CUDA."""
+    monkeypatch.delenv("DSV41_PREFILL_THREAD", raising=False)
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert engine.overlap_prefill_default("cpu") and not engine.overlap_prefill_default("cuda")
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert not engine.overlap_prefill_default("cpu")
+    monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setenv("DSV41_PREFILL_THREAD", "0")
+    assert not engine.overlap_prefill_default("cpu")
 
 
 def test_a_cancelled_or_stopped_request_never_disturbs_the_others(tiny_model):
