@@ -204,7 +204,8 @@ def _serve(generator, tokenizer, tasks, batch_size, report, poll=None, complete=
     from dsv41.evals.batch_generate import engine_request
     from dsv41.model.engine import Scheduler
 
-    scheduler = Scheduler(generator, batch_size)
+    # no second prefill thread (model/engine.py `_PrefillThread`): the pool's engines already use the cores
+    scheduler = Scheduler(generator, batch_size, overlap_prefill=False)
     rows: dict[int, object] = {}
     with torch.inference_mode():
         while complete is None or not complete():
