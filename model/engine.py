@@ -649,11 +649,16 @@ class Scheduler:
         self.steps += 1
         return [(seq.key, self._result(seq)) for seq in finished]
 
+    def _in_flight(self) -> list[_Sequence]:
+        """Every admitted request that holds a row: running, speculating, handed to the prefill thread, and the
+        one this thread is prefilling."""
+        return [*self.running, *self.speculating, *self.handed, *([self.prefilling] if self.prefilling else [])]
+
     def _reserved(self) -> int:
-        return sum(seq.need for group in (self.running, self.speculating, self.handed) for seq in group)
+        return sum(seq.need for seq in self._in_flight())
 
     def _rows_taken(self) -> int:
-        return len(self.running) + len(self.speculating) + len(self.handed)
+        return len(self._in_flight())
 
     def _admit(self, finished: list) -> None:
         if self._prefiller is None:
@@ -748,8 +753,9 @@ class Scheduler:
         n = len(seq.request.prompt_ids)
         if not (self.groups_prefills and seq.chunked() and seq.done_tokens == 0 and size == n):
             return []
-        rows = self.max_batch_size - self._rows_taken() - 1
-        reserved = self._reserved() + seq.need
+        admitted = seq is self.prefilling  # already counted in the rows and tokens in flight
+        rows = self.max_batch_size - self._rows_taken() - (0 if admitted else 1)
+        reserved = self._reserved() + (0 if admitted else seq.need)
         group = []
         for other in self.waiting:
             if len(group) == rows or spent + size * (len(group) + 1) > self.prefill_chunk:

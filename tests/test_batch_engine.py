@@ -456,6 +456,25 @@ def test_the_prefill_thread_prefills_beside_the_decode_steps(tiny_model, monkeyp
                for i, p in enumerate(ids))
 
 
+def test_the_prompt_this_thread_prefills_holds_its_row(tiny_model):
+    """While the scheduler's thread prefills a long prompt chunk by chunk, the prefill thread is handed only as
+    many prompts as leave that prompt its row: four rows, two short prompts handed first, the long one here,
+    then two more short ones, which wait for a row (before, they were handed at once and the long prompt
+    found no row left)."""
+    gen = Generator(tiny_model)
+    ids = prompts((5, 6, 40, 7, 4), seed=10)
+    alone = [gen.generate(p, greedy(12, prefill_chunk=8)).output_ids for p in ids]
+    scheduler = Scheduler(gen, max_batch_size=4, prefill_chunk=8, overlap_prefill=True)  # a chunk a step here
+    for i, p in enumerate(ids):
+        scheduler.submit(Request(p, greedy(12)), key=i)
+    results, most = {}, 0
+    while scheduler.busy:
+        results.update(scheduler.step())
+        assert scheduler._rows_taken() <= 4
+        most = max(most, len(scheduler.running))
+    assert [results[i].output_ids for i in range(len(ids))] == alone and most == 4
+
+
 def test_a_request_cancelled_or_failing_on_the_prefill_thread(tiny_model, monkeypatch):
     """A request cancelled while the second thread prefills it never comes back and frees its row; the
     running row beside it keeps its tokens alone; an exception in the thread's prefill is raised by `run`."""
