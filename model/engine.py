@@ -670,7 +670,9 @@ class Scheduler:
         self._collect(finished, wait=False)
         while (self.waiting and self.waiting[0].chunked()
                and len(self.handed) < PREFILL_THREAD_DEPTH and self._rows_taken() < self.max_batch_size
-               and self._reserved() + self.waiting[0].need <= self.max_batch_tokens):
+               and self._reserved() + self.waiting[0].need <= self.max_batch_tokens
+               and (self.running or self.speculating or self.prefilling or self._rows_taken() + 1 < self.max_batch_size)):
+            # (the last free row, with nothing to decode: this thread prefills it itself, no hand-over to wait on)
             seq = self.waiting.pop(0)
             seq.started = time.perf_counter()
             if self.cache.static:

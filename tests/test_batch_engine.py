@@ -454,6 +454,13 @@ def test_the_prefill_thread_prefills_beside_the_decode_steps(tiny_model, monkeyp
     assert threads and set(threads) == {"dsv41-prefill"} and not scheduler.handed
     assert all(together[i].prefill["prefilled_tokens"] == len(p) and together[i].prefill_seconds > 0
                for i, p in enumerate(ids))
+    # one row (Generator.generate, the last free row with nothing to decode): this thread prefills, nothing is
+    # handed over to wait on
+    threads.clear()
+    scheduler = Scheduler(gen, max_batch_size=1, overlap_prefill=True)
+    for i, (p, n) in enumerate(zip(ids[:3], lengths)):
+        scheduler.submit(Request(p, greedy(n, prefill_chunk=8)), key=i)
+    assert [r.output_ids for _, r in sorted(scheduler.run())] == alone[:3] and threads == []
 
 
 def test_the_prompt_this_thread_prefills_holds_its_row(tiny_model):
