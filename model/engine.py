@@ -529,8 +529,14 @@ class _PrefillThread:
 
 def overlap_prefill_default(device) -> bool:
     """Whether the scheduler prefills on a second thread (`_PrefillThread`): on the CPU with at least two cores
-    this process may use, unless DSV41_PREFILL_THREAD=0. On CUDA a prefill and a decode step share one GPU."""
+    this process may use, unless DSV41_PREFILL_THREAD=0. On CUDA a prefill and a decode step share one GPU;
+    under torchrun each forward's collectives must come in the same order on every rank, which two threads
+    issuing forwards at once would not keep."""
     if torch.device(device).type != "cpu" or os.environ.get("DSV41_PREFILL_THREAD", "1") == "0":
+        return False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or (
+            torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
         return False
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cores >= 2

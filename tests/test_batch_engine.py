@@ -528,6 +528,10 @@ def test_the_prefill_thread_default(monkeypatch):
     monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert not engine.overlap_prefill_default("cpu")
     monkeypatch.setattr(engine.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun: every rank's collectives in one order
+    assert not engine.overlap_prefill_default("cpu")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert engine.overlap_prefill_default("cpu")
     monkeypatch.setenv("DSV41_PREFILL_THREAD", "0")
     assert not engine.overlap_prefill_default("cpu")
 

@@ -233,9 +233,9 @@ def command(
         fail(f"the command jail is not available, so no command was run: {e}")
     except BackendFatal as e:
         fail(f"the backend refused the request: {e} ({done[0]} of {total} episodes kept in {out_dir})")
-    except KeyboardInterrupt:
-        err.print(f"interrupted: {done[0]} of {total} done, kept in {out_dir}; run the same command again to resume",
-                  markup=False, highlight=False, soft_wrap=True)
+    except KeyboardInterrupt:  # the count of what the file holds (an interrupt may land inside `progress`)
+        err.print(f"interrupted: {partial.kept()} of {total} done, kept in {out_dir}; "
+                  "run the same command again to resume", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(130)
     finally:
         partial.close()

@@ -149,6 +149,22 @@ class PartialResults:
             self._file.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
             self._file.flush()
 
+    def kept(self) -> int:
+        """The finished episodes the file holds now (what the same command would reuse): counted from the file
+        itself, so that an interrupt landing between an episode's line and a caller's own count cannot make
+        the two disagree."""
+        with self._lock:
+            self._file.flush()
+            lines = self.path.read_text(encoding="utf-8").splitlines()[1:]
+        count = 0
+        for line in lines:
+            try:
+                episode_from_json(json.loads(line))
+            except (ValueError, TypeError):
+                continue  # a torn last line
+            count += 1
+        return count
+
     def close(self) -> None:
         self._file.close()
 
