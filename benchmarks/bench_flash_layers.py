@@ -113,6 +113,7 @@ def kernel_profile(step, ids: torch.Tensor) -> dict:
                             for k, c, t in rows[:40]]}
 
 
+@torch.inference_mode()  # as the engine runs: without it the MoE takes the reference loop (its kernels want no grad)
 def engine_decode_at(model, ctx: int, steps: int, warmup: int, cuda: bool, graphs: bool,
                      compiled: bool = False, profile_steps: int = 0) -> dict:
     """The engine's decode step (Transformer.decode over a BatchCache row, model/batch_cache.py) at ctx, one

@@ -181,7 +181,7 @@ step_ab() {
       for item in $v; do [ "$item" = default ] || sets+=(--set "$item"); done
       run "v${i}_r$r" 150 "$PY" benchmarks/bench_flash_layers.py --engine-only --quick --contexts 131072 \
         --json "$D/v${i}_r$r.json" "${sets[@]}"
-      [ "$DRY" = 1 ] || echo "  v$i ($v) round $r: $(grep -h '^engine decode step' "$D/v${i}_r$r.log" | tr -s ' ' | tr '\n' '|')" \
+      [ "$DRY" = 1 ] || echo "  v$i ($v) round $r: $(grep -h '^engine decode step' "$D/v${i}_r$r.log" | awk '!seen[$0]++' | tr -s ' ' | tr '\n' '|')" \
         | tee -a "$OUT/steps.txt"
       i=$((i + 1))
     done
