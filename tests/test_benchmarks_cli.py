@@ -132,3 +132,24 @@ def test_host_kernels_benchmark_compares_in_one_process(tmp_path):
     for part in ("single_decode_tokens_per_s", "concurrent_tokens_per_s"):
         assert 0 <= data[part]["sequences_token_identical"] <= data[part]["sequences"]
         assert data[part]["host"][0] > 0 and data[part]["torch"][0] > 0
+
+
+def test_the_flash_layers_engine_step_runs_as_the_engine_does(monkeypatch):
+    """bench_flash_layers' engine step runs under inference mode, as the engine's callers do: with gradients on,
+    the MoE takes its reference loop, which synchronizes with the host and breaks the CUDA graph capture
+    (benchmarks/results/h200-2026-12-05-c)."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_flash_layers
+
+    seen = []
+
+    def probe(model, start, spare=0):  # the step's first call: stop there, having seen the mode
+        seen.append(torch.is_inference_mode_enabled())
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(bench_flash_layers.fs, "fill_cache", probe)
+    with pytest.raises(RuntimeError, match="stop"):
+        bench_flash_layers.engine_decode_at(None, 64, 1, 0, False, graphs=False)
+    assert seen == [True]
