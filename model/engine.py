@@ -476,12 +476,11 @@ class _Sequence:
 class _PrefillThread:
     """Plain prompts prefilled on a second thread while the scheduler's thread decodes (the CPU, where a
     prefill and a decode step each keep one core busy: their operators release the GIL, the C kernels and
-    ATen's alike). A job is a `_Sequence`; `prefill(seq)` fills its own KVCache, as the scheduler's thread
+    ATen's alike). A job is a list of `_Sequence`s (one, or equal-length prompts that prefill in one forward,
+    as `Scheduler._companions` groups them); `prefill(job)` fills their own KVCache, as the scheduler's thread
     would, chunk by chunk at the same cuts, so its numbers do not depend on which thread ran it. The thread
     starts when a job comes and ends when none is left; it takes the caller's grad and inference modes and
-    intra-op thread count. A job is a list of sequences (equal-length prompts prefill in one forward, as
-    `Scheduler._companions` groups them); its exception comes back with it and is raised on the scheduler's
-    thread."""
+    intra-op thread count. A job's exception comes back with it and is raised on the scheduler's thread."""
 
     def __init__(self, prefill: Callable):
         self._prefill = prefill
@@ -527,6 +526,12 @@ class _PrefillThread:
             return out
 
 
+def _plain_prefill_stats(tokens: int) -> dict:
+    """GenerationResult.prefill of a plain prompt: every token prefilled, through the decoder too."""
+    return {"cached_tokens": 0, "replayed_tokens": 0, "prefilled_tokens": tokens, "decoder_tokens": tokens,
+            "prefix_hit": None}
+
+
 def overlap_prefill_default(device) -> bool:
     """Whether the scheduler prefills on a second thread (`_PrefillThread`): on the CPU with at least two cores
     this process may use, unless DSV41_PREFILL_THREAD=0. On CUDA a prefill and a decode step share one GPU;
@@ -538,6 +543,8 @@ def overlap_prefill_default(device) -> bool:
             torch.distributed.is_available() and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1):
         return False
+    # the cores this process may run on, as evals/engine_pool.usable_cores counts them (that module stays free of
+    # torch and this one of evals/)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cores >= 2
 
@@ -715,13 +722,9 @@ class Scheduler:
         seq, t0 = job[0], time.perf_counter()
         ids = seq.request.prompt_ids
         cache = self.model.new_cache(1)
-        chunk = seq.config.prefill_chunk or self.prefill_chunk
-        for start in range(0, len(ids), chunk):
-            logits = self.model(torch.tensor([ids[start:start + chunk]], device=self.gen.device), start_pos=start,
-                                cache=cache)
+        logits = self.gen.prefill(cache, ids, seq.config.prefill_chunk or self.prefill_chunk)
         seq.done_tokens = len(ids)
-        seq.prefill_stats = {"cached_tokens": 0, "replayed_tokens": 0, "prefilled_tokens": len(ids),
-                             "decoder_tokens": len(ids), "prefix_hit": None}
+        seq.prefill_stats = _plain_prefill_stats(len(ids))
         seq.prefill_seconds += time.perf_counter() - t0
         return cache, logits
 
@@ -807,8 +810,7 @@ class Scheduler:
         for seq in seqs:
             seq.done_tokens = size
             seq.prefill_seconds += share
-            seq.prefill_stats = {"cached_tokens": 0, "replayed_tokens": 0, "prefilled_tokens": size,
-                                 "decoder_tokens": size, "prefix_hit": None}
+            seq.prefill_stats = _plain_prefill_stats(size)
         return cache, logits
 
     def _next_chunk(self, seq: _Sequence) -> int:
@@ -833,8 +835,7 @@ class Scheduler:
             if end < len(ids):
                 seq.prefill_seconds += time.perf_counter() - t0
                 return
-            seq.prefill_stats = {"cached_tokens": 0, "replayed_tokens": 0, "prefilled_tokens": len(ids),
-                                 "decoder_tokens": len(ids), "prefix_hit": None}
+            seq.prefill_stats = _plain_prefill_stats(len(ids))
             taps = None
         else:
             seq.cache, logits, taps, seq.prefill_stats = self.gen._prompt(ids, seq.config, seq.request.images)

@@ -134,11 +134,7 @@ class PartialResults:
             changed = sorted(k for k in set(header) | set(self.settings) if header.get(k) != self.settings.get(k))
             raise SettingsChanged(", ".join(changed) or "settings")
         kept = [json.dumps({"settings": self.settings}, ensure_ascii=False)]
-        for line in lines[1:] if header is not None else []:
-            try:
-                result = episode_from_json(json.loads(line))
-            except (ValueError, TypeError):
-                continue  # a torn last line
+        for line, result in _episodes(lines[1:] if header is not None else []):
             self.done[episode_key(result.kind, result.task, result.scaffold, result.effort)] = result
             kept.append(line)
         _write_atomic(self.path, "".join(line + "\n" for line in kept))
@@ -156,17 +152,19 @@ class PartialResults:
         with self._lock:
             self._file.flush()
             lines = self.path.read_text(encoding="utf-8").splitlines()[1:]
-        count = 0
-        for line in lines:
-            try:
-                episode_from_json(json.loads(line))
-            except (ValueError, TypeError):
-                continue  # a torn last line
-            count += 1
-        return count
+        return sum(1 for _ in _episodes(lines))
 
     def close(self) -> None:
         self._file.close()
+
+
+def _episodes(lines: list[str]):
+    """(line, EpisodeResult) of each readable episode line of partial.jsonl; a line cut short is skipped."""
+    for line in lines:
+        try:
+            yield line, episode_from_json(json.loads(line))
+        except (ValueError, TypeError):
+            continue  # a torn last line
 
 
 def _aggregate(episodes: list[EpisodeResult]) -> dict:
