@@ -722,7 +722,10 @@ class Scheduler:
         seq, t0 = job[0], time.perf_counter()
         ids = seq.request.prompt_ids
         cache = self.model.new_cache(1)
-        logits = self.gen.prefill(cache, ids, seq.config.prefill_chunk or self.prefill_chunk)
+        chunk = seq.config.prefill_chunk or self.prefill_chunk
+        for start in range(0, len(ids), chunk):  # `_prefill`'s forwards (Generator.prefill's would add its options)
+            logits = self.model(torch.tensor([ids[start:start + chunk]], device=self.gen.device), start_pos=start,
+                                cache=cache)
         seq.done_tokens = len(ids)
         seq.prefill_stats = _plain_prefill_stats(len(ids))
         seq.prefill_seconds += time.perf_counter() - t0
