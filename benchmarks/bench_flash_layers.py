@@ -170,8 +170,8 @@ def prefill_chunk_at(model, ctx: int, chunk: int, cuda: bool) -> dict:
 
 def apply_settings(settings) -> dict:
     """--set MODULE.NAME=VALUE (a Python literal): a launch rule's module constant of dsv41.model.kernels set for
-    this run, e.g. experts.SPLIT_PROGRAMS_PER_SM=2 or gemm.DECODE_GEMV=dict(...) written as a dict literal, so
-    that a rule that is off by default is timed inside the step against the default, one process each."""
+    this run, e.g. experts.SPLIT_PROGRAMS_PER_SM=2 or gemm.DECODE_GEMV=dict(...) written as a dict literal (None
+    turns a rule off), so that a launch rule is timed inside the step against the default, one process each."""
     import ast
     import importlib
 

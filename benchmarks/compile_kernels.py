@@ -81,7 +81,7 @@ def cases(quick: bool):
                dict(K_SPLIT=1280, W_FP4=fp4, QA=32, QW=32, QUANT_A=fuse, BM=BM, BN=BN, BK=BK, INTERPRET=False,
                     GEMV=False),
                g_div, w, st)
-    # the one-token kernel without matrix units (gemm.launch_config's `gemv`, off until timed): a few tile shapes
+    # the one-token kernel without matrix units (gemm.launch_config's `gemv`, gemm.DECODE_GEMV): a few tile shapes
     # of bench_decode_gemms.py's sweep
     for fp4, BN, BK, w in ((False, 16, 256, 4), (False, 32, 256, 4), (False, 16, 512, 4), (True, 16, 256, 4)):
         yield ("gemv fp4" if fp4 else "gemv fp8", K.gemm_kernel, g_types,

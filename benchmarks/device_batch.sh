@@ -28,7 +28,7 @@
 #              (bench_flash_layers.py --profile), and the step's weight-streaming products at one token with
 #              their launch sweep (decode-gemms --sweep: the FP8 projections' tiles and K split, the experts'
 #              split K ranges, the head's bf16 GEMM; at most 9.5 min: run it alone in one call)
-#   ab         launch rules that are off by default, timed inside the 8-layer stack's engine step at 128K against
+#   ab         launch rules other than the defaults, timed inside the 8-layer stack's engine step at 128K against
 #              the default, one process each, interleaved over ROUNDS rounds (default 2): VARIANTS holds the
 #              variants separated by ';', each a space-separated list of bench_flash_layers.py --set items, or
 #              "default" (about 25 s a run)

@@ -233,10 +233,14 @@ def test_fp4_gemm_interpreted(cfg, M):
 
 
 def test_decode_gemv_rule(monkeypatch):
-    """gemm.DECODE_GEMV (off by default) makes the GEMV the launch for up to max_m tokens, its split by k_split
-    over its own tiles; more tokens, or a K step that is not a whole number of scale blocks, keep the matrix units."""
+    """gemm.DECODE_GEMV makes the GEMV the launch for up to max_m tokens (one by default), its split by k_split
+    over its own tiles; more tokens, or a K step that is not a whole number of scale blocks, keep the matrix units;
+    None turns it off."""
     cpu = torch.device("cpu")
-    assert gemm.DECODE_GEMV is None and not gemm.launch_config(1, 1280, 5120, 32, 32, cpu)["gemv"]
+    assert gemm.launch_config(1, 1280, 5120, 32, 32, cpu)["gemv"]
+    assert not gemm.launch_config(2, 1280, 5120, 32, 32, cpu)["gemv"]
+    monkeypatch.setattr(gemm, "DECODE_GEMV", None)
+    assert not gemm.launch_config(1, 1280, 5120, 32, 32, cpu)["gemv"]
     monkeypatch.setattr(gemm, "DECODE_GEMV", dict(max_m=2, BN=16, BK=256, per_sm=4))
     cfg = gemm.launch_config(1, 1280, 5120, 32, 32, cpu)
     assert cfg["gemv"] and (cfg["BM"], cfg["BN"], cfg["BK"]) == (1, 16, 256) and cfg["fuse"]
@@ -411,8 +415,8 @@ def test_routed_experts_split_k_interpreted(fmt, T):
 
 def test_expert_decode_split_rule(monkeypatch):
     """A decode step's rows (one tile per expert) get K ranges up to `per_sm` programs per SM (the CPU counts
-    4 SMs), two K steps per range at least; row tiles of 32 or more rows are never split; with no target (the
-    default until the split is timed on a GPU) one range."""
+    4 SMs), two K steps per range at least; row tiles of 32 or more rows are never split; the default target is 4
+    per SM; with no target one range."""
     cpu = torch.device("cpu")
     cfg = ek.launch_config(6, 384, 32, 32)
     assert cfg["BM"] == 16 and cfg["split_up"] is None and cfg["split_down"] is None
@@ -423,6 +427,7 @@ def test_expert_decode_split_rule(monkeypatch):
     assert ek.decode_split(1, 384, 64, 5120, cfg, cpu, per_sm=2) == 8
     assert ek.decode_split(1, 384, 64, 128, cfg, cpu, per_sm=4) == 1
     assert ek.decode_split(40 * 384, 384, 64, 5120, ek.launch_config(40 * 384, 384, 32, 32), cpu, per_sm=4) == 1
+    assert ek.decode_split(1, 384, 64, 5120, cfg, cpu) == 16
     monkeypatch.setattr(ek, "SPLIT_PROGRAMS_PER_SM", None)
     assert ek.decode_split(1, 384, 64, 5120, cfg, cpu) == 1
     monkeypatch.setattr(ek, "SPLIT_PROGRAMS_PER_SM", 2)

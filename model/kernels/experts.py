@@ -20,7 +20,7 @@ Launches (no host synchronisation, so the routing never waits for the device):
 
 A decode step's few rows (one row tile per expert) give up and down few programs, each streaming a long K
 range (h200-2026-12-05-b: 6.2x and 6.6x their bytes floor at one token). The K range can be split
-(`split_up`, `split_down`; off by default until timed on a GPU, see SPLIT_PROGRAMS_PER_SM): each program
+(`split_up`, `split_down`; by default about 4 programs per SM, SPLIT_PROGRAMS_PER_SM): each program
 sums its part in fp32 and the parts are added in order (deterministic) before the rounding, for up by a
 finishing kernel that then runs the SwiGLU epilogue, for down inside combine. The same products; fp32 sums
 in another order.
@@ -233,12 +233,11 @@ def launch_config(R: int, n_held: int, block: int, qw: int) -> dict:
 
 
 # A split K range's target: about this many programs per SM over the row tiles a few rows occupy (a decode
-# step); split_up / split_down None in the config = this rule, an int forces that many ranges. None here = no
-# split by default: the split kernels are checked under the interpreter and compile for sm_90 offline, but
-# their speed is not measured yet (benchmarks/bench_decode_gemms.py --sweep times 1 to 12 ranges against the
-# unsplit kernels; h200-2026-12-05-b measured the unsplit ones at a decode step's shape: up 110.5 µs, 6.2x its
-# bytes floor, down 58.8 µs, 6.6x, no tile, warp or stage choice better than 0.9x).
-SPLIT_PROGRAMS_PER_SM: int | None = None
+# step); split_up / split_down None in the config = this rule, an int forces that many ranges; None here = one
+# range. Unsplit, a decode step's up / down stages ran 6.2x / 6.6x their bytes floor (h200-2026-12-05-b: the
+# few rows leave most SMs idle). Inside the 8-layer stack's engine step at 128K from a CUDA graph, against one
+# range in the same call: 2 per SM 1.01x, 4 per SM 1.02x (h100-2026-12-05/ab, two rounds each).
+SPLIT_PROGRAMS_PER_SM: int | None = 4
 
 
 def k_ranges(K: int, BK: int, split: int) -> tuple[int, int]:

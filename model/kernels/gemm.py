@@ -23,7 +23,7 @@ splits K across programs so that the weight streams from every SM, then adds the
 fixed order (deterministic); M <= 16 also quantizes the activation inside the GEMM (one launch). Larger M
 quantizes the activation once in its own kernel (bf16, exact) and runs unsplit 128 x 128 tiles. A variant
 for one token at a time (GEMV: each weight tile times the token's activations, summed along K without the
-matrix units) is a launch-config choice, off until timed on a GPU. From
+matrix units) is the launch for one token (DECODE_GEMV: 1.20x on the engine's decode step). From
 CUBLAS_MIN_M tokens on CUDA the weight is instead dequantized to bf16 for the call (dequant_weight: one
 Triton pass over the stored bytes, equal bit for bit to formats.dequant_*_weight) and cuBLAS multiplies
 (fp32 output, rounded as the kernel rounds): the same exact operands, another fp32 summation order.
@@ -165,10 +165,11 @@ def k_split(tiles: int, k_tiles: int, per_sm: int, device: torch.device) -> int:
 
 # The one-token GEMV for decode steps of at most `max_m` tokens, with its own tiles: dict(max_m=, BN=, BK=,
 # per_sm=) (per_sm: the K split's programs per SM, as k_split), or None: the matrix-unit tiles at every M <= 64.
-# None by default until a GPU run times it inside the engine's step (benchmarks/bench_flash_layers.py --set
-# gemm.DECODE_GEMV=...; bench_decode_gemms.py --sweep times it per projection). A GEMV program reads its weight
-# tile once per token, so it pays at one token, where the matrix units multiply 15 rows of padding.
-DECODE_GEMV: dict | None = None
+# A GEMV program reads its weight tile once per token, where the matrix units multiply 15 rows of padding. Inside
+# the 8-layer stack's engine step at 128K from a CUDA graph, with the experts' split on in both: 4.07 / 4.08 ms
+# against 4.90 / 4.90 ms without it, 1.20x (h100-2026-12-05/ab; benchmarks/bench_flash_layers.py --set
+# gemm.DECODE_GEMV=... times other tiles, bench_decode_gemms.py --sweep each projection alone).
+DECODE_GEMV: dict | None = dict(max_m=1, BN=16, BK=256, per_sm=4)
 
 
 def launch_config(M: int, N: int, K: int, qa: int, qw: int, device: torch.device) -> dict:
