@@ -122,8 +122,8 @@ def in_threads(batches: list, score: Callable, threads: int, on_done: Callable |
     release the GIL, and the threads share the loaded model. Each batch is exactly the one a single thread
     runs (its rows and so its chunks), so every score is the single-threaded one, bit for bit; only the
     order of the on_done calls changes (they are serialized). The first error stops the other threads at
-    their next batch and is raised here; an interrupt (Ctrl-C) is raised at once, and from then on no on_done
-    call reaches the caller and no thread starts a batch."""
+    their next batch and is raised here; an interrupt (Ctrl-C) is raised once the batches running end, and from
+    then on no on_done call reaches the caller and no thread starts a batch."""
     if threads <= 1:
         return [score(batch, on_done) for batch in batches]
     import threading
@@ -158,6 +158,8 @@ def in_threads(batches: list, score: Callable, threads: int, on_done: Callable |
     except BaseException:  # Ctrl-C: no on_done after it (the caller is saving what finished), no new batch
         with lock:
             stop.set()
+        for t in pool:  # the batches running end first: a thread still inside a torch operator when the
+            t.join()    # interpreter finalizes aborts the process (model/engine.py `_PrefillThread`)
         raise
     if failed:
         raise failed[0]

@@ -16,12 +16,14 @@ Everything runs under torch.inference_mode(). Batched scoring for evaluation use
 
 from __future__ import annotations
 
+import atexit
 import collections
 import itertools
 import os
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -480,7 +482,14 @@ class _PrefillThread:
     as `Scheduler._companions` groups them); `prefill(job)` fills their own KVCache, as the scheduler's thread
     would, chunk by chunk at the same cuts, so its numbers do not depend on which thread ran it. The thread
     starts when a job comes and ends when none is left; it takes the caller's grad and inference modes and
-    intra-op thread count. A job's exception comes back with it and is raised on the scheduler's thread."""
+    intra-op thread count. A job's exception comes back with it and is raised on the scheduler's thread.
+
+    `stop` drops the jobs not started and waits for the one running (`prefill` sees `stopping` between its
+    chunks). Every thread still alive is stopped before the interpreter finalizes (`_stop_prefill_threads`):
+    a daemon thread still inside a torch operator then would come back to a finalizing interpreter, which
+    ends the thread by unwinding it through C++ frames that may not unwind, and the process aborts
+    ("terminate called without an active exception", exit -6: seen 2026-12-05 when `dsv41 eval` was
+    interrupted while a prompt prefilled here)."""
 
     def __init__(self, prefill: Callable):
         self._prefill = prefill
@@ -488,9 +497,13 @@ class _PrefillThread:
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self.stopping = False
+        _PREFILL_THREADS.add(self)
 
     def submit(self, job: list) -> None:
         with self._lock:
+            if self.stopping:
+                raise RuntimeError("the prefill thread was stopped")
             self._jobs.append(job)
             if self._thread is None:
                 modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_num_threads())
@@ -524,6 +537,29 @@ class _PrefillThread:
                 out.append(self._done.get_nowait())
         except queue.Empty:
             return out
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopping = True
+            self._jobs.clear()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+
+class PrefillStopped(Exception):
+    """A prefill given up between two chunks because its thread was stopped (`_PrefillThread.stop`)."""
+
+
+_PREFILL_THREADS: "weakref.WeakSet[_PrefillThread]" = weakref.WeakSet()  # a running thread keeps its own alive
+
+
+@atexit.register
+def _stop_prefill_threads() -> None:
+    """Before the interpreter finalizes (atexit runs while daemon threads still run): no prefill thread left
+    inside a torch operator (`_PrefillThread`)."""
+    for prefiller in list(_PREFILL_THREADS):
+        prefiller.stop()
 
 
 def _plain_prefill_stats(tokens: int) -> dict:
@@ -724,6 +760,8 @@ class Scheduler:
         cache = self.model.new_cache(1)
         chunk = seq.config.prefill_chunk or self.prefill_chunk
         for start in range(0, len(ids), chunk):  # `_prefill`'s forwards (Generator.prefill's would add its options)
+            if self._prefiller.stopping:
+                raise PrefillStopped
             logits = self.model(torch.tensor([ids[start:start + chunk]], device=self.gen.device), start_pos=start,
                                 cache=cache)
         seq.done_tokens = len(ids)
