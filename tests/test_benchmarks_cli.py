@@ -73,9 +73,12 @@ def test_gpu_only_subcommand_says_so_without_cuda():
 @pytest.mark.slow  # ~20-30 s: bench_gemm, bench_experts and bench_decode_gemms through the interpreter
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the smoke run needs Triton's interpreter")
 def test_cpu_subcommand_writes_its_json(tmp_path):
+    """bench_gemm.py, bench_experts.py and bench_decode_gemms.py end to end at tiny shapes through the interpreter
+    (benchmarks/smoke_cpu.py), so a broken script is found before device time is spent on it."""
     out = tmp_path / "smoke.json"
     proc = cli("smoke", "--tiny", "--quick", "--json", str(out), "--out", str(tmp_path / "rows"), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "rows" / "gemm.json").exists() and (tmp_path / "rows" / "experts.json").exists()
     data = json.loads(out.read_text())
     assert data["benchmark"] == "smoke_cpu"
     assert len(data["rows"]["gemm"]) == 10 and len(data["rows"]["experts"]) == 5  # gemm: 4 cases, 2 variants, 4 dequant rows
