@@ -131,8 +131,7 @@ def test_in_threads_keeps_quiet_after_an_interrupt():
     # operator when the interpreter finalizes aborts the process)
     assert not any(t.name.startswith("dsv41-score") and t.is_alive() for t in threading.enumerate())
     seen, begun = len(reported), len(started)
-    time.sleep(0.3)
-    # a thread may have taken a batch just before the interrupt and start it just after
+    # (no thread is left to report or start a batch; the counts stay)
     assert len(reported) == seen and len(started) <= begun + 2 < 40
 
 
