@@ -760,7 +760,7 @@ class Scheduler:
         cache = self.model.new_cache(1)
         chunk = seq.config.prefill_chunk or self.prefill_chunk
         for start in range(0, len(ids), chunk):  # `_prefill`'s forwards (Generator.prefill's would add its options)
-            if self._prefiller.stopping:
+            if self._prefiller is not None and self._prefiller.stopping:
                 raise PrefillStopped
             logits = self.model(torch.tensor([ids[start:start + chunk]], device=self.gen.device), start_pos=start,
                                 cache=cache)

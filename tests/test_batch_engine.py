@@ -465,6 +465,19 @@ def test_the_prefill_thread_prefills_beside_the_decode_steps(tiny_model, monkeyp
     assert [r.output_ids for _, r in sorted(scheduler.run())] == alone[:3] and threads == []
 
 
+def test_a_whole_prompt_prefills_without_the_prefill_thread(tiny_model):
+    """Scheduler._prefill_whole, the second thread's job, also runs on a scheduler that has no such thread (the ad
+    hoc timings of benchmarks/results/cpu-prefill-thread call it directly): the prompt's chunks, as alone."""
+    gen = Generator(tiny_model)
+    ids = prompts((20,), seed=3)[0]
+    seq = engine._Sequence(0, Request(ids, greedy(4, prefill_chunk=8)), gen)
+    _, logits = Scheduler(gen, 2, overlap_prefill=False)._prefill_whole([seq])
+    cache = tiny_model.new_cache(1)
+    for start in range(0, len(ids), 8):
+        alone = tiny_model(torch.tensor([ids[start:start + 8]]), start_pos=start, cache=cache)
+    assert torch.equal(logits, alone) and seq.done_tokens == len(ids)
+
+
 def test_the_prompt_this_thread_prefills_holds_its_row(tiny_model):
     """While the scheduler's thread prefills a long prompt chunk by chunk, the prefill thread is handed only as
     many prompts as leave that prompt its row: four rows, two short prompts handed first, the long one here,
