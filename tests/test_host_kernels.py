@@ -832,6 +832,29 @@ def test_sparse_attention_fixed_order_bits(B, T, H, D, W, N, Kw, Km, dtype, valu
     assert float((got.float() - ref.float()).abs().max()) <= 2 ** -7 * max(1.0, float(ref.float().abs().max()))
 
 
+@pytest.mark.parametrize("start_pos,n_prev,T,window,Km", [(0, 0, 37, 64, 0), (100, 63, 20, 64, 24), (7, 7, 90, 80, 70),
+                                                      (300, 79, 5, 80, 8)])
+@pytest.mark.parametrize("values", [False, True])
+def test_sparse_attention_prefill_window_in_place(start_pos, n_prev, T, window, Km, values):
+    """A prefill's causal window (attention.window_indices: a run of consecutive rows, -1 before position 0) is read
+    in place from the sequence's window transposed once, not gathered token by token: the same bits as the
+    reference and as gathering (a window block of shuffled indices), in every ISA version; one and two window
+    blocks, with and without a main store."""
+    from dsv41.model.attention import window_indices
+    B, H, D, N = 2, 4, 64, 50
+    W = n_prev + T
+    q, (wc, ws), (mc, ms), sink, _, m_idx = _packed_attention_case(B, T, H, D, W, N, 1, Km, torch.float32, T + Km)
+    w_idx = window_indices(start_pos, T, n_prev, window, "cpu").expand(B, T, -1).contiguous()
+    shuffled = w_idx[..., torch.randperm(w_idx.size(-1), generator=torch.Generator().manual_seed(0))]
+    wv = formats.unpack_fp8_ue8m0(wc, ws, formats.FP8_BLOCK, torch.float32) if values else None
+    order = ["base", "avx2", "avx512"]
+    for idx in (w_idx, shuffled):
+        want = reference.sparse_attention_packed(q, wc, ws, mc, ms, sink, idx, m_idx, 0.125, wv,
+                                                 attend=reference.sparse_attention_fixed_order)
+        for version in order[: order.index(host.head_isa()) + 1]:
+            assert_same(host.sparse_attention_packed(q, wc, ws, mc, ms, sink, idx, m_idx, 0.125, wv, version), want)
+
+
 def test_sparse_attention_fixed_order_edges():
     """Blocks whose indices are all -1 after a valid one (rescale exactly 1), logits large enough that the sink's
     term is clamped (e^88: the output is 0 within fp32, as exp's inf makes it), and a NaN query row (NaN out)."""

@@ -884,7 +884,7 @@ static inline __attribute__((always_inline)) void sparse_attention_body(
         const float *win_values, const uint8_t *win_codes, const uint8_t *win_scales, int64_t W, int64_t W_rows,
         const int64_t *win_idx, int64_t Kw, const uint8_t *main_codes, const uint8_t *main_scales, int64_t N,
         int64_t N_rows, const int64_t *main_idx, int64_t Km, const float *sink, float scale, void *out,
-        float *scratch, float *decoded) {
+        float *scratch, float *decoded, float *win_t) {
     float *rows = scratch, *keys_t = rows + ATTN_BLOCK * D, *qf = keys_t + ATTN_BLOCK * D, *acc = qf + H * D;
     float *run_max = acc + H * D, *denom = run_max + H, *pv = denom + H;
     float logit[ATTN_BLOCK], p[ATTN_BLOCK], pb[ATTN_BLOCK];
@@ -892,6 +892,7 @@ static inline __attribute__((always_inline)) void sparse_attention_body(
     int valid[ATTN_BLOCK];
     const int64_t K = Kw + Km;
     const float *window_b = NULL, *main_b = NULL;  /* sequence b's rows as values, where they are */
+    const int64_t ldw = W_rows + ATTN_BLOCK;  /* win_t's row: ATTN_BLOCK zero columns, then the W_rows rows' values */
     for (int64_t bt = 0; bt < B * T; bt++) {
         const int64_t b = bt / T;
         if (bt % T == 0) {
@@ -909,11 +910,37 @@ static inline __attribute__((always_inline)) void sparse_attention_body(
                     main_b = next;
                 }
             }
+            if (win_t && window_b)  /* the window's values transposed, once a sequence (see the block loop) */
+                for (int64_t d = 0; d < D; d++) {
+                    float *col = win_t + d * ldw;
+                    memset(col, 0, ATTN_BLOCK * sizeof(float));
+                    for (int64_t r = 0; r < W_rows; r++) col[ATTN_BLOCK + r] = window_b[r * D + d];
+                }
         }
         for (int64_t i = 0; i < H * D; i++) { qf[i] = load(q, bt * H * D + i, q_bf16); acc[i] = 0.0f; }
         for (int64_t h = 0; h < H; h++) { run_max[h] = -1e30f; denom[h] = 0.0f; }
         for (int64_t start = 0; start < K; start += ATTN_BLOCK) {
             const int64_t k = K - start < ATTN_BLOCK ? K - start : ATTN_BLOCK;
+            /* A prefill's window block: its valid indices run base + j (the causal window, window_indices), so its
+             * keys, transposed, are columns base .. base + k - 1 of win_t, read in place (the zero columns before
+             * row 0 stand in for the -1 entries, whose logits become -inf below whatever they read); otherwise
+             * they are gathered into keys_t. Both hold the same values, so the same bits. */
+            const float *kt = keys_t;
+            int64_t ld = ATTN_BLOCK;
+            if (win_t && window_b && start + k <= Kw) {
+                int64_t base = INT64_MIN;
+                int run = 1;
+                for (int64_t j = 0; j < k && run; j++) {
+                    const int64_t idx = win_idx[bt * Kw + start + j];
+                    if (idx < 0) continue;
+                    if (base == INT64_MIN) base = idx - j;
+                    run = idx == base + j;
+                }
+                if (run && base != INT64_MIN && base >= -ATTN_BLOCK && base + k <= W_rows) {
+                    kt = win_t + ATTN_BLOCK + base;
+                    ld = ldw;
+                }
+            }
             for (int64_t j = 0; j < k; j++) {
                 const int64_t at = start + j, window = at < Kw;
                 const int64_t idx = window ? win_idx[bt * Kw + at] : main_idx[bt * Km + at - Kw];
@@ -927,14 +954,15 @@ static inline __attribute__((always_inline)) void sparse_attention_body(
                 else if (main_b) src[j] = main_b + idx * D;
                 else attn_decode_rows(row, main_codes + (b * N + idx) * (D / 2), main_scales + (b * N + idx) * (D / 16),
                                       1, D, 1);
-                for (int64_t d = 0; d < D; d++) keys_t[d * ATTN_BLOCK + j] = src[j][d];
+                if (kt == keys_t)
+                    for (int64_t d = 0; d < D; d++) keys_t[d * ATTN_BLOCK + j] = src[j][d];
             }
             for (int64_t h = 0; h < H; h++) {
                 const float *qh = qf + h * D;
                 for (int64_t j = 0; j < k; j++) logit[j] = 0.0f;
                 for (int64_t d = 0; d < D; d++) {  /* lanes over the keys: each key's sum still runs d = 0, 1, ... */
                     const float qd = qh[d];
-                    const float *kd = keys_t + d * ATTN_BLOCK;
+                    const float *kd = kt + d * ld;
                     for (int64_t j = 0; j < k; j++) logit[j] = logit[j] + qd * kd[j];
                 }
                 float block_max = -__builtin_inff();
@@ -978,8 +1006,8 @@ static inline __attribute__((always_inline)) void sparse_attention_body(
 #define ATTN_CALL q, q_bf16, B, T, H, D, win_values, win_codes, win_scales, W, W_rows, win_idx, Kw, main_codes,     \
     main_scales, N, N_rows, main_idx, Km, sink, scale, out
 #define ATTN_KERNEL(NAME, TARGET)                                                                                 \
-TARGET static void NAME(ATTN_ARGS(T), float *scratch, float *decoded) {                                          \
-    sparse_attention_body(ATTN_CALL, scratch, decoded);                                                          \
+TARGET static void NAME(ATTN_ARGS(T), float *scratch, float *decoded, float *win_t) {                            \
+    sparse_attention_body(ATTN_CALL, scratch, decoded, win_t);                                                   \
 }
 ATTN_KERNEL(dsv41_sparse_attention_base, HEAD_OPT)
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -991,18 +1019,21 @@ ATTN_KERNEL(dsv41_sparse_attention_avx512, HEAD_OPT __attribute__((target("avx51
  * bits (tests/test_host_kernels.py runs each one the CPU has) */
 int dsv41_sparse_attention_version(int version, ATTN_ARGS(T)) {
     const int64_t decoded_size = T > 1 ? (win_values ? 0 : W_rows * D) + (Km ? N_rows * D : 0) : 0;
-    float *scratch = malloc(sizeof(float) * (size_t)(2 * ATTN_BLOCK * D + 2 * H * D + 2 * H + D + decoded_size));
+    const int64_t win_t_size = T > 1 ? (W_rows + ATTN_BLOCK) * D : 0;  /* a prefill's window, transposed */
+    const int64_t fixed = 2 * ATTN_BLOCK * D + 2 * H * D + 2 * H + D;
+    float *scratch = malloc(sizeof(float) * (size_t)(fixed + decoded_size + win_t_size));
     if (!scratch) return -1;
-    float *decoded = decoded_size ? scratch + 2 * ATTN_BLOCK * D + 2 * H * D + 2 * H + D : NULL;
+    float *decoded = decoded_size ? scratch + fixed : NULL;
+    float *win_t = win_t_size ? scratch + fixed + decoded_size : NULL;
 #if defined(__x86_64__) && defined(__GNUC__)
     static int isa = -1;
     if (isa < 0) isa = dsv41_head_isa();
     if (version < 0 || version > isa) version = isa;
-    if (version == 2) dsv41_sparse_attention_avx512(ATTN_CALL, scratch, decoded);
-    else if (version == 1) dsv41_sparse_attention_avx2(ATTN_CALL, scratch, decoded);
+    if (version == 2) dsv41_sparse_attention_avx512(ATTN_CALL, scratch, decoded, win_t);
+    else if (version == 1) dsv41_sparse_attention_avx2(ATTN_CALL, scratch, decoded, win_t);
     else
 #endif
-    dsv41_sparse_attention_base(ATTN_CALL, scratch, decoded);
+    dsv41_sparse_attention_base(ATTN_CALL, scratch, decoded, win_t);
     free(scratch);
     return 0;
 }
