@@ -909,7 +909,9 @@ class Scheduler:
     def _decode(self, finished: list) -> None:
         t0 = time.perf_counter()
         ids = torch.tensor([seq.token for seq in self.running], device=self.gen.device)
-        logits = self.decode(ids)
+        # the prefill thread's core, while it has no prompt, takes half the head's columns (the same bits)
+        with host.helper_core(self._prefiller is not None and not self.handed):
+            logits = self.decode(ids)
         check_finite(logits, self.gen.source)
         greedy = greedy_ids(logits).tolist() if any(seq.sampler.greedy for seq in self.running) else None
         done = []

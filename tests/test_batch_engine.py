@@ -465,6 +465,38 @@ def test_the_prefill_thread_prefills_beside_the_decode_steps(tiny_model, monkeyp
     assert [r.output_ids for _, r in sorted(scheduler.run())] == alone[:3] and threads == []
 
 
+def test_the_decode_step_lends_the_head_the_prefill_threads_idle_core(tiny_model, one_thread, monkeypatch):
+    """Scheduler._decode runs the head on two threads (host.helper_core) exactly when the scheduler has a prefill
+    thread and that thread has no prompt (torch at one intra-op thread, as the CLI runs small models); with prompts
+    handed to it, or without it, on one; the tokens are those of each request alone either way."""
+    from dsv41.model.kernels import host
+    gen = Generator(tiny_model)
+    ids = prompts((30, 5, 17, 40), seed=9)
+    alone = [gen.generate(p, greedy(6, prefill_chunk=8)).output_ids for p in ids]
+    lent = []
+    decode = Scheduler._decode
+
+    def spy(self, finished):
+        expected = self._prefiller is not None and not self.handed
+        real = self.decode
+        self.decode = lambda t: lent.append((expected, host.head_threads())) or real(t)
+        try:
+            return decode(self, finished)
+        finally:
+            self.decode = real
+
+    monkeypatch.setattr(Scheduler, "_decode", spy)
+    for overlap in (True, False):
+        lent.clear()
+        scheduler = Scheduler(gen, max_batch_size=3, overlap_prefill=overlap)
+        for i, p in enumerate(ids):
+            scheduler.submit(Request(p, greedy(6, prefill_chunk=8)), key=i)
+        assert [r.output_ids for _, r in sorted(scheduler.run())] == alone
+        assert lent and all(threads == (2 if expected else 1) for expected, threads in lent)
+        assert {expected for expected, _ in lent} == ({True, False} if overlap else {False})
+    assert host.head_threads() == 1
+
+
 def test_a_whole_prompt_prefills_without_the_prefill_thread(tiny_model):
     """Scheduler._prefill_whole, the second thread's job, also runs on a scheduler that has no such thread (the ad
     hoc timings of benchmarks/results/cpu-prefill-thread call it directly): the prompt's chunks, as alone."""

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -320,6 +321,7 @@ def test_head_logits_bits(R, K, V):
     x, wt = _head_inputs(R, K, V, R * K + V)
     expected = reference.head_logits(x, wt)
     assert_same(host.head_logits(x, wt), expected)
+    assert_same(host.head_logits(x, wt, threads=2), expected)  # its columns split between two threads
     for r in range(R):  # each row alone: the same bits (the step computes only its rows in use)
         assert_same(host.head_logits(x[r:r + 1].contiguous(), wt), expected[r:r + 1])
 
@@ -338,6 +340,7 @@ def test_head_from_bf16_blocks_is_the_heads_bits(R, K, V):
     isa = host.head_isa()
     for version in [None, "base"] + (["avx2"] if isa in ("avx2", "avx512") else []) + (["avx512"] if isa == "avx512" else []):
         assert_same(host.head_logits_bf16(x, host.head_blocks(w), V, version), expected)
+    assert_same(host.head_logits_bf16(x, host.head_blocks(w), V, threads=2), expected)  # blocks on two threads
     with torch.no_grad():
         w.mul_(2)  # the kept blocks are made again
     assert_same(host.head_logits_bf16(x, host.head_blocks(w), V), reference.head_logits(x, w.float().t().contiguous()))
@@ -358,6 +361,53 @@ def test_head_takes_the_bf16_blocks_for_few_rows(tiny_model, monkeypatch):
         many = head(x)
         assert len(calls) == len(few)
     assert_same(torch.cat(few, dim=1), many)
+
+
+def test_the_head_takes_a_helper_core_only_where_lent(tiny_model, monkeypatch):
+    """host.helper_core(True) lends the head a second thread on the calling thread only (the scheduler's, for a
+    decode step while its prefill thread idles), at one torch intra-op thread only and unless DSV41_HEAD_HELPER=0,
+    and is undone on leaving; the logits are the same bits, at few rows (the bf16 blocks) and many (the fp32
+    kernel); the C entry points are the two-thread ones inside it."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with host.helper_core(True):
+            assert host.head_threads() == 1  # torch's own workers hold the other core
+        torch.set_num_threads(1)
+        monkeypatch.setenv("DSV41_HEAD_HELPER", "0")
+        with host.helper_core(True):
+            assert host.head_threads() == 1
+        monkeypatch.delenv("DSV41_HEAD_HELPER")
+        _helper_core_calls(tiny_model, monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _helper_core_calls(tiny_model, monkeypatch):
+    head = tiny_model.head
+    x = torch.randn(1, host.HEAD_BF16_MAX_ROWS + 3, head.weight.size(1)).bfloat16()
+    called = []
+    lib = host.library()
+    for name in ("dsv41_head_bf16", "dsv41_head_bf16_two", "dsv41_fixed_order_matmul", "dsv41_head_logits_two"):
+        real = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *a, _n=name, _f=real: called.append(_n) or _f(*a))
+    with torch.inference_mode():
+        alone = [head(x[:, :2]), head(x)]
+        assert called == ["dsv41_head_bf16", "dsv41_fixed_order_matmul"] and host.head_threads() == 1
+        called.clear()
+        with host.helper_core(True):
+            seen = []
+            other = threading.Thread(target=lambda: seen.append(host.head_threads()))
+            other.start()
+            other.join()
+            lent = [head(x[:, :2]), head(x)]
+            with host.helper_core(False):
+                assert host.head_threads() == 1
+            assert host.head_threads() == 2 and seen == [1]
+        assert host.head_threads() == 1
+    assert called == ["dsv41_head_bf16_two", "dsv41_head_logits_two"]
+    for a, b in zip(alone, lent):
+        assert_same(a, b)
 
 
 def test_head_logits_every_isa_version_gives_the_same_bits():

@@ -32,6 +32,7 @@ Callers dispatch only for contiguous CPU tensors of the dtypes each wrapper name
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -41,6 +42,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -52,7 +54,7 @@ from dsv41.model import formats
 SOURCE = Path(__file__).with_name("host_kernels.c")
 # no -march: the baseline ISA of the machine's compiler target, so the code and its numbers are the same on
 # every CPU; no fused multiply-add, no fast-math: each operation rounds as the torch reference's does
-CFLAGS = ["-O2", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing"]
+CFLAGS = ["-O2", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing"]
 
 _STATUS: list[str] = ["not loaded yet"]
 
@@ -118,7 +120,7 @@ def library() -> ctypes.CDLL | None:
             getattr(lib, name).argtypes = [ptr, i64, i64, ptr, i64, ptr]
             getattr(lib, name).restype = None
     lib.dsv41_head_isa.restype = ctypes.c_int
-    for name in ("dsv41_head_bf16", *HEAD_BF16_VERSIONS.values()):
+    for name in ("dsv41_head_bf16", "dsv41_head_bf16_two", "dsv41_head_logits_two", *HEAD_BF16_VERSIONS.values()):
         if hasattr(lib, name):
             getattr(lib, name).argtypes = [ptr, i64, i64, ptr, i64, ptr]
             getattr(lib, name).restype = None
@@ -262,17 +264,47 @@ def head_isa() -> str:
     return HEAD_VERSIONS[library().dsv41_head_isa()].rsplit("_", 1)[-1]
 
 
-def head_logits(x: torch.Tensor, wt: torch.Tensor, version: str | None = None) -> torch.Tensor:
+def head_logits(x: torch.Tensor, wt: torch.Tensor, version: str | None = None, threads: int | None = None
+                ) -> torch.Tensor:
     """reference.head_logits: x [R, K] fp32 contiguous, wt [K, V] fp32 contiguous (CPU) -> [R, V] fp32.
-    version: "base", "avx2" or "avx512" to run that one (the tests; the CPU must have it), else the CPU's."""
-    if version is None:
+    version: "base", "avx2" or "avx512" to run that one (the tests; the CPU must have it), else the CPU's.
+    threads: 2 splits the columns between this thread and one more (the same bits); default head_threads()."""
+    if version is None and (threads or head_threads()) < 2:
         return fixed_order_matmul(x, wt)
     R, K = x.shape
     V = wt.size(1)
     out = torch.empty(R, V, dtype=torch.float32)
-    fn = getattr(library(), f"dsv41_head_logits_{version}")
+    fn = getattr(library(), "dsv41_head_logits_two" if version is None else f"dsv41_head_logits_{version}")
     fn(x.data_ptr(), R, K, wt.data_ptr(), V, out.data_ptr())
     return out
+
+
+# A second core for the head (dsv41_head_logits_two, dsv41_head_bf16_two), per calling thread: the scheduler lends
+# it for a CPU decode step while its prefill thread, whose core it is, has no prompt (engine.Scheduler._decode).
+# The head is the one piece of the step that is a single large product (129,280 columns on the bundled model), so
+# the one worth a thread's start (tens of microseconds) there.
+_HELPER = threading.local()
+
+
+def head_threads() -> int:
+    """The threads the head may use on the calling thread: 2 inside helper_core(True), else 1."""
+    return getattr(_HELPER, "threads", 1)
+
+
+@contextlib.contextmanager
+def helper_core(on: bool):
+    """Within it, the head on the calling thread runs on two threads when `on` (the caller knows a second core
+    idles) and torch runs one intra-op thread (as the CLI sets it for small models: docs/architecture.md), unless
+    DSV41_HEAD_HELPER=0. With more intra-op threads torch's OpenMP workers keep spinning on the other cores
+    between operators, and a helper thread there made the step slower (96 against 100 tokens/s for one sequence
+    of the bundled model; docs/performance.md, `cpu-head-helper`)."""
+    before = head_threads()
+    lend = on and torch.get_num_threads() == 1 and os.environ.get("DSV41_HEAD_HELPER", "1") != "0"
+    _HELPER.threads = 2 if lend else 1
+    try:
+        yield
+    finally:
+        _HELPER.threads = before
 
 
 # The head for a few rows from its bf16 weight in column blocks of HEAD_VB (host_kernels.c, dsv41_head_bf16): one
@@ -300,12 +332,16 @@ def head_blocks(w: torch.Tensor) -> torch.Tensor:
     return _kept(_HEAD_BLOCKS, w, None, make)
 
 
-def head_logits_bf16(x: torch.Tensor, blocks: torch.Tensor, V: int, version: str | None = None) -> torch.Tensor:
+def head_logits_bf16(x: torch.Tensor, blocks: torch.Tensor, V: int, version: str | None = None,
+                     threads: int | None = None) -> torch.Tensor:
     """reference.head_logits(x, w.float().t()) for the bf16 head weight w [V, K] given as head_blocks(w): x [R, K]
-    fp32 contiguous -> [R, V] fp32, the same bits. version as in head_logits."""
+    fp32 contiguous -> [R, V] fp32, the same bits. version and threads as in head_logits."""
     R, K = x.shape
     out = torch.empty(R, V, dtype=torch.float32)
-    fn = getattr(library(), "dsv41_head_bf16" if version is None else f"dsv41_head_bf16_{version}")
+    if version is None:
+        fn = getattr(library(), "dsv41_head_bf16_two" if (threads or head_threads()) >= 2 else "dsv41_head_bf16")
+    else:
+        fn = getattr(library(), f"dsv41_head_bf16_{version}")
     fn(x.data_ptr(), R, K, blocks.data_ptr(), V, out.data_ptr())
     return out
 

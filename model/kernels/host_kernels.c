@@ -13,6 +13,7 @@
  * on the CPU the code runs on. expf and log1pf are the C library's, as in ATen's scalar loop.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -196,7 +197,7 @@ typedef float f32x4u __attribute__((vector_size(16), aligned(4), may_alias));
 
 #define HEAD_KERNEL(NAME, TARGET, VT, VU, VW, RB, CB)                                                            \
 TARGET void NAME##_strided(const float *x, int64_t R, int64_t K, int64_t ldx, const float *wt, int64_t V,        \
-                           float *out, int64_t ldo) {                                                            \
+                           float *out, int64_t ldo, int64_t ldw) {                                               \
     const int64_t vb = (VW) * (CB), full = V / vb * vb;                                                          \
     for (int64_t v0 = 0; v0 < full; v0 += vb) {                                                                  \
         int64_t r = 0;                                                                                           \
@@ -206,7 +207,7 @@ TARGET void NAME##_strided(const float *x, int64_t R, int64_t K, int64_t ldx, co
             for (int i = 0; i < (RB); i++)                                                                       \
                 for (int c = 0; c < (CB); c++) a[i][c] = x[(r + i) * ldx] * w[c];                                \
             for (int64_t k = 1; k < K; k++) {                                                                    \
-                for (int c = 0; c < (CB); c++) w[c] = *(const VU *)(wt + k * V + v0 + (VW) * c);                 \
+                for (int c = 0; c < (CB); c++) w[c] = *(const VU *)(wt + k * ldw + v0 + (VW) * c);               \
                 for (int i = 0; i < (RB); i++) {                                                                 \
                     const float xk = x[(r + i) * ldx + k];                                                       \
                     for (int c = 0; c < (CB); c++) a[i][c] = a[i][c] + xk * w[c];                                \
@@ -220,7 +221,7 @@ TARGET void NAME##_strided(const float *x, int64_t R, int64_t K, int64_t ldx, co
             for (int c = 0; c < (CB); c++) a[c] = x[r * ldx] * *(const VU *)(wt + v0 + (VW) * c);                \
             for (int64_t k = 1; k < K; k++) {                                                                    \
                 const float xk = x[r * ldx + k];                                                                 \
-                for (int c = 0; c < (CB); c++) a[c] = a[c] + xk * *(const VU *)(wt + k * V + v0 + (VW) * c);     \
+                for (int c = 0; c < (CB); c++) a[c] = a[c] + xk * *(const VU *)(wt + k * ldw + v0 + (VW) * c);   \
             }                                                                                                    \
             for (int c = 0; c < (CB); c++) *(VU *)(out + r * ldo + v0 + (VW) * c) = a[c];                        \
         }                                                                                                        \
@@ -234,14 +235,14 @@ TARGET void NAME##_strided(const float *x, int64_t R, int64_t K, int64_t ldx, co
             VT a[RB], w = *(const VU *)(wt + v0);                                                                \
             for (int i = 0; i < (RB); i++) a[i] = x[(r + i) * ldx] * w;                                          \
             for (int64_t k = 1; k < K; k++) {                                                                    \
-                w = *(const VU *)(wt + k * V + v0);                                                              \
+                w = *(const VU *)(wt + k * ldw + v0);                                                            \
                 for (int i = 0; i < (RB); i++) a[i] = a[i] + x[(r + i) * ldx + k] * w;                           \
             }                                                                                                    \
             for (int i = 0; i < (RB); i++) *(VU *)(out + (r + i) * ldo + v0) = a[i];                             \
         }                                                                                                        \
         for (; r < R; r++) {                                                                                     \
             VT a = x[r * ldx] * *(const VU *)(wt + v0);                                                          \
-            for (int64_t k = 1; k < K; k++) a = a + x[r * ldx + k] * *(const VU *)(wt + k * V + v0);             \
+            for (int64_t k = 1; k < K; k++) a = a + x[r * ldx + k] * *(const VU *)(wt + k * ldw + v0);           \
             *(VU *)(out + r * ldo + v0) = a;                                                                     \
         }                                                                                                        \
     }                                                                                                            \
@@ -251,13 +252,13 @@ TARGET void NAME##_strided(const float *x, int64_t R, int64_t K, int64_t ldx, co
         for (int64_t j = 0; j < tail; j++) acc[j] = x[r * ldx] * wt[fullv + j];                                  \
         for (int64_t k = 1; k < K; k++) {                                                                        \
             const float xk = x[r * ldx + k];                                                                     \
-            for (int64_t j = 0; j < tail; j++) acc[j] = acc[j] + xk * wt[k * V + fullv + j];                     \
+            for (int64_t j = 0; j < tail; j++) acc[j] = acc[j] + xk * wt[k * ldw + fullv + j];                   \
         }                                                                                                        \
         for (int64_t j = 0; j < tail; j++) out[r * ldo + fullv + j] = acc[j];                                    \
     }                                                                                                            \
 }                                                                                                                \
 TARGET void NAME(const float *x, int64_t R, int64_t K, const float *wt, int64_t V, float *out) {                 \
-    NAME##_strided(x, R, K, K, wt, V, out, V);                                                                   \
+    NAME##_strided(x, R, K, K, wt, V, out, V, V);                                                                \
 }
 
 #define HEAD_OPT __attribute__((optimize("O3")))
@@ -315,10 +316,10 @@ typedef uint32_t u32x4 __attribute__((vector_size(16)));
     } while (0)
 
 #define HEAD_BF16_KERNEL(NAME, TARGET, VT, VU, HU, UT, VW, RB)                                                   \
-TARGET void NAME(const float *x, int64_t R, int64_t K, const uint16_t *wtb, int64_t V, float *out) {             \
+TARGET void NAME##_range(const float *x, int64_t R, int64_t K, const uint16_t *wtb, int64_t V, float *out,      \
+                         int64_t b0, int64_t b1) { /* column blocks b0 .. b1 - 1 */                               \
     enum { NV = HEAD_VB / (VW) };                                                                                \
-    const int64_t blocks = (V + HEAD_VB - 1) / HEAD_VB;                                                          \
-    for (int64_t b = 0; b < blocks; b++) {                                                                       \
+    for (int64_t b = b0; b < b1; b++) {                                                                          \
         const uint16_t *w = wtb + b * K * HEAD_VB;                                                               \
         const int64_t width = (b + 1) * HEAD_VB <= V ? HEAD_VB : V - b * HEAD_VB;                                \
         int64_t r = 0;                                                                                           \
@@ -327,6 +328,9 @@ TARGET void NAME(const float *x, int64_t R, int64_t K, const uint16_t *wtb, int6
         if ((RB) > 2 && R - r == 2) { HEAD_BF16_TILE(VT, VU, HU, UT, VW, 2); r += 2; } /* one tile when they */ \
         for (; r < R; r++) HEAD_BF16_TILE(VT, VU, HU, UT, VW, 1);                      /* fit one            */ \
     }                                                                                                            \
+}                                                                                                                \
+TARGET void NAME(const float *x, int64_t R, int64_t K, const uint16_t *wtb, int64_t V, float *out) {             \
+    NAME##_range(x, R, K, wtb, V, out, 0, (V + HEAD_VB - 1) / HEAD_VB);                                          \
 }
 
 HEAD_BF16_KERNEL(dsv41_head_bf16_base, HEAD_OPT, f32x4, f32x4u, u16x4, u32x4, 4, 1)
@@ -355,13 +359,67 @@ HEAD_BF16_KERNEL(dsv41_head_bf16_avx512, HEAD_OPT __attribute__((target("avx512f
  * and written in place. */
 void dsv41_fixed_order_matmul(const float *x, int64_t R, int64_t K, int64_t ldx, const float *wt, int64_t N,
                               float *out, int64_t ldo) {
-    ISA_DISPATCH(dsv41_head_logits, _strided, (x, R, K, ldx, wt, N, out, ldo))
+    ISA_DISPATCH(dsv41_head_logits, _strided, (x, R, K, ldx, wt, N, out, ldo, N))
 }
 
 
 /* dsv41_head_bf16_* at the widest ISA the CPU runs (host.head_logits_bf16) */
 void dsv41_head_bf16(const float *x, int64_t R, int64_t K, const uint16_t *wtb, int64_t V, float *out) {
     ISA_DISPATCH(dsv41_head_bf16, , (x, R, K, wtb, V, out))
+}
+
+static void head_bf16_range(const float *x, int64_t R, int64_t K, const uint16_t *wtb, int64_t V, float *out,
+                            int64_t b0, int64_t b1) {
+    ISA_DISPATCH(dsv41_head_bf16, _range, (x, R, K, wtb, V, out, b0, b1))
+}
+
+/* The head on two threads, this one and one started for the call: each computes its own columns, each column
+ * summed as on one thread, so the same bits (a column's sum never depends on which columns are beside it). The
+ * engine asks for it where a core would otherwise idle (host.helper_core: a decode step while the scheduler's
+ * prefill thread has no prompt). Without a thread (pthread_create fails) the whole runs here. */
+typedef struct {
+    const float *x; int64_t R, K; const void *w; int64_t V; float *out; int64_t lo, hi; int bf16;
+} head_part;
+
+/* columns lo .. hi - 1 of the fp32 head: the weight's rows stay V apart */
+static void head_columns(const float *x, int64_t R, int64_t K, const float *wt, int64_t V, float *out, int64_t lo,
+                         int64_t hi) {
+    ISA_DISPATCH(dsv41_head_logits, _strided, (x, R, K, K, wt + lo, hi - lo, out + lo, V, V))
+}
+
+static void head_part_run(const head_part *p) {
+    if (p->bf16) head_bf16_range(p->x, p->R, p->K, (const uint16_t *)p->w, p->V, p->out, p->lo, p->hi);
+    else head_columns(p->x, p->R, p->K, (const float *)p->w, p->V, p->out, p->lo, p->hi);
+}
+
+static void *head_part_thread(void *arg) { head_part_run((const head_part *)arg); return NULL; }
+
+static void head_two_threads(head_part first, int64_t split, int64_t end) {
+    head_part second = first;
+    first.hi = second.lo = split;
+    second.hi = end;
+    pthread_t helper;
+    if (pthread_create(&helper, NULL, head_part_thread, &second) != 0) {
+        first.hi = end;
+        head_part_run(&first);
+        return;
+    }
+    head_part_run(&first);
+    pthread_join(helper, NULL);
+}
+
+/* dsv41_head_bf16 with its column blocks split between two threads (the first thread takes the first half) */
+void dsv41_head_bf16_two(const float *x, int64_t R, int64_t K, const uint16_t *wtb, int64_t V, float *out) {
+    const int64_t blocks = (V + HEAD_VB - 1) / HEAD_VB;
+    head_part p = {x, R, K, wtb, V, out, 0, 0, 1};
+    head_two_threads(p, blocks / 2, blocks);
+}
+
+/* dsv41_head_logits (the fp32 head, x [R, K] and out [R, V] contiguous) split between two threads at a multiple of
+ * 64 columns (whole register tiles on either side) */
+void dsv41_head_logits_two(const float *x, int64_t R, int64_t K, const float *wt, int64_t V, float *out) {
+    head_part p = {x, R, K, wt, V, out, 0, 0, 0};
+    head_two_threads(p, V / 2 / 64 * 64, V);
 }
 
 
