@@ -1,7 +1,9 @@
 """The generation engine against a git revision, on the CPU, with the bundled model (issue #21's numbers).
 
 Both trees run in fresh processes with this same Python: the current working tree and a `git archive` of
---rev (default HEAD), each from its own folder first on sys.path (as benchmarks/bench_startup.py does).
+--rev (default HEAD), each from its own folder first on sys.path (as benchmarks/bench_startup.py does), each at one
+torch intra-op thread (--threads, default 1, as `dsv41` runs the bundled model; until 2026-12-06 the workers ran
+at torch's default, the machine's cores, which --threads 0 gives).
 
     single       one sequence, greedy, 40-token prompt, 96 new tokens: decode tokens/s (median of --runs)
     concurrent   32 requests, prompts of 8..400 tokens, 16..96 new tokens each (fixed seed): aggregate
@@ -41,12 +43,16 @@ from bench_startup import env_for, export_revision, probe  # noqa: E402
 # the API both trees share (load_model, Generator.generate, GenerationConfig), plus generate_many where the
 # tree has it.
 WORKER = r'''
-import json, random, statistics, sys, time
+import json, os, random, statistics, sys, time
 import torch
 from dsv41.model.assets import bundled_model_dir
 from dsv41.model.checkpoint import load_model
 from dsv41.model.engine import GenerationConfig, Generator
 what, runs, n_req, scale, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+# the intra-op threads `dsv41` gives the bundled model (DSV41_THREADS: 1, as env_for sets it for either tree; unset
+# with --threads 0, torch's default, as the workers ran until 2026-12-06)
+if os.environ.get("DSV41_THREADS"):
+    torch.set_num_threads(int(os.environ["DSV41_THREADS"]))
 model, args, tok = load_model(bundled_model_dir(), device=device)
 gen = Generator(model, tok)
 rng = random.Random(0)
@@ -89,9 +95,16 @@ print(json.dumps(out))
 '''
 
 
+WORKER_THREADS = 1  # --threads
+
+
 def worker(tree: Path, what: str, runs: int = 1, n_req: int = 32, scale: float = 1.0, device: str = "cpu",
            graphs: bool = True, compiled: bool = False) -> dict:
     env = {**env_for(tree), "DSV41_CUDA_GRAPHS": "1" if graphs else "0", "DSV41_COMPILE_DECODE": "1" if compiled else "0"}
+    if WORKER_THREADS:
+        env["DSV41_THREADS"] = str(WORKER_THREADS)
+    else:
+        env.pop("DSV41_THREADS", None)
     if device != "cpu" and os.environ.get("PYTHONPATH"):  # the device machine's extra packages stay reachable
         env["PYTHONPATH"] = str(tree) + os.pathsep + os.environ["PYTHONPATH"]
     r = subprocess.run([sys.executable, "-c", WORKER, what, str(runs), str(n_req), str(scale), device], cwd=tree,
@@ -200,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                          "medians over all; on a shared machine, whose speed drifts, 3 or more")
     ap.add_argument("--only", nargs="+", choices=["single", "concurrent", "concurrency", "commands"])
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads of every worker (default 1, as `dsv41` runs the bundled model; 0: "
+                         "torch's default, the machine's cores, as the workers ran until 2026-12-06)")
     ap.add_argument("--plot", metavar="PATH", help="the concurrency curve as a PNG")
     ap.add_argument("--quick", action="store_true", help="8 requests, outputs a quarter as long, no commands")
     ap.add_argument("--engines", type=int, default=None,
@@ -215,12 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.rounds < 1 or a.runs < 1:
         ap.error("--rounds and --runs must be at least 1")
+    if a.threads < 0:
+        ap.error("--threads must be 0 (torch's default) or more")
+    global WORKER_THREADS
+    WORKER_THREADS = a.threads
     if a.device != "cpu":
         return gpu_main(a)
     parts = a.only or (["single", "concurrent", "concurrency"] + ([] if a.quick else ["commands"]))
     n_req, scale = (8, 0.25) if a.quick else (32, 1.0)
     tmp = Path(tempfile.mkdtemp(prefix="dsv41-engine-"))
-    doc: dict = {"benchmark": "engine", "revision": a.rev, "python": platform.python_version(), "cpus": os.cpu_count()}
+    doc: dict = {"benchmark": "engine", "revision": a.rev, "python": platform.python_version(), "cpus": os.cpu_count(),
+                 "torch_threads": a.threads or "torch's default"}
     try:
         rev_tree = tmp / "tree"
         rev_tree.mkdir()
