@@ -54,7 +54,8 @@ from dsv41.model import formats
 SOURCE = Path(__file__).with_name("host_kernels.c")
 # no -march: the baseline ISA of the machine's compiler target, so the code and its numbers are the same on
 # every CPU; no fused multiply-add, no fast-math: each operation rounds as the torch reference's does
-CFLAGS = ["-O2", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing"]
+CFLAGS = ["-O2", "-std=c11", "-fPIC", "-shared", "-pthread", "-ffp-contract=off", "-fno-fast-math",
+          "-fno-strict-aliasing"]
 
 _STATUS: list[str] = ["not loaded yet"]
 
