@@ -270,7 +270,7 @@ def head_logits(x: torch.Tensor, wt: torch.Tensor, version: str | None = None, t
     """reference.head_logits: x [R, K] fp32 contiguous, wt [K, V] fp32 contiguous (CPU) -> [R, V] fp32.
     version: "base", "avx2" or "avx512" to run that one (the tests; the CPU must have it), else the CPU's.
     threads: 2 splits the columns between this thread and one more (the same bits); default head_threads()."""
-    if version is None and (threads or head_threads()) < 2:
+    if version is None and not _split(threads):
         return fixed_order_matmul(x, wt)
     R, K = x.shape
     V = wt.size(1)
@@ -290,6 +290,11 @@ _HELPER = threading.local()
 def head_threads() -> int:
     """The threads the head may use on the calling thread: 2 inside helper_core(True), else 1."""
     return getattr(_HELPER, "threads", 1)
+
+
+def _split(threads: int | None) -> bool:
+    """Whether the head splits its columns: `threads` when given, else head_threads()."""
+    return (threads or head_threads()) >= 2
 
 
 @contextlib.contextmanager
@@ -340,7 +345,7 @@ def head_logits_bf16(x: torch.Tensor, blocks: torch.Tensor, V: int, version: str
     R, K = x.shape
     out = torch.empty(R, V, dtype=torch.float32)
     if version is None:
-        fn = getattr(library(), "dsv41_head_bf16_two" if (threads or head_threads()) >= 2 else "dsv41_head_bf16")
+        fn = getattr(library(), "dsv41_head_bf16_two" if _split(threads) else "dsv41_head_bf16")
     else:
         fn = getattr(library(), f"dsv41_head_bf16_{version}")
     fn(x.data_ptr(), R, K, blocks.data_ptr(), V, out.data_ptr())

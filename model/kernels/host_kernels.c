@@ -933,6 +933,18 @@ static void attn_decode_rows(float *out, const uint8_t *codes, const uint8_t *sc
     dsv41_unpack(codes, scales, rows * D, fp4 ? 16 : 32, fp4 ? 1 : 0, out);
 }
 
+/* base when the k indices' valid ones are base + j (a run of consecutive rows, -1 elsewhere) and columns base ..
+ * base + k - 1 lie in a transposed window of W_rows rows after ATTN_BLOCK zero columns; else INT64_MIN */
+static inline int64_t window_run(const int64_t *idx, int64_t k, int64_t W_rows) {
+    int64_t base = INT64_MIN;
+    for (int64_t j = 0; j < k; j++) {
+        if (idx[j] < 0) continue;
+        if (base == INT64_MIN) base = idx[j] - j;
+        else if (idx[j] != base + j) return INT64_MIN;
+    }
+    return base != INT64_MIN && base >= -ATTN_BLOCK && base + k <= W_rows ? base : INT64_MIN;
+}
+
 /* The body over every query token. A store's rows are read as fp32 values: the window's given (win_values), or
  * else, and the main store's, decoded from their bytes; for several tokens a sequence (a prefill) each store's
  * W_rows / N_rows rows are decoded once per sequence into `decoded` (the tokens share most of them), for one
@@ -983,22 +995,10 @@ static inline __attribute__((always_inline)) void sparse_attention_body(
              * keys, transposed, are columns base .. base + k - 1 of win_t, read in place (the zero columns before
              * row 0 stand in for the -1 entries, whose logits become -inf below whatever they read); otherwise
              * they are gathered into keys_t. Both hold the same values, so the same bits. */
-            const float *kt = keys_t;
-            int64_t ld = ATTN_BLOCK;
-            if (win_t && window_b && start + k <= Kw) {
-                int64_t base = INT64_MIN;
-                int run = 1;
-                for (int64_t j = 0; j < k && run; j++) {
-                    const int64_t idx = win_idx[bt * Kw + start + j];
-                    if (idx < 0) continue;
-                    if (base == INT64_MIN) base = idx - j;
-                    run = idx == base + j;
-                }
-                if (run && base != INT64_MIN && base >= -ATTN_BLOCK && base + k <= W_rows) {
-                    kt = win_t + ATTN_BLOCK + base;
-                    ld = ldw;
-                }
-            }
+            const int64_t base = win_t && window_b && start + k <= Kw
+                                 ? window_run(win_idx + bt * Kw + start, k, W_rows) : INT64_MIN;
+            const float *kt = base == INT64_MIN ? keys_t : win_t + ATTN_BLOCK + base;
+            const int64_t ld = base == INT64_MIN ? ATTN_BLOCK : ldw;
             for (int64_t j = 0; j < k; j++) {
                 const int64_t at = start + j, window = at < Kw;
                 const int64_t idx = window ? win_idx[bt * Kw + at] : main_idx[bt * Km + at - Kw];
