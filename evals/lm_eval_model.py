@@ -471,6 +471,7 @@ def run_tasks(lm: DSV41LM, tasks: list[str], task_manager, *, limit: int | float
 
     lm.open_request_cache(cache_path)  # ours, not lm-eval's use_cache: one file rank 0 keeps (see _answer)
     _quiet_git_hash()
+    _env_info_once()
     try:
         with serve_local_data(data_dir, offline=offline) as served:
             results = lm_eval.simple_evaluate(
@@ -500,6 +501,24 @@ def _quiet_git_hash() -> None:
         return r.stdout.strip() or None if r.returncode == 0 else None
 
     ev.get_git_commit_hash = git_hash
+
+
+_ENV_INFO: dict = {}
+
+
+def _env_info_once() -> None:
+    """lm-eval adds the environment to every result (`add_env_info`: torch's collect_env, which runs `pip list`,
+    lscpu and more in subprocesses, about 1 s on this project's 2-core CPU) on each simple_evaluate call, and a
+    suite calls it once a row: gather it on the first call of this process and give later calls a copy."""
+    import lm_eval.evaluator as ev
+    from lm_eval.loggers.utils import add_env_info
+
+    def once(storage: dict) -> None:
+        if not _ENV_INFO:
+            add_env_info(_ENV_INFO)
+        storage.update(_ENV_INFO)
+
+    ev.add_env_info = once
 
 
 SUMMARY_SKIP = {"alias", "name", "sample_len", " "}

@@ -223,9 +223,20 @@ def test_eval_cli_multiple_choice_and_generation_offline(loaded, small_ckpt, tas
 
 
 def test_resume_from_request_cache(loaded, task_dir, tmp_path, monkeypatch):
-    """A rerun with the same cache answers from it: the model is not called again."""
+    """A rerun with the same cache answers from it: the model is not called again. And lm-eval's
+    environment record (torch's collect_env, about 1 s) is gathered once a process, not once a call."""
+    import lm_eval.loggers.utils as U
+
     import dsv41.evals.lm_eval_model as M
 
+    gathered = []
+
+    def add_env_info(storage):
+        gathered.append(1)
+        storage.update(pretty_env_info=f"env {len(gathered)}", lm_eval_version="x")
+
+    monkeypatch.setattr(U, "add_env_info", add_env_info)
+    monkeypatch.setattr(M, "_ENV_INFO", {})
     cache = str(tmp_path / "cache")
     with __import__("tempfile").TemporaryDirectory() as gen:
         tm = M.make_task_manager(["toy_mc"], gen, [str(task_dir)])
@@ -237,6 +248,7 @@ def test_resume_from_request_cache(loaded, task_dir, tmp_path, monkeypatch):
         monkeypatch.setattr(M, "score_sequences", boom)
         second = M.run_tasks(make_lm(loaded), ["toy_mc"], tm, cache_path=cache)
     assert second["results"]["toy_mc"]["acc,none"] == first["results"]["toy_mc"]["acc,none"]
+    assert len(gathered) == 1 and first["pretty_env_info"] == second["pretty_env_info"] == "env 1"
 
 
 def test_mmlu_pro_from_data_dir(small_ckpt, mmlu_pro_dir, tmp_path):
