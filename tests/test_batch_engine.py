@@ -597,6 +597,7 @@ sys.exit(130)
 """
 
 
+@pytest.mark.process
 def test_exit_while_the_prefill_thread_runs_keeps_the_exit_code():
     """Leaving the process while the second thread prefills: it is stopped before the interpreter finalizes, and
     the process ends with its own exit code. Before, the thread came back from a torch operator to a finalizing

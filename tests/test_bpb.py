@@ -290,6 +290,7 @@ def test_directory_corpus_and_several_models(loaded, tmp_path):
         bpb.run_bpb(specs[:1], [corpus], window="strided:32", max_ctx=16)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("args,message", [
     (["/no/such/corpus"], "no such file"),
     (["{f}", "--window", "sliding"], "--window"),

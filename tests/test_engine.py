@@ -183,6 +183,7 @@ def run_cli(*argv, cwd=None):
                           stdin=subprocess.DEVNULL, timeout=600)
 
 
+@pytest.mark.process
 def test_print_prompt_equals_the_encoder():
     from dsv41.model.encoding import encode_messages
 
@@ -194,6 +195,7 @@ def test_print_prompt_equals_the_encoder():
     assert r.stdout == "<｜begin▁of▁sentence｜><｜User｜>Hello<｜Assistant｜></think>"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("effort", ["0", "101", "medium"])
 def test_bad_effort_exits_2_with_one_line(effort):
     r = run_cli("generate", "Hello", "--effort", effort, "--print-prompt")
@@ -201,6 +203,7 @@ def test_bad_effort_exits_2_with_one_line(effort):
     assert len(r.stderr.strip().splitlines()) == 1 and "effort" in r.stderr
 
 
+@pytest.mark.process
 def test_generate_json_on_a_checkpoint(small_checkpoint):
     r = run_cli("generate", "Hello", "--model", str(small_checkpoint), "--max-new-tokens", "8", "--temperature", "0",
                 "--json")
@@ -217,6 +220,7 @@ def test_generate_json_on_a_checkpoint(small_checkpoint):
     assert doc2["stats"]["dspark"]["mean_accepted_per_step"] >= 1.0
 
 
+@pytest.mark.process
 def test_generate_input_file_writes_json_lines(small_checkpoint, tmp_path):
     f = tmp_path / "prompts.txt"
     f.write_text("first prompt\n\nsecond prompt\n")
@@ -227,6 +231,7 @@ def test_generate_input_file_writes_json_lines(small_checkpoint, tmp_path):
     assert len(lines) == 2 and all(len(d["output_ids"]) <= 3 for d in lines)
 
 
+@pytest.mark.process
 def test_generate_bad_inputs_exit_2(tmp_path):
     bad = tmp_path / "m.json"
     bad.write_text("{not json")
@@ -280,6 +285,7 @@ def test_prefix_cache_exact_hit_and_bounded_replay(gen, tmp_path):
     assert miss.prefill["prefix_hit"] is None and miss.output_ids == base.output_ids
 
 
+@pytest.mark.process
 def test_interactive_chat_keeps_history_and_obeys_commands(small_checkpoint):
     r = subprocess.run([sys.executable, "-m", "dsv41_cli", "generate", "--interactive", "--model", str(small_checkpoint),
                         "--max-new-tokens", "3", "--temperature", "0", "--mode", "chat"],

@@ -290,6 +290,7 @@ def _status(env) -> str:
     return r.stdout.strip()
 
 
+@pytest.mark.process
 def test_build_is_cached_and_the_fallbacks_say_why(tmp_path):
     cache = {"DSV41_CACHE_DIR": str(tmp_path)}
     assert _status(cache) == "loaded"

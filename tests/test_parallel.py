@@ -275,6 +275,7 @@ def test_torchrun_generate_on_two_ranks_matches_one_process(small_checkpoint, sp
     assert [d["prompt_tokens"] for d in docs] == [d["prompt_tokens"] for d in ref]
 
 
+@pytest.mark.process
 def test_torchrun_interactive_reads_stdin_on_rank_0(split_checkpoint):
     r = torchrun(2, "-m", "dsv41_cli", "generate", "--interactive", "--model", str(split_checkpoint), "--mode", "chat",
                  "--temperature", "0", "--max-new-tokens", "4", stdin="Hello\n/exit\n")
