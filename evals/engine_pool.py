@@ -70,6 +70,7 @@ class EnginePool:
         self._tasks = self._results = None
         self._procs: list = []
         self._ready: set[int] = set()  # workers that loaded the checkpoint
+        self.from_workers = 0  # requests the workers finished, over the pool's runs
 
     # ---------------------------------------------------------------- life cycle
     def __enter__(self) -> "EnginePool":
@@ -86,6 +87,20 @@ class EnginePool:
         """Start the worker processes now (at most once; nothing with one engine)."""
         if self.engines > 1 and not self._procs:
             self._start()
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Start the workers if they are not, and wait until each has loaded the checkpoint (WorkerFailed if one
+        fails, dies or takes longer than `timeout` s). A run does not wait for them (this process starts on the
+        requests at once), so a small one may end before a worker takes any: this makes them all take part."""
+        import time
+
+        self.start()
+        poll = self._poll(lambda i, out: None)  # no run is in progress: only "ready" or an error can come
+        deadline = time.monotonic() + timeout
+        while len(self._ready) < len(self._procs):
+            if time.monotonic() > deadline:
+                raise WorkerFailed(f"engine workers not ready after {timeout:g} s")
+            poll(True)
 
     def _start(self) -> None:
         from dsv41.model.kernels.gemm import GEMM_MODE
@@ -189,6 +204,7 @@ class EnginePool:
                 if item[0] == "ready":
                     self._ready.add(item[1])
                 else:
+                    self.from_workers += 1
                     finished(item[1], item[2])
 
         return poll

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,7 +34,17 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# The files that took longest in .ci/run's native run (benchmarks/results/cpu-ci-time/NOTES.md), longest first. They
+# are collected first: pytest-xdist's `--dist loadfile` deals whole files to the workers in collection order, so a
+# long file dealt last would keep one worker busy after the other has run out of files.
+LONGEST_FIRST = ("test_kernels.py", "test_batch_engine.py", "test_kernels_gemm.py", "test_eval_offline.py",
+                 "test_benchmarks_cli.py", "test_parallel.py", "test_serve.py", "test_torchrun_layouts.py",
+                 "test_effort_resume.py", "test_eval.py", "test_parallel_commands.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -63,3 +75,38 @@ def small_checkpoint(tmp_path_factory):
     from checkpoints import make_small_checkpoint
 
     return make_small_checkpoint(tmp_path_factory.mktemp("small") / "ckpt")
+
+
+@pytest.fixture
+def run_here(capsys, monkeypatch):
+    """run_here(*argv, input="", env=None, cwd=None): `dsv41 ARGV` through the entry point `python -m dsv41_cli`
+    calls (dsv41_cli.app.main), in this process, as a CompletedProcess of its exit code, stdout and stderr. For the
+    tests of a command's messages, exit codes, output and files: a subprocess spends seconds starting the
+    interpreter and importing torch before the command runs. Tests of signals, terminals, stdin pipes and process
+    exit start real processes. stdin is `input`; `env`, when given, is the whole environment while the command
+    runs; `cwd` where it runs. What a command changes in this process is put back: torch's threads (a command that
+    loads a model sets them, dsv41_cli.common.tune_threads), the environment (eval's offline and progress-bar
+    flags) and the working directory."""
+    from dsv41_cli.app import main
+
+    def run(*argv, input: str = "", env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(input.encode())))
+        environ, threads, here = dict(os.environ), torch.get_num_threads(), os.getcwd()
+        capsys.readouterr()  # what the test printed before is not the command's
+        try:
+            if env is not None:
+                os.environ.clear()
+                os.environ.update(env)
+            if cwd is not None:
+                os.chdir(cwd)
+            with pytest.raises(SystemExit) as stop:
+                main([str(a) for a in argv])
+        finally:
+            os.chdir(here)
+            os.environ.clear()
+            os.environ.update(environ)
+            torch.set_num_threads(threads)
+        stdout, stderr = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, stop.value.code, stdout, stderr)
+
+    return run

@@ -1,7 +1,9 @@
 """The command line as a whole (issue #22, the app-level parts), run as a user runs it: --version, -h,
 shell completion, start-up without torch, the bundled model by name, install hints that keep their
 brackets, bpb's plot flags (old and new forms, matplotlib checked before the run) and convert's --resume
-hint when it leaves a partial destination."""
+hint when it leaves a partial destination. Start-up (--version, what is imported), shell completion and Ctrl-C
+are checked on the command in a subprocess; most messages, exit codes, outputs and files through the command's
+entry point in this process (`run_here`), which spares the interpreter's start and torch's import."""
 
 from __future__ import annotations
 
@@ -28,6 +30,18 @@ def dsv41(*args, cwd=ROOT, env_extra=None, timeout=300):
                           env=env, cwd=cwd, timeout=timeout)
 
 
+@pytest.fixture
+def run_here(run_here):
+    """conftest's `run_here` (the command in this process) as `dsv41()` runs it: DSV41_THREADS=1, no DSV41_MODEL
+    unless given (env_extra), in `cwd`."""
+
+    def run(*args, cwd=ROOT, env_extra=None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "DSV41_MODEL"}
+        return run_here(*args, env={**env, "DSV41_THREADS": "1", **(env_extra or {})}, cwd=cwd)
+
+    return run
+
+
 def hide(tmp_path: Path, *modules: str) -> dict:
     """PYTHONPATH with a folder first whose modules fail to import, as if their extra were not installed."""
     d = tmp_path / "hide"
@@ -44,8 +58,8 @@ def test_version():
 
 
 @pytest.mark.parametrize("command", [[], ["info"], ["bpb"], ["quantize-kv"], ["convert"], ["generate"]])
-def test_h_is_help(command):
-    short, long = dsv41(*command, "-h"), dsv41(*command, "--help")
+def test_h_is_help(command, run_here):
+    short, long = run_here(*command, "-h"), run_here(*command, "--help")
     assert short.returncode == 0 and long.returncode == 0, short.stderr
     assert short.stdout == long.stdout and "Usage: dsv41" in short.stdout
     if command and command[0] in ("info", "bpb", "quantize-kv", "convert"):  # mine: examples at the end
@@ -53,8 +67,8 @@ def test_h_is_help(command):
         assert f"dsv41 {command[0]} " in tail
 
 
-def test_completion_flags_listed():
-    r = dsv41("--help")
+def test_completion_flags_listed(run_here):
+    r = run_here("--help")
     assert r.returncode == 0
     assert "--install-completion" in r.stdout and "--show-completion" in r.stdout and "--version" in r.stdout
     for name in ("info", "generate", "convert", "eval", "bpb", "effort-sweep", "scaffold-bench", "quantize-kv"):
@@ -96,33 +110,34 @@ def test_info_builds_no_dynamo():
 
 
 # ------------------------------------------------------------------------------------ the bundled model by name
-def test_model_dsv41_tiny_by_name_and_env(tmp_path):
-    by_flag = dsv41("info", "--model", "dsv41-tiny", "--json", cwd=tmp_path)
-    by_env = dsv41("info", "--json", cwd=tmp_path, env_extra={"DSV41_MODEL": "dsv41-tiny"})
-    default = dsv41("info", "--json", cwd=tmp_path)
+def test_model_dsv41_tiny_by_name_and_env(tmp_path, run_here):
+    by_flag = run_here("info", "--model", "dsv41-tiny", "--json", cwd=tmp_path)
+    by_env = run_here("info", "--json", cwd=tmp_path, env_extra={"DSV41_MODEL": "dsv41-tiny"})
+    default = run_here("info", "--json", cwd=tmp_path)
     for r in (by_flag, by_env, default):
         assert r.returncode == 0, r.stderr
         assert Path(json.loads(r.stdout)["path"]).resolve() == BUNDLED.resolve()
     assert json.loads(by_flag.stdout) == json.loads(default.stdout) == json.loads(by_env.stdout)
-    text = dsv41("info", "--model", "dsv41-tiny", cwd=tmp_path)
+    text = run_here("info", "--model", "dsv41-tiny", cwd=tmp_path)
     assert text.returncode == 0
     assert f"path: {BUNDLED}" in text.stdout and "(dsv41-tiny, bundled)" in text.stdout
-    missing = dsv41("info", "--model", "dsv41-tinyy", cwd=tmp_path)
+    missing = run_here("info", "--model", "dsv41-tinyy", cwd=tmp_path)
     assert missing.returncode == 2 and "dsv41-tiny" in missing.stderr and len(missing.stderr.splitlines()) == 1
 
 
-def test_generate_print_prompt_with_model_name(tmp_path):
-    r = dsv41("generate", "--print-prompt", "--model", "dsv41-tiny", "hi", cwd=tmp_path)
+def test_generate_print_prompt_with_model_name(tmp_path, run_here):
+    r = run_here("generate", "--print-prompt", "--model", "dsv41-tiny", "hi", cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.endswith("<think>"), r.stderr
 
 
 # ------------------------------------------------------------------------------------ install hints
-def test_plot_without_matplotlib_fails_before_the_run_with_the_hint(tmp_path):
+def test_plot_without_matplotlib_fails_before_the_run_with_the_hint(tmp_path, run_here, monkeypatch):
     corpus = tmp_path / "t.txt"
     corpus.write_text("some text to score")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails here, as if it were not installed
     for args in (["--plot"], ["--plot-file", tmp_path / "f.svg"], ["--plot", tmp_path / "f.png"]):
         started = time.monotonic()
-        r = dsv41("bpb", corpus, *args, cwd=tmp_path, env_extra=hide(tmp_path, "matplotlib"))
+        r = run_here("bpb", corpus, *args, cwd=tmp_path)
         assert r.returncode == 2 and r.stdout == "", r.stderr
         assert r.stderr.strip().splitlines() == [r.stderr.strip()]  # one line, no progress: no run started
         assert "pip install 'dsv41[plots]'" in r.stderr, r.stderr
@@ -153,20 +168,20 @@ def test_fail_prints_brackets_and_unescapes():
 
 # ------------------------------------------------------------------------------------ bpb plot flags
 @pytest.mark.skipif(pytest.importorskip("matplotlib") is None, reason="needs matplotlib")
-def test_bpb_plot_flags_old_and_new_forms(tmp_path):
+def test_bpb_plot_flags_old_and_new_forms(tmp_path, run_here):
     corpus = tmp_path / "t.txt"
     corpus.write_text("The quick brown fox jumps over the lazy dog.\n")
     common = ["--bootstrap", "0", "--baselines", "gzip"]
-    old = dsv41("bpb", corpus, "--plot", tmp_path / "old.png", *common, cwd=tmp_path)  # the old form
+    old = run_here("bpb", corpus, "--plot", tmp_path / "old.png", *common, cwd=tmp_path)  # the old form
     assert old.returncode == 0, old.stderr
     assert (tmp_path / "old.png").stat().st_size > 0 and "overall" in old.stdout
-    new = dsv41("bpb", corpus, "--plot-file", tmp_path / "new.svg", "--json", *common, cwd=tmp_path)
+    new = run_here("bpb", corpus, "--plot-file", tmp_path / "new.svg", "--json", *common, cwd=tmp_path)
     assert new.returncode == 0, new.stderr
     assert (tmp_path / "new.svg").read_text().lstrip().startswith("<?xml") and json.loads(new.stdout)["models"]
-    bare = dsv41("bpb", corpus, "--plot", *common, cwd=tmp_path)  # --plot alone: bpb.png here
+    bare = run_here("bpb", corpus, "--plot", *common, cwd=tmp_path)  # --plot alone: bpb.png here
     assert bare.returncode == 0 and (tmp_path / "bpb.png").is_file(), bare.stderr
     (tmp_path / "bpb.png").unlink()
-    off = dsv41("bpb", corpus, "--no-plot", *common, cwd=tmp_path)
+    off = run_here("bpb", corpus, "--no-plot", *common, cwd=tmp_path)
     assert off.returncode == 0 and not (tmp_path / "bpb.png").exists()
 
 
@@ -188,11 +203,9 @@ def official(tmp_path_factory) -> Path:
     return write_official_fixture(tmp_path_factory.mktemp("ckpt") / "official", seed=2)
 
 
-SLOW_FSYNC = ("import os, sys, time; _fsync = os.fsync; n = [0]\n"
+# the command with every fsync slowed down, so that the conversion is still running when Ctrl-C comes
+SLOW_FSYNC = ("import os, sys, time; _fsync = os.fsync\n"
               "def fsync(fd):\n"
-              "    n[0] += 1\n"
-              "    if os.environ.get('FAIL_AT') and n[0] >= int(os.environ['FAIL_AT']):\n"
-              "        raise OSError(28, 'No space left on device')\n"
               "    time.sleep(0.3); return _fsync(fd)\n"
               "os.fsync = fsync\n"
               "from dsv41_cli.app import main; main(sys.argv[1:])")
@@ -225,19 +238,26 @@ def test_convert_interrupted_names_resume(official, tmp_path):
     assert partial.is_dir() and not dst.exists()
 
 
-def test_convert_disk_error_names_resume(official, tmp_path):
-    dst = tmp_path / "dst"
-    r = subprocess.run([sys.executable, "-c", SLOW_FSYNC, "convert", str(official), str(dst), "--mp", "2"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "FAIL_AT": "2"})
-    assert r.returncode == 1, r.stderr
+def test_convert_disk_error_names_resume(official, tmp_path, run_here, monkeypatch):
+    calls = [0]
+    fsync = os.fsync
+
+    def full_disk(fd):  # the second fsync finds the disk full
+        calls[0] += 1
+        if calls[0] >= 2:
+            raise OSError(28, "No space left on device")
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    r = run_here("convert", official, tmp_path / "dst", "--mp", "2")
+    assert calls[0] >= 2 and r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("dsv41: error:") and "No space left" in last and "--resume" in last, r.stderr
 
 
-def test_a_long_usage_error_is_one_line():
+def test_a_long_usage_error_is_one_line(run_here):
     """Click's messages for a bad flag value run past 80 columns; the error line is never wrapped."""
-    r = dsv41("generate", "--max-new-tokens", "-3", "hi")
+    r = run_here("generate", "--max-new-tokens", "-3", "hi")
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [
         "dsv41: error: Invalid value for '--max-new-tokens': Input should be greater than or equal to 1"]

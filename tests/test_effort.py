@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,8 +13,6 @@ from dsv41.evals import effort
 from dsv41.evals.effort import GenRequest, generate, wilson_interval
 
 # offline lm-eval and datasets, a throwaway HF_HOME: set up in conftest.py, before any import
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
@@ -179,17 +173,11 @@ def test_tiny_reasoning_scoring_uses_the_answer_part():
     assert task.score(unfinished, item) == 0.0  # the sum in the reasoning does not count
 
 
-def run_cli(*args, env_extra=None):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DSV41_THREADS": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "dsv41_cli", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=600)
-
-
-def test_effort_sweep_cli_tiny_reasoning(small_ckpt, tmp_path):
+def test_effort_sweep_cli_tiny_reasoning(small_ckpt, tmp_path, run_here):
     pytest.importorskip("matplotlib")
     out = tmp_path / "sweep"
-    r = run_cli("effort-sweep", "tiny-reasoning", "--model", small_ckpt, "--efforts", "1,50,max", "--limit", 3,
-                "--max-new-tokens", 4, "--output", out, "--json")
+    r = run_here("effort-sweep", "tiny-reasoning", "--model", small_ckpt, "--efforts", "1,50,max", "--limit", 3,
+                 "--max-new-tokens", 4, "--output", out, "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["task"] == "tiny-reasoning" and [p["effort"] for p in doc["points"]] == [1, 50, 100]

@@ -118,13 +118,14 @@ def test_rollback_restores_the_cache(tiny_model, gen):
 
 def accept_distribution(p_logits, q_logits, trials=20000):
     sampler = Sampler(SamplingConfig(temperature=1.0, seed=0), "cpu")
-    counts = torch.zeros(p_logits.size(-1))
-    q = torch.softmax(q_logits, -1)
-    for _ in range(trials):
-        d = int(torch.multinomial(q, 1, generator=sampler.gen))
-        n, nxt = Generator._accept(None, torch.stack([p_logits, p_logits]), q_logits.unsqueeze(0), [d], sampler)
+    # the drafts, independent draws from q, drawn at once (one multinomial call, not one a trial)
+    drafts = torch.multinomial(torch.softmax(q_logits, -1), trials, replacement=True, generator=sampler.gen).tolist()
+    target, draft = torch.stack([p_logits, p_logits]), q_logits.unsqueeze(0)
+    counts = [0] * p_logits.size(-1)
+    for d in drafts:
+        n, nxt = Generator._accept(None, target, draft, [d], sampler)
         counts[d if n == 1 else nxt] += 1
-    return counts / trials
+    return torch.tensor(counts) / trials
 
 
 def test_rejection_sampling_keeps_the_target_distribution():
@@ -177,67 +178,61 @@ def test_ref_index_quirk_flag_changes_decoding_only_when_asked(tiny_model):
 
 
 # ------------------------------------------------------------------------------------------- CLI
-def run_cli(*argv, cwd=None):
-    # an empty stdin: `generate` without a prompt reads it from stdin (tests/test_generate_cli.py)
-    return subprocess.run([sys.executable, "-m", "dsv41_cli", *argv], capture_output=True, text=True, cwd=cwd,
-                          stdin=subprocess.DEVNULL, timeout=600)
-
-
 @pytest.mark.process
-def test_print_prompt_equals_the_encoder():
+def test_print_prompt_equals_the_encoder(run_here):
     from dsv41.model.encoding import encode_messages
 
-    r = run_cli("generate", "Hello", "--system", "Be exact.", "--effort", "max", "--print-prompt")
+    r = run_here("generate", "Hello", "--system", "Be exact.", "--effort", "max", "--print-prompt")
     assert r.returncode == 0, r.stderr
     assert r.stdout == encode_messages([{"role": "system", "content": "Be exact."}, {"role": "user", "content": "Hello"}],
                                        mode="thinking", effort=100)
-    r = run_cli("generate", "Hello", "--mode", "chat", "--print-prompt")
+    r = run_here("generate", "Hello", "--mode", "chat", "--print-prompt")
     assert r.stdout == "<｜begin▁of▁sentence｜><｜User｜>Hello<｜Assistant｜></think>"
 
 
 @pytest.mark.process
 @pytest.mark.parametrize("effort", ["0", "101", "medium"])
-def test_bad_effort_exits_2_with_one_line(effort):
-    r = run_cli("generate", "Hello", "--effort", effort, "--print-prompt")
+def test_bad_effort_exits_2_with_one_line(effort, run_here):
+    r = run_here("generate", "Hello", "--effort", effort, "--print-prompt")
     assert r.returncode == 2 and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and "effort" in r.stderr
 
 
 @pytest.mark.process
-def test_generate_json_on_a_checkpoint(small_checkpoint):
-    r = run_cli("generate", "Hello", "--model", str(small_checkpoint), "--max-new-tokens", "8", "--temperature", "0",
-                "--json")
+def test_generate_json_on_a_checkpoint(small_checkpoint, run_here):
+    r = run_here("generate", "Hello", "--model", str(small_checkpoint), "--max-new-tokens", "8", "--temperature", "0",
+                 "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert set(doc) >= {"prompt_tokens", "output_ids", "reasoning", "content", "tool_calls", "finish_reason", "tokens",
                         "stats"}
     assert len(doc["output_ids"]) == doc["tokens"]["total"] <= 8
     assert doc["stats"]["dspark"] is None and doc["stats"]["kv_bytes_per_token"] > 0
-    r2 = run_cli("generate", "Hello", "--model", str(small_checkpoint), "--max-new-tokens", "8", "--temperature", "0",
-                 "--json", "--dspark")
+    r2 = run_here("generate", "Hello", "--model", str(small_checkpoint), "--max-new-tokens", "8", "--temperature", "0",
+                  "--json", "--dspark")
     doc2 = json.loads(r2.stdout)
     assert doc2["output_ids"] == doc["output_ids"]
     assert doc2["stats"]["dspark"]["mean_accepted_per_step"] >= 1.0
 
 
 @pytest.mark.process
-def test_generate_input_file_writes_json_lines(small_checkpoint, tmp_path):
+def test_generate_input_file_writes_json_lines(small_checkpoint, tmp_path, run_here):
     f = tmp_path / "prompts.txt"
     f.write_text("first prompt\n\nsecond prompt\n")
-    r = run_cli("generate", "--input-file", str(f), "--model", str(small_checkpoint), "--max-new-tokens", "3",
-                "--temperature", "0", "--json", "--mode", "chat")
+    r = run_here("generate", "--input-file", str(f), "--model", str(small_checkpoint), "--max-new-tokens", "3",
+                 "--temperature", "0", "--json", "--mode", "chat")
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.strip().splitlines()]
     assert len(lines) == 2 and all(len(d["output_ids"]) <= 3 for d in lines)
 
 
 @pytest.mark.process
-def test_generate_bad_inputs_exit_2(tmp_path):
+def test_generate_bad_inputs_exit_2(tmp_path, run_here):
     bad = tmp_path / "m.json"
     bad.write_text("{not json")
     for argv in (["--messages", str(bad)], ["--messages", str(tmp_path / "missing.json")], [],
                  ["Hi", "--mode", "fast"], ["Hi", "--model", str(tmp_path / "nowhere")]):
-        r = run_cli("generate", *argv)
+        r = run_here("generate", *argv)
         assert r.returncode == 2, (argv, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1
 
@@ -287,6 +282,7 @@ def test_prefix_cache_exact_hit_and_bounded_replay(gen, tmp_path):
 
 @pytest.mark.process
 def test_interactive_chat_keeps_history_and_obeys_commands(small_checkpoint):
+    # a process of its own: the chat reads its lines from a real stdin, and installs a Ctrl-C handler while it replies
     r = subprocess.run([sys.executable, "-m", "dsv41_cli", "generate", "--interactive", "--model", str(small_checkpoint),
                         "--max-new-tokens", "3", "--temperature", "0", "--mode", "chat"],
                        input="Hello\n/clear\nHi again\n/exit\nnever read\n", capture_output=True, text=True, timeout=600)

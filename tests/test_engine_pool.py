@@ -10,10 +10,8 @@ from dsv41.evals.engine_pool import MIN_REQUESTS_PER_ENGINE, EnginePool, WorkerF
 
 
 @pytest.fixture(scope="module")
-def small_ckpt(tmp_path_factory):
-    from tests.checkpoints import make_small_checkpoint
-
-    return make_small_checkpoint(tmp_path_factory.mktemp("pool") / "ckpt")
+def small_ckpt(small_checkpoint):
+    return small_checkpoint  # conftest.py's, which the other files of a test worker share
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +38,20 @@ def same(a, b) -> bool:
     return [replace(o, engine_seconds=0.0) for o in a] == [replace(o, engine_seconds=0.0) for o in b]
 
 
-def test_two_engines_give_one_engines_outputs_token_for_token(loaded, small_ckpt):
+@pytest.fixture(scope="module")
+def alone(loaded):
+    """(requests, one engine's outputs): a run large enough to spread over two engines, computed once for the
+    tests that compare a pool's run with it."""
+    model, _, tok = loaded
+    reqs = requests(tok, 2 * MIN_REQUESTS_PER_ENGINE + 3)
+    return reqs, generate(model, tok, reqs, batch_size=4)
+
+
+def test_two_engines_give_one_engines_outputs_token_for_token(loaded, small_ckpt, alone):
     from dsv41.model.engine import Generator
 
     model, _, tok = loaded
-    reqs = requests(tok, 2 * MIN_REQUESTS_PER_ENGINE + 3)
-    alone = generate(model, tok, reqs, batch_size=4)
+    reqs, alone = alone
     seen = []
     with EnginePool(Generator(model, tok), small_ckpt, engines=2, batch_size=4) as pool:
         pooled = generate(model, tok, reqs, batch_size=4, pool=pool, on_done=lambda i, o: seen.append(i))
@@ -55,21 +61,24 @@ def test_two_engines_give_one_engines_outputs_token_for_token(loaded, small_ckpt
     assert sorted(seen) == list(range(len(reqs)))  # each reported once
 
 
-def test_workers_started_before_this_process_loads_its_checkpoint(loaded, small_ckpt):
+def test_workers_started_before_this_process_loads_its_checkpoint(loaded, small_ckpt, alone):
     """A pool made before the checkpoint is loaded here (generator None, its device named) starts its worker at
-    once (`start`), then takes this process's engine (`attach`): the same outputs; `spreads` also takes a count."""
+    once (`start`), then takes this process's engine (`attach`): the same outputs; `spreads` also takes a count.
+    The run starts once the worker has loaded its checkpoint (`wait_ready`), so that the worker decodes part of
+    it: a worker takes longer to start than this process takes to finish so small a run alone."""
     from dsv41.model.engine import Generator
 
     model, _, tok = loaded
-    reqs = requests(tok, 2 * MIN_REQUESTS_PER_ENGINE + 1)
-    alone = generate(model, tok, reqs, batch_size=4)
+    reqs, alone = alone
     with EnginePool(None, small_ckpt, engines=2, batch_size=4, device="cpu") as pool:
         assert pool.spreads(len(reqs)) and not pool.spreads(2 * MIN_REQUESTS_PER_ENGINE - 1)
         pool.start()
         pool.start()  # once
         assert len(pool._procs) == 1
         pool.attach(Generator(model, tok))
+        pool.wait_ready()
         assert same(generate(model, tok, reqs, batch_size=4, pool=pool), alone)
+        assert 0 < pool.from_workers < len(reqs)  # both engines decoded: the worker's tokens are one engine's
     with pytest.raises(ValueError, match="CPU only"):
         EnginePool(None, small_ckpt, engines=2, batch_size=4, device="cuda")
 
@@ -92,23 +101,33 @@ def test_default_engines():
         EnginePool(None, ".", engines=0, batch_size=1)
 
 
-def test_generate_input_file_on_two_engines_writes_one_engines_replies(small_ckpt, tmp_path):
+def test_generate_input_file_on_two_engines_writes_one_engines_replies(small_ckpt, tmp_path, capsys, monkeypatch):
     """`dsv41 generate --input-file` spreads the file over the engines (its requests as the engine takes them,
-    no hook or prefix cache): the same replies, in the file's order, as with one engine."""
+    no hook or prefix cache): the same replies, in the file's order, as with one engine. The command runs through
+    its entry point in this process (no interpreter start and torch import of its own; its worker is a process of
+    its own all the same), at DSV41_THREADS=1, the torch threads it sets put back."""
     import json
-    import os
-    import subprocess
-    import sys
+
+    import torch
+
+    from dsv41_cli.app import main
 
     prompts = "\n\n".join(f"Add: {k} {k + 3} {2 * k % 7}" for k in range(2 * MIN_REQUESTS_PER_ENGINE + 1))
     (tmp_path / "in.txt").write_text(prompts + "\n")
+    monkeypatch.setenv("DSV41_THREADS", "1")
+    monkeypatch.chdir(tmp_path)
+    threads = torch.get_num_threads()
     replies = {}
     for engines in (1, 2):
-        r = subprocess.run([sys.executable, "-m", "dsv41_cli", "generate", "--model", str(small_ckpt), "--input-file",
-                            str(tmp_path / "in.txt"), "--max-new-tokens", "6", "--temperature", "0", "--json",
-                            "--engines", str(engines)], capture_output=True, text=True, cwd=tmp_path,
-                           env={**os.environ, "DSV41_THREADS": "1"})
-        assert r.returncode == 0, r.stderr[-2000:]
-        docs = [json.loads(line) for line in r.stdout.splitlines()]
+        capsys.readouterr()
+        try:
+            with pytest.raises(SystemExit) as stop:
+                main(["generate", "--model", str(small_ckpt), "--input-file", str(tmp_path / "in.txt"),
+                      "--max-new-tokens", "6", "--temperature", "0", "--json", "--engines", str(engines)])
+        finally:
+            torch.set_num_threads(threads)
+        stdout, stderr = capsys.readouterr()
+        assert stop.value.code == 0, stderr[-2000:]
+        docs = [json.loads(line) for line in stdout.splitlines()]
         replies[engines] = [(d["prompt_tokens"], d["output_ids"], d["finish_reason"]) for d in docs]
     assert len(replies[1]) == 2 * MIN_REQUESTS_PER_ENGINE + 1 and replies[2] == replies[1]

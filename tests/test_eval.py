@@ -199,11 +199,12 @@ def test_generate_until_strips_reasoning_and_logs_tokens(loaded):
 
 
 # ------------------------------------------------------------------------------------ lm-eval runs
-def test_eval_cli_multiple_choice_and_generation_offline(loaded, small_ckpt, task_dir, tmp_path):
+def test_eval_cli_multiple_choice_and_generation_offline(loaded, small_ckpt, task_dir, tmp_path, run_here):
     """`dsv41 eval` of a multiple-choice and a generate_until task from local YAMLs, fully offline;
     the accuracy is the one the model's own log-likelihoods give."""
     out = tmp_path / "out"
-    r = run_cli("eval", "toy_mc,toy_gen", "--model", small_ckpt, "--include-path", task_dir, "--output", out, "--json")
+    r = run_here("eval", "toy_mc,toy_gen", "--model", small_ckpt, "--include-path", task_dir, "--output", out,
+                 "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     lm = make_lm(loaded)
@@ -251,14 +252,16 @@ def test_resume_from_request_cache(loaded, task_dir, tmp_path, monkeypatch):
     assert len(gathered) == 1 and first["pretty_env_info"] == second["pretty_env_info"] == "env 1"
 
 
-def test_mmlu_pro_from_data_dir(small_ckpt, mmlu_pro_dir, tmp_path):
+def test_mmlu_pro_from_data_dir(small_ckpt, mmlu_pro_dir, tmp_path, run_here):
     """`dsv41 eval mmlu-pro --data-dir DIR`: lm-eval's own MMLU-Pro prompt, few-shot and answer
-    extraction over local files in the Hub schema."""
+    extraction over local files in the Hub schema. (And --max-gen-toks alone, the old name of
+    --max-new-tokens, still sets the generation length.)"""
     out = tmp_path / "out"
-    r = run_cli("eval", "mmlu-pro", "--data-dir", mmlu_pro_dir, "--model", small_ckpt, "--num-fewshot", 1,
-                "--limit", 1, "--max-gen-toks", 4, "--output", out, "--json")
+    r = run_here("eval", "mmlu-pro", "--data-dir", mmlu_pro_dir, "--model", small_ckpt, "--num-fewshot", 1,
+                 "--limit", 1, "--max-gen-toks", 4, "--output", out, "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
+    assert doc["config"]["max_new_tokens"] == 4
     assert "exact_match,custom-extract" in doc["results"]["mmlu_pro"]  # the group, aggregated
     assert doc["config"]["served_locally"] and "TIGER-Lab/MMLU-Pro" in doc["config"]["served_locally"][0]
     (sample,) = [json.loads(line) for line in (out / "samples_mmlu_pro_math.jsonl").read_text().splitlines()]
@@ -362,10 +365,10 @@ def test_table_suites_keep_every_row_and_the_references():
         assert "n/g" in md
 
 
-def test_smoke_suite_runs_offline(small_ckpt, tmp_path):
+def test_smoke_suite_runs_offline(small_ckpt, tmp_path, run_here):
     out = tmp_path / "smoke"
-    r = run_cli("eval", "--suite", "smoke", "--model", small_ckpt, "--limit", 1, "--max-gen-toks", 4,
-                "--output", out, "--json")
+    r = run_here("eval", "--suite", "smoke", "--model", small_ckpt, "--limit", 1, "--max-gen-toks", 4,
+                 "--output", out, "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     status = {row["benchmark"]: row for row in report["rows"]}

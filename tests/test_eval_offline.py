@@ -1,7 +1,9 @@
 """`dsv41 eval` without a network (issue #22): an unreachable Hub is detected once and nothing waits on
 retries, missing data is named file by file, suites run what they can, interrupt and resume, the
-converter into the --data-dir layout, the reports' citation. Every run is a subprocess as a user runs it;
-the Hub is "unreachable" by pointing HF_ENDPOINT at a closed local port (no network is used)."""
+converter into the --data-dir layout, the reports' citation. A run is a subprocess as a user runs it; a rerun
+whose checks are its messages, exit code and files runs the command's entry point in this process instead
+(`run_here`, tests/conftest.py), under the same environment, which spares it the interpreter's, torch's and
+lm-eval's start. The Hub is "unreachable" by pointing HF_ENDPOINT at a closed local port (no network is used)."""
 
 from __future__ import annotations
 
@@ -95,7 +97,7 @@ mode = "thinking"
 """
 
 
-def test_suite_runs_the_available_row_and_marks_the_missing_one(small_ckpt, tmp_path):
+def test_suite_runs_the_available_row_and_marks_the_missing_one(small_ckpt, tmp_path, run_here):
     suite = tmp_path / "two.toml"
     suite.write_text("""name = "two"
 title = "Two rows"
@@ -122,14 +124,15 @@ reference = { "Ref" = 74.1 }
     assert "TIGER-Lab/MMLU-Pro" in rows["MMLU-Pro"]["reason"] and "test.jsonl" in rows["MMLU-Pro"]["reason"]
     assert seconds < 120, f"took {seconds:.1f} s"
     assert "not run [1]" in (out / "report.md").read_text()
-    # the same command again: the finished row is reused, the missing one tried again (and marked again)
-    r2, _ = dsv41(*args, cwd=tmp_path)
+    # the same command again (in this process: nothing left to generate): the finished row is reused, the
+    # missing one tried again (and marked again)
+    r2 = run_here(*args, env=hub_down_env())
     assert r2.returncode == 0, r2.stderr
     assert "resumed: 1 finished rows reused" in r2.stderr
     rows2 = {row["benchmark"]: row for row in json.loads(r2.stdout)["rows"]}
     assert rows2["tiny-reasoning"] == rows["tiny-reasoning"] and rows2["MMLU-Pro"]["status"] == "not run"
     # other settings in the same folder: refused in one line, naming the flag
-    r3, _ = dsv41(*args[:-5], "--max-new-tokens", 5, "--output", out, cwd=tmp_path)
+    r3 = run_here(*args[:-5], "--max-new-tokens", 5, "--output", out, env=hub_down_env())
     assert r3.returncode == 2 and "--max-new-tokens" in r3.stderr and "--output" in r3.stderr
     assert len(r3.stderr.strip().splitlines()) == 2  # the unreachable-Hub note and the error
 
@@ -168,18 +171,29 @@ def test_interrupt_keeps_the_answers_and_the_rerun_resumes(small_ckpt, tmp_path)
     # the second answer's cache write and the interrupt, on a loaded 2-core machine
     args = ["eval", "tiny-reasoning", "--mode", "thinking", "--model", small_ckpt, "--limit", 16, "--batch-size", 1,
             "--max-new-tokens", 24]
-    # the reference: uninterrupted, default --output (runs/eval/tiny-reasoning/ under the current folder)
+    # the reference: uninterrupted, default --output (runs/eval/tiny-reasoning/ under the current folder). It runs
+    # beside the interrupted run (the two share nothing, and a second process on the cores only slows the
+    # interrupted one down, which leaves its interrupt more time to land), on one engine: the results do not
+    # depend on the engines, and a worker process would only add its start
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
-    r, _ = dsv41(*args, "--json", cwd=ref_dir)
-    assert r.returncode == 0, r.stderr
-    assert "fatal:" not in r.stderr  # lm-eval's git lookup outside a repository stays quiet
-    reference = json.loads(r.stdout)["results"]
+    reference_run = subprocess.Popen([sys.executable, "-m", "dsv41_cli", *map(str, args), "--engines", "1", "--json"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=hub_down_env(),
+                                     cwd=ref_dir)
+    try:
+        out = tmp_path / "out"
+        stdout, stderr = interrupted([*args, "--output", out, "--json"], tmp_path, lambda: _cached_answers(out) >= 2)
+        ref_stdout, ref_stderr = reference_run.communicate(timeout=600)
+    finally:
+        if reference_run.poll() is None:  # a failed check above: not left running
+            reference_run.kill()
+            reference_run.communicate()
+    assert reference_run.returncode == 0, ref_stderr
+    assert "fatal:" not in ref_stderr  # lm-eval's git lookup outside a repository stays quiet
+    reference = json.loads(ref_stdout)["results"]
     default_out = ref_dir / "runs" / "eval" / "tiny-reasoning"
     assert (default_out / "results.json").is_file() and (default_out / "samples_tiny_reasoning.jsonl").is_file()
 
-    out = tmp_path / "out"
-    stdout, stderr = interrupted([*args, "--output", out, "--json"], tmp_path, lambda: _cached_answers(out) >= 2)
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("interrupted: 0 of 1 tasks done") and f"kept in {out}" in last
     assert last.endswith("run the same command again to resume")
@@ -260,20 +274,18 @@ def test_install_hint_keeps_its_brackets(tmp_path):
     assert "pip install 'dsv41[eval]'" in explain_failure(err)
 
 
-def test_help_flags_and_the_old_generation_flag(small_ckpt, tmp_path):
+def test_help_flags_and_the_old_generation_flag(tmp_path):
+    """(--max-gen-toks alone runs as --max-new-tokens: test_eval.py's test_mmlu_pro_from_data_dir; a run without
+    --output writes runs/eval/TASK/ under the current folder: the reference run of
+    test_interrupt_keeps_the_answers_and_the_rerun_resumes.)"""
     r, _ = dsv41("eval", "-h", cwd=tmp_path)
     assert r.returncode == 0 and "--max-new-tokens" in r.stdout and "--max-gen-toks" not in r.stdout
     assert "runs/eval/" in r.stdout
     r, _ = dsv41("eval", "tiny-reasoning", "--max-new-tokens", 4, "--max-gen-toks", 5, cwd=tmp_path)
     assert r.returncode == 2 and "--max-gen-toks" in r.stderr
-    r, _ = dsv41("eval", "smoke-gsm8k", "--model", small_ckpt, "--limit", 1, "--max-gen-toks", 3, "--json",
-                 cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["config"]["max_new_tokens"] == 3
-    assert (tmp_path / "runs" / "eval" / "smoke-gsm8k" / "results.json").is_file()
 
 
-def test_suite_interrupt_keeps_finished_rows_and_resumes(small_ckpt, tmp_path):
+def test_suite_interrupt_keeps_finished_rows_and_resumes(small_ckpt, tmp_path, run_here):
     suite = tmp_path / "pair.toml"
     suite.write_text("""name = "pair"
 title = "Two offline rows"
@@ -298,7 +310,8 @@ result = "exact_match,flexible-extract"
     partial = json.loads((out / "report.json").read_text())  # the partial report: one row done, one pending
     assert [r["status"] for r in partial["rows"]] == ["ok", "pending"]
     assert "pending" in (out / "report.md").read_text()
-    r, _ = dsv41(*args, cwd=tmp_path)
+    # the rerun: what it checks is on disk and in its output, not in its process
+    r = run_here(*args, env=hub_down_env())
     assert r.returncode == 0, r.stderr
     assert "resumed: 1 finished rows reused" in r.stderr
     rows = json.loads(r.stdout)["rows"]

@@ -1,7 +1,10 @@
 """`dsv41 generate` as a user runs it (issue #22): the prompt from stdin, Ctrl-C in --interactive, JSON Lines
 for --input-file --json, one-line errors for bad --tools and empty prompts, --max-new-tokens capped to the
-model's context, -h and the examples in --help. Each test runs the command in a subprocess, on the small test
-checkpoint (tests/checkpoints.py) with a few generated tokens, or with --print-prompt (no weights loaded)."""
+model's context, -h and the examples in --help. On the small test checkpoint (tests/checkpoints.py) with a few
+generated tokens, or with --print-prompt (no weights loaded). Stdin (a pipe, a terminal) and Ctrl-C are checked on
+the command in a subprocess, and so is one --input-file run; the other messages, exit codes and outputs through the
+command's entry point in this process (`run_here`), which spares the interpreter's start and torch's import (seconds
+a command)."""
 
 from __future__ import annotations
 
@@ -59,12 +62,13 @@ def test_no_prompt_reads_it_from_stdin_and_dash_does_too():
         assert r.stdout == want
 
 
-def test_stdin_prompt_generates_as_the_argument_does(small_checkpoint):
+def test_stdin_prompt_generates_as_the_argument_does(small_checkpoint, run_here):
     common = ["--model", str(small_checkpoint), "--mode", "chat", "--max-new-tokens", "3", "--temperature", "0",
               "--json"]
-    piped = run_cli("generate", *common, input="Hello\n")
+    piped = run_cli("generate", *common, input="Hello\n")  # a real pipe on the command's stdin
     assert piped.returncode == 0, piped.stderr
-    given = run_cli("generate", "Hello", *common)
+    given = run_here("generate", "Hello", *common)
+    assert given.returncode == 0, given.stderr
     assert json.loads(piped.stdout)["output_ids"] == json.loads(given.stdout)["output_ids"]
     assert json.loads(piped.stdout)["prompt_tokens"] == json.loads(given.stdout)["prompt_tokens"]
 
@@ -113,8 +117,8 @@ def test_a_non_utf8_stdin_is_bad_input():
     (["--print-prompt"], ""),
     (["-", "--print-prompt"], "\n\n"),
 ])
-def test_an_empty_or_whitespace_prompt_is_exit_2(argv, stdin):
-    r = run_cli("generate", *argv, input=stdin)
+def test_an_empty_or_whitespace_prompt_is_exit_2(argv, stdin, run_here):
+    r = run_here("generate", *argv, input=stdin or "")
     assert r.returncode == 2 and r.stdout == ""
     assert "empty" in one_error_line(r)
 
@@ -135,39 +139,39 @@ def test_an_empty_prompt_is_exit_2_before_the_model_loads(small_checkpoint):
     ([{"type": "function", "function": "f"}], '"function" is a JSON string'),
     ([{"type": "code_interpreter", "function": {"name": "f"}}], 'only "function" tools'),
 ])
-def test_a_malformed_tools_file_names_what_is_wrong(tmp_path, tools, expect):
+def test_a_malformed_tools_file_names_what_is_wrong(tmp_path, tools, expect, run_here):
     f = tmp_path / "tools.json"
     f.write_text(json.dumps(tools))
-    r = run_cli("generate", "Hi", "--tools", str(f), "--print-prompt")
+    r = run_here("generate", "Hi", "--tools", str(f), "--print-prompt")
     assert r.returncode == 2 and r.stdout == ""
     line = one_error_line(r)
     assert expect in line and f"--tools {f}" in line and "cannot encode" not in line
 
 
-def test_malformed_tools_inside_messages_are_named_too(tmp_path):
+def test_malformed_tools_inside_messages_are_named_too(tmp_path, run_here):
     f = tmp_path / "m.json"
     f.write_text(json.dumps([{"role": "system", "content": "", "tools": [{"type": "function"}]},
                              {"role": "user", "content": "Hi"}]))
-    r = run_cli("generate", "--messages", str(f), "--print-prompt")
+    r = run_here("generate", "--messages", str(f), "--print-prompt")
     assert r.returncode == 2
     line = one_error_line(r)
     assert "message 1 ('system') tools: tool 1 has no \"function\" object" in line
 
 
-def test_a_well_formed_tools_file_still_renders(tmp_path):
+def test_a_well_formed_tools_file_still_renders(tmp_path, run_here):
     parameters = {"type": "object", "properties": {"city": {"type": "string"}}}
     tools = [{"type": "function",
               "function": {"name": "get_weather", "description": "Weather of a city.", "parameters": parameters}}]
     f = tmp_path / "tools.json"
     f.write_text(json.dumps(tools))
-    r = run_cli("generate", "Weather in Paris?", "--tools", str(f), "--print-prompt")
+    r = run_here("generate", "Weather in Paris?", "--tools", str(f), "--print-prompt")
     assert r.returncode == 0, r.stderr
     assert '"name": "get_weather"' in r.stdout
 
 
-def test_max_new_tokens_beyond_the_context_is_capped_with_a_note(short_context_checkpoint):
-    r = run_cli("generate", "Hello", "--model", str(short_context_checkpoint), "--mode", "chat", "--temperature", "0",
-                "--max-new-tokens", "100000", "--json")
+def test_max_new_tokens_beyond_the_context_is_capped_with_a_note(short_context_checkpoint, run_here):
+    r = run_here("generate", "Hello", "--model", str(short_context_checkpoint), "--mode", "chat", "--temperature", "0",
+                 "--max-new-tokens", "100000", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     room = 120 - doc["prompt_tokens"]
@@ -177,42 +181,43 @@ def test_max_new_tokens_beyond_the_context_is_capped_with_a_note(short_context_c
     assert notes == [f"note: --max-new-tokens 100000 capped to {room}: the model's context is 120 tokens and the "
                      f"prompt takes {doc['prompt_tokens']}"]
     # within the context: no note, no field
-    r = run_cli("generate", "Hello", "--model", str(short_context_checkpoint), "--mode", "chat", "--max-new-tokens",
-                "2", "--json")
+    r = run_here("generate", "Hello", "--model", str(short_context_checkpoint), "--mode", "chat", "--max-new-tokens",
+                 "2", "--json")
     assert r.returncode == 0 and "note:" not in r.stderr and "max_new_tokens_capped_to" not in json.loads(r.stdout)
 
 
-def test_a_prompt_that_fills_the_context_is_exit_2(short_context_checkpoint):
-    r = run_cli("generate", "x" * 150, "--model", str(short_context_checkpoint), "--mode", "chat",
-                "--max-new-tokens", "4")
+def test_a_prompt_that_fills_the_context_is_exit_2(short_context_checkpoint, run_here):
+    r = run_here("generate", "x" * 150, "--model", str(short_context_checkpoint), "--mode", "chat",
+                 "--max-new-tokens", "4")
     assert r.returncode == 2 and "context is 120" in one_error_line(r)
 
 
 # ------------------------------------------------------------------------------ 3. --input-file --json
-def test_input_file_json_prints_json_lines_even_for_one_prompt(small_checkpoint, tmp_path):
+def test_input_file_json_prints_json_lines_even_for_one_prompt(small_checkpoint, tmp_path, run_here):
     common = ["--model", str(small_checkpoint), "--max-new-tokens", "2", "--temperature", "0", "--mode", "chat",
               "--json"]
     one = tmp_path / "one.txt"
     one.write_text("only prompt\n")
-    r = run_cli("generate", "--input-file", str(one), *common)
+    r = run_here("generate", "--input-file", str(one), *common)
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("\n") == 1 and r.stdout.endswith("}\n")  # one compact document on one line
     assert json.loads(r.stdout)["tokens"]["total"] <= 2
     three = tmp_path / "three.txt"
     three.write_text("first\n\nsecond\n\n\n\nthird\n")
-    r = run_cli("generate", "--input-file", str(three), *common)
+    r = run_here("generate", "--input-file", str(three), *common)
     lines = r.stdout.splitlines()
     assert r.returncode == 0 and len(lines) == 3
     assert [json.loads(x)["prompt_tokens"] for x in lines] == [9, 10, 9]  # in the file's order
     # a single PROMPT with --json stays one (indented) document
-    r = run_cli("generate", "Hello", *common)
+    r = run_here("generate", "Hello", *common)
     assert r.returncode == 0 and r.stdout.startswith("{\n") and json.loads(r.stdout)["tokens"]["total"] <= 2
 
 
-def test_input_file_runs_the_prompts_together_as_each_alone(small_checkpoint, tmp_path):
+def test_input_file_runs_the_prompts_together_as_each_alone(small_checkpoint, tmp_path, run_here):
     """--input-file hands every prompt to the engine at once (prompts of different lengths, outputs of
-    different lengths): each greedy reply is the one its prompt gets alone; a prompt that cannot fit the
-    --max-batch-tokens budget is exit 2 before any work."""
+    different lengths): each greedy reply is the one its prompt gets alone (`generate PROMPT`, run in this
+    process at the torch threads the command sets: the tokens of a process of its own); a prompt that cannot fit
+    the --max-batch-tokens budget is exit 2 before any work."""
     common = ["--model", str(small_checkpoint), "--max-new-tokens", "12", "--temperature", "0", "--mode", "chat",
               "--json"]
     prompts = ["a short one", "a somewhat longer prompt than the first one, with more words in it", "mid length"]
@@ -221,22 +226,22 @@ def test_input_file_runs_the_prompts_together_as_each_alone(small_checkpoint, tm
     r = run_cli("generate", "--input-file", str(f), "--max-batch-size", "2", *common)
     assert r.returncode == 0, r.stderr
     together = [json.loads(x)["output_ids"] for x in r.stdout.splitlines()]
-    alone = [json.loads(run_cli("generate", p, *common).stdout)["output_ids"] for p in prompts]
+    alone = [json.loads(run_here("generate", p, *common).stdout)["output_ids"] for p in prompts]
     assert together == alone
-    r = run_cli("generate", "--input-file", str(f), "--max-batch-tokens", "15", *common)
+    r = run_here("generate", "--input-file", str(f), "--max-batch-tokens", "15", *common)
     assert r.returncode == 2 and "--max-batch-tokens" in one_error_line(r)
 
 
 # ------------------------------------------------------------------------------ 5. flags, -h, examples
-def test_dash_h_shows_the_help_with_stdin_json_lines_and_examples():
-    r = run_cli("generate", "-h")
+def test_dash_h_shows_the_help_with_stdin_json_lines_and_examples(run_here):
+    r = run_here("generate", "-h")
     assert r.returncode == 0, r.stderr
     flat = " ".join(r.stdout.replace("│", " ").split())
     assert "--max-new-tokens" in flat and "JSON Lines" in flat and "stdin" in flat and "Ctrl-C" in flat
     examples = r.stdout[r.stdout.index("Examples:"):]
     commands = [x.strip() for x in examples.splitlines() if x.strip().startswith(("dsv41 ", "echo "))]
     assert 2 <= len(commands) <= 4 and any("| dsv41 generate" in c for c in commands)
-    assert run_cli("generate", "--help").stdout == r.stdout
+    assert run_here("generate", "--help").stdout == r.stdout
 
 
 # ------------------------------------------------------------------------------ 2. Ctrl-C in --interactive

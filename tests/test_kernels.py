@@ -671,12 +671,20 @@ def expected_model_kernel_calls(steps: int) -> dict:
 
 @interp
 def test_model_forward_on_the_kernels_interpreted(monkeypatch):
-    """The model's inference forward (prefill, then decode steps) with every kernel it dispatches to forced
-    onto its Triton path under the interpreter, against the same forward on the references: the wiring in
-    the model (packed KV read in the attention kernel, packed index keys, single-pass mHC, fused packing)."""
+    """The model's inference forward (prefill, then decode steps) with the kernels of its attention, indexer, mHC
+    and KV packing forced onto their Triton paths under the interpreter, against the same forward on the
+    references: the wiring in the model (packed KV read in the attention kernel, packed index keys, single-pass
+    mHC, fused packing). The FP8 linears and the routed experts stay on torch in both runs: interpreted, they
+    took more than half of this test's time, and they enter the model only through Linear and MoE.forward, whose
+    dispatch to those kernels is tested under the interpreter in tests/test_kernels_gemm.py
+    (test_linear_and_moe_dispatch_to_the_kernels_interpreted); the GPU test below runs every kernel here."""
     import contextlib
 
-    from dsv41.model import kernels
+    from dsv41.model import kernels, layers
+    from dsv41.model.kernels import experts
+
+    monkeypatch.setattr(layers.Linear, "_kernel_usable", lambda self, x: False)
+    monkeypatch.setattr(experts, "usable", lambda *a: False)
 
     out, ref, calls = model_logits_on_kernels(monkeypatch, "cpu", kernels.forced, contextlib.nullcontext,
                                               batch=1, prefill=12, steps=1)

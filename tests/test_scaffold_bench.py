@@ -322,6 +322,22 @@ def test_cli_bad_input_exits_2(args, message, capsys):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+def test_cli_oracle_run_imports_no_torch(jail, tmp_path):
+    """The oracle backend needs no model: the command lists its backends (`local` when torch is installed)
+    without importing torch, which alone takes seconds of every run's start."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "dsv41_cli", "scaffold-bench", "--backend", "oracle",
+                        "--scaffolds", "xml", "--limit", "1", "--output", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    modules = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "dsv41.evals.scaffolds.backends" in modules  # the probe sees the command's imports...
+    assert not {m for m in modules if m == "torch" or m.startswith("torch.")}  # ...and no torch among them
+    assert (tmp_path / "out" / "scaffold-bench.json").is_file()
+
+
 def test_cli_refuses_to_run_without_the_jail(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap to be found
     code, out, err = _run_cli(["--backend", "oracle", "--scaffolds", "xml", "--limit", "1"], capsys)

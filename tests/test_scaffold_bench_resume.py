@@ -1,21 +1,28 @@
 """`dsv41 scaffold-bench` loses nothing on interrupt: each finished episode lands in partial.jsonl, a
 Ctrl-C (SIGINT) leaves it readable and says how to resume (exit 130), and the same command again
-resumes without rerunning finished episodes, to the same result as an uninterrupted run. Run as a
-user runs it: a subprocess, the oracle backend, the bundled tasks cut short with --limit."""
+resumes without rerunning finished episodes, to the same result as an uninterrupted run. The oracle
+backend on the bundled tasks, cut short with --limit. The interrupted run is a subprocess that gets a
+real SIGINT; the other runs go through the same entry point (`dsv41_cli.app.main`) in this process,
+which spares each the start of a Python with torch and changes nothing in what the command does."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from dsv41.evals.scaffolds.sandbox import Sandbox, SandboxUnavailable
+from dsv41_cli.app import main as cli_main
 
 BENCH = ["scaffold-bench", "--backend", "oracle", "--scaffolds", "xml,backticks", "--efforts", "low,high",
          "--limit", "2", "--no-plot"]
@@ -37,8 +44,32 @@ def _env() -> dict:
 
 
 def dsv41(*args, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsv41_cli", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, env=_env(), timeout=300)
+    """`dsv41 ARGS` in `cwd`, run in this process as the console script runs it (with the subprocess's
+    terminal width): its exit status, stdout and stderr."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), mock.patch.dict(os.environ, {"COLUMNS": _env()["COLUMNS"]}), \
+            contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
+            pytest.raises(SystemExit) as exit_info:
+        cli_main([*map(str, args)])
+    return subprocess.CompletedProcess(args, exit_info.value.code, stdout.getvalue(), stderr.getvalue())
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One uninterrupted run of BENCH (its --output and what it printed): the result a resumed run must
+    equal, and a finished output directory that tests copy to start from."""
+    cwd = tmp_path_factory.mktemp("straight")
+    result = dsv41(*BENCH, "--json", "--output", "out", cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    assert "resuming" not in result.stderr
+    assert len((cwd / "out" / "partial.jsonl").read_text().splitlines()) == 1 + TOTAL
+    return cwd / "out", result
+
+
+def _finished_run(straight, tmp_path: Path) -> Path:
+    """A copy of the straight run's --output under tmp_path ("out"): as a finished run leaves it."""
+    shutil.copytree(straight[0], tmp_path / "out")
+    return tmp_path / "out"
 
 
 def _without_timings(value):
@@ -54,7 +85,7 @@ def _episodes(directory: Path) -> list:
     return [_without_timings(json.loads(line)) for line in (directory / "episodes.jsonl").read_text().splitlines()]
 
 
-def test_interrupt_then_rerun_resumes_to_the_same_result(tmp_path):
+def test_interrupt_then_rerun_resumes_to_the_same_result(tmp_path, straight):
     # interrupted after three finished episodes; default --output under the current directory
     proc = subprocess.Popen([sys.executable, "-m", "dsv41_cli", *BENCH], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env())
@@ -98,14 +129,12 @@ def test_interrupt_then_rerun_resumes_to_the_same_result(tmp_path):
     assert len((out / "partial.jsonl").read_text().splitlines()) == 1 + TOTAL
 
     # equal to a straight run
-    straight = dsv41(*BENCH, "--json", "--output", tmp_path / "straight", cwd=tmp_path)
-    assert straight.returncode == 0, straight.stderr
-    assert "resuming" not in straight.stderr
-    assert _without_timings(json.loads(resumed.stdout)) == _without_timings(json.loads(straight.stdout))
+    straight_dir, straight_run = straight
+    assert _without_timings(json.loads(resumed.stdout)) == _without_timings(json.loads(straight_run.stdout))
     assert json.loads((out / "scaffold-bench.json").read_text()) == \
-        json.loads((tmp_path / "straight" / "scaffold-bench.json").read_text())
-    assert _episodes(out) == _episodes(tmp_path / "straight")
-    assert (out / "scaffold-bench.md").read_text() == (tmp_path / "straight" / "scaffold-bench.md").read_text()
+        json.loads((straight_dir / "scaffold-bench.json").read_text())
+    assert _episodes(out) == _episodes(straight_dir)
+    assert (out / "scaffold-bench.md").read_text() == (straight_dir / "scaffold-bench.md").read_text()
 
     # finished: running it once more reruns nothing
     again = dsv41(*BENCH, cwd=tmp_path)
@@ -113,10 +142,8 @@ def test_interrupt_then_rerun_resumes_to_the_same_result(tmp_path):
     assert not re.search(r"^\[\d+/", again.stderr, re.M)
 
 
-def test_other_settings_do_not_mix_with_old_results(tmp_path):
-    first = dsv41(*BENCH, "--output", "out", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    before = (tmp_path / "out" / "partial.jsonl").read_text()
+def test_other_settings_do_not_mix_with_old_results(tmp_path, straight):
+    before = (_finished_run(straight, tmp_path) / "partial.jsonl").read_text()
     changed = dsv41(*[a if a != "low,high" else "max" for a in BENCH], "--output", "out", cwd=tmp_path)
     assert changed.returncode == 2 and changed.stdout == ""
     assert len(changed.stderr.strip().splitlines()) == 1
@@ -131,10 +158,8 @@ def test_other_settings_do_not_mix_with_old_results(tmp_path):
     assert jobs.returncode == 0 and f"reused {TOTAL // 2} of {TOTAL // 2}" in jobs.stderr
 
 
-def test_a_torn_last_line_is_dropped_and_rerun(tmp_path):
-    first = dsv41(*BENCH, "--output", "out", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    partial = tmp_path / "out" / "partial.jsonl"
+def test_a_torn_last_line_is_dropped_and_rerun(tmp_path, straight):
+    partial = _finished_run(straight, tmp_path) / "partial.jsonl"
     lines = partial.read_text().splitlines()
     partial.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])  # killed mid-write
     again = dsv41(*BENCH, "--output", "out", cwd=tmp_path)

@@ -30,7 +30,9 @@ from dsv41.evals.scaffolds.sandbox import Sandbox, SandboxLimits, SandboxUnavail
 from dsv41.evals.scaffolds.scaffold import load_scaffold
 from dsv41.evals.scaffolds.tasks import load_tasks
 
-FAST = SandboxLimits(wall_seconds=2.5, cpu_seconds=1, memory_bytes=512 << 20, max_processes=48,
+# wall_seconds: what the hostile commands that do not end (sleeper, fork bomb, rm -rf /) are given; the harmless
+# commands of these tests take at most about 0.1 s each on an idle 2-core CPU
+FAST = SandboxLimits(wall_seconds=2.0, cpu_seconds=1, memory_bytes=512 << 20, max_processes=48,
                      max_output_bytes=256 << 10, workspace_bytes=32 << 20, workspace_files=2_000,
                      tmp_bytes=16 << 20, max_file_bytes=16 << 20)
 
@@ -261,7 +263,7 @@ HOSTILE = {
     "network": "echo hello > /dev/tcp/127.0.0.1/{port}; python3 -c \"import socket; "
                "socket.create_connection(('127.0.0.1', {port}), timeout=1)\"; "
                "python3 -c \"import socket; socket.create_connection(('1.1.1.1', 80), timeout=1)\"; exit 0",
-    "fork-bomb": ":(){{ :|:& }};: ; sleep 2 # {mark}",
+    "fork-bomb": ":(){{ :|:& }};: ; sleep 1 # {mark}",  # ends normally, its bomb still running
     "fork-bomb-foreground": "bomb() {{ bomb | bomb; }}; bomb # {mark}",
     "endless-loop": "while :; do :; done # {mark}",
     "sleeper": "exec -a {mark} sleep 600",
@@ -294,14 +296,14 @@ def test_hostile_command_is_contained(jail, host, tmp_path, name):
     assert not _live_processes_with(mark), "a process of the hostile command survived"
     assert host["accepted"] == [], "a connection reached the host"
 
-    if name == "rm-rf-root":  # traversing all of /usr may take longer than the 3 s allowed
+    if name == "rm-rf-root":  # traversing all of /usr may take longer than the wall-clock limit
         assert run["killed"] in (None, "wall-clock timeout")
     if name in ("read-outside", "write-outside", "rm-rf-home", "network"):
         assert run["killed"] is None
     if name in ("sleeper", "fork-bomb-foreground"):
         assert run["killed"] == "wall-clock timeout" and run["seconds"] < FAST.wall_seconds + 2
     if name == "endless-loop":
-        assert run["returncode"] == 152 or run["killed"] == "wall-clock timeout"  # SIGXCPU after 2 CPU-seconds
+        assert run["returncode"] == 152 or run["killed"] == "wall-clock timeout"  # SIGXCPU after FAST.cpu_seconds
     if name in ("output-flood", "binary-flood"):
         assert run["killed"] == "output limit" and run["seconds"] < 2
     if name == "many-files":

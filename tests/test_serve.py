@@ -96,6 +96,38 @@ def tok():
     return load_tokenizer(bundled_model_dir())
 
 
+@pytest.fixture(scope="module")
+def in_process():
+    """The bundled model loaded in this process, (model, tokenizer): what the server's answers are compared
+    with. Loaded once for the module; the tests only run it (inference, no state kept between calls)."""
+    from dsv41.model.assets import bundled_model_dir
+    from dsv41.model.checkpoint import load_model
+
+    model, _, tok = load_model(bundled_model_dir())
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def lm_eval_env_once():
+    """lm-eval gathers the environment (torch's collect_env: `pip list` and more in subprocesses, about 1 s)
+    on every simple_evaluate call; nothing here checks it, so gather it once for the module, as
+    `dsv41 eval` does for its runs (`_env_info_once`), and restore lm-eval's own afterwards."""
+    pytest.importorskip("lm_eval")
+    import lm_eval.evaluator as ev
+    from lm_eval.loggers.utils import add_env_info
+
+    gathered: dict = {}
+
+    def once(storage: dict) -> None:
+        if not gathered:
+            add_env_info(gathered)
+        storage.update(gathered)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ev, "add_env_info", once)
+        yield
+
+
 def prompt_tokens(tok, messages, mode="thinking", effort=75, tools=None) -> int:
     from dsv41.model import encoding
 
@@ -167,8 +199,9 @@ def test_chat_mode_and_effort_reach_the_prompt(client, tok):
 
 
 def test_streamed_deltas_equal_the_plain_answer_for_the_same_seed(client):
+    # sixteen sampled tokens (the seed's sample, not the greedy one), streamed in as many chunks
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Add: 4 8 1"}], temperature=0.8, seed=7,
-                  max_tokens=32)
+                  max_tokens=16)
     plain = client.chat.completions.create(**kwargs)
     reasoning, content, finish, usage, chunks = "", "", None, None, 0
     for chunk in client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
@@ -209,7 +242,7 @@ def test_tool_call_round_trip(client, tok):
     call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": '{"numbers": [7, 3, 9, 2, 5]}'}}
     history = first + [{"role": "assistant", "content": "", "reasoning_content": "Use the tool.", "tool_calls": [call]},
                        {"role": "tool", "tool_call_id": "call_0", "content": "26"}]
-    r = client.chat.completions.create(model=MODEL, messages=history, tools=ADD_TOOL, temperature=0, max_tokens=40)
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=ADD_TOOL, temperature=0, max_tokens=12)
     assert r.usage.prompt_tokens == prompt_tokens(tok, history, tools=ADD_TOOL)
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.reasoning_content
 
@@ -223,13 +256,10 @@ def test_stop_strings_end_the_answer(client):
     assert cut.choices[0].message.content == "Answer:" and cut.choices[0].finish_reason == "stop"
 
 
-def test_completions_echo_logprobs_match_the_in_process_scores(server):
+def test_completions_echo_logprobs_match_the_in_process_scores(server, in_process):
     import torch
 
-    from dsv41.model.assets import bundled_model_dir
-    from dsv41.model.checkpoint import load_model
-
-    model, _, tok = load_model(bundled_model_dir())
+    model, tok = in_process
     text = "The capital of France is Paris."
     status, doc, _ = server.post("/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 0, "echo": True,
                                                      "logprobs": 1, "temperature": 0})
@@ -298,39 +328,35 @@ def test_malformed_json_and_unknown_route(server):
 
 
 # ------------------------------------------------------------------------------------ lm-eval through the endpoint
-def test_lm_eval_local_completions_scores_equal_the_in_process_model(server, tmp_path):
-    pytest.importorskip("lm_eval")
+def test_lm_eval_local_completions_scores_equal_the_in_process_model(server, in_process, lm_eval_env_once, tmp_path):
     import lm_eval
 
     from dsv41.evals.lm_eval_model import DSV41LM, make_task_manager
-    from dsv41.model.assets import bundled_model_dir
-    from dsv41.model.checkpoint import load_model
 
-    model, _, tok = load_model(bundled_model_dir())
+    model, tok = in_process
     tm = make_task_manager(["smoke_mmlu"], tmp_path / "generated", None)
     local = DSV41LM(model=model, tokenizer=tok, batch_size=4)
-    ours = lm_eval.simple_evaluate(model=local, tasks=["smoke_mmlu"], limit=4, task_manager=tm, log_samples=True)
+    # two questions, four choices each: eight (context, continuation) pairs scored both ways, two at a time
+    # through the server (each an echo request that also generates a token: about 0.3 s on a 2-core CPU)
+    ours = lm_eval.simple_evaluate(model=local, tasks=["smoke_mmlu"], limit=2, task_manager=tm, log_samples=True)
     theirs = lm_eval.simple_evaluate(
-        model="local-completions", tasks=["smoke_mmlu"], limit=4, task_manager=tm, log_samples=True,
+        model="local-completions", tasks=["smoke_mmlu"], limit=2, task_manager=tm, log_samples=True,
         model_args=f"model={MODEL},base_url={server.url}/completions,tokenizer_backend=remote,"
                    "tokenized_requests=True,num_concurrent=2,max_retries=1")
     assert theirs["results"]["smoke_mmlu"]["acc,none"] == ours["results"]["smoke_mmlu"]["acc,none"]
     a = [r[0] for s in ours["samples"]["smoke_mmlu"] for r in s["resps"]]
     b = [r[0] for s in theirs["samples"]["smoke_mmlu"] for r in s["resps"]]
-    assert len(a) == len(b) == 16
+    assert len(a) == len(b) == 8
     assert [x[0] for x in b] == pytest.approx([x[0] for x in a], rel=1e-5, abs=1e-4)
     assert [x[1] for x in b] == [x[1] for x in a]  # the is-greedy flags
 
 
-def test_lm_eval_local_chat_completions_equals_the_in_process_model(server, tmp_path):
-    pytest.importorskip("lm_eval")
+def test_lm_eval_local_chat_completions_equals_the_in_process_model(server, in_process, lm_eval_env_once, tmp_path):
     import lm_eval
 
     from dsv41.evals.lm_eval_model import DSV41LM, make_task_manager
-    from dsv41.model.assets import bundled_model_dir
-    from dsv41.model.checkpoint import load_model
 
-    model, _, tok = load_model(bundled_model_dir())
+    model, tok = in_process
     tm = make_task_manager(["tiny_reasoning"], tmp_path / "generated", None)
     common = dict(tasks=["tiny_reasoning"], limit=3, task_manager=tm, log_samples=True, apply_chat_template=True,
                   gen_kwargs="max_gen_toks=72")
@@ -355,9 +381,11 @@ def test_scaffold_bench_endpoint_runs_end_to_end(server, tmp_path, capsys):
         if os.environ.get("DSV41_SKIP_JAIL_TESTS"):
             pytest.skip(f"jail unavailable: {e}")
         pytest.fail(f"the command jail cannot be set up here ({e}); run .ci/deps-scaffold.sh")
+    # the bundled model writes no tool calls, so each reply is a format error fed back to the model, however long
+    # it is: a few tokens per call take both steps through the server (the prompts' prefill is most of the time)
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["scaffold-bench", "--endpoint", server.url, "--scaffolds", "dsml", "--limit", "1", "--efforts",
-                  "chat,low", "--max-new-tokens", "12", "--max-steps", "2", "--retries", "0", "--json",
+                  "chat,low", "--max-new-tokens", "4", "--max-steps", "2", "--retries", "0", "--json",
                   "--output", str(tmp_path / "out")])
     captured = capsys.readouterr()
     assert exit_info.value.code == 0, captured.err
