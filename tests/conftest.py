@@ -35,11 +35,12 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 
 # The files that took longest in .ci/run's native run (benchmarks/results/cpu-ci-time/NOTES.md), longest first. They
-# are collected first: pytest-xdist's `--dist loadfile` deals whole files to the workers in collection order, so a
-# long file dealt last would keep one worker busy after the other has run out of files.
-LONGEST_FIRST = ("test_kernels.py", "test_batch_engine.py", "test_kernels_gemm.py", "test_eval_offline.py",
-                 "test_benchmarks_cli.py", "test_parallel.py", "test_serve.py", "test_torchrun_layouts.py",
-                 "test_effort_resume.py", "test_eval.py", "test_parallel_commands.py")
+# are collected first, and .ci/run deals whole files to its two workers in collection order (`--dist loadfile
+# --no-loadscope-reorder`; pytest-xdist otherwise orders files by their count of tests), so that the files dealt
+# last are short ones and the workers end together.
+LONGEST_FIRST = ("test_kernels.py", "test_batch_engine.py", "test_kernels_gemm.py", "test_effort_resume.py",
+                 "test_torchrun_layouts.py", "test_serve.py", "test_benchmarks_cli.py", "test_parallel.py",
+                 "test_eval_offline.py", "test_parallel_commands.py", "test_eval.py")
 
 
 def pytest_collection_modifyitems(config, items):
