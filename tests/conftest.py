@@ -34,18 +34,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# The files that took longest in .ci/run's native run (benchmarks/results/cpu-ci-time/NOTES.md), longest first. They
-# are collected first, and .ci/run deals whole files to its two workers in collection order (`--dist loadfile
-# --no-loadscope-reorder`; pytest-xdist otherwise orders files by their count of tests), so that the files dealt
-# last are short ones and the workers end together.
-LONGEST_FIRST = ("test_kernels.py", "test_batch_engine.py", "test_kernels_gemm.py", "test_effort_resume.py",
-                 "test_torchrun_layouts.py", "test_serve.py", "test_benchmarks_cli.py", "test_parallel.py",
-                 "test_eval_offline.py", "test_parallel_commands.py", "test_eval.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
