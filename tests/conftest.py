@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import atexit
-import io
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -68,35 +66,8 @@ def small_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture
-def run_here(capsys, monkeypatch):
-    """run_here(*argv, input="", env=None, cwd=None): `dsv41 ARGV` through the entry point `python -m dsv41_cli`
-    calls (dsv41_cli.app.main), in this process, as a CompletedProcess of its exit code, stdout and stderr. For the
-    tests of a command's messages, exit codes, output and files: a subprocess spends seconds starting the
-    interpreter and importing torch before the command runs. Tests of signals, terminals, stdin pipes and process
-    exit start real processes. stdin is `input`; `env`, when given, is the whole environment while the command
-    runs; `cwd` where it runs. What a command changes in this process is put back: torch's threads (a command that
-    loads a model sets them, dsv41_cli.common.tune_threads), the environment (eval's offline and progress-bar
-    flags) and the working directory."""
-    from dsv41_cli.app import main
+def run_here():
+    """run_here(*argv, input="", env=None, cwd=None): `dsv41 ARGV` in this process (tests/in_process.py)."""
+    from in_process import run_dsv41
 
-    def run(*argv, input: str = "", env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(input.encode())))
-        environ, threads, here = dict(os.environ), torch.get_num_threads(), os.getcwd()
-        capsys.readouterr()  # what the test printed before is not the command's
-        try:
-            if env is not None:
-                os.environ.clear()
-                os.environ.update(env)
-            if cwd is not None:
-                os.chdir(cwd)
-            with pytest.raises(SystemExit) as stop:
-                main([str(a) for a in argv])
-        finally:
-            os.chdir(here)
-            os.environ.clear()
-            os.environ.update(environ)
-            torch.set_num_threads(threads)
-        stdout, stderr = capsys.readouterr()
-        return subprocess.CompletedProcess(argv, stop.value.code, stdout, stderr)
-
-    return run
+    return run_dsv41

@@ -101,33 +101,21 @@ def test_default_engines():
         EnginePool(None, ".", engines=0, batch_size=1)
 
 
-def test_generate_input_file_on_two_engines_writes_one_engines_replies(small_ckpt, tmp_path, capsys, monkeypatch):
+def test_generate_input_file_on_two_engines_writes_one_engines_replies(small_ckpt, tmp_path, run_here):
     """`dsv41 generate --input-file` spreads the file over the engines (its requests as the engine takes them,
-    no hook or prefix cache): the same replies, in the file's order, as with one engine. The command runs through
-    its entry point in this process (no interpreter start and torch import of its own; its worker is a process of
-    its own all the same), at DSV41_THREADS=1, the torch threads it sets put back."""
+    no hook or prefix cache): the same replies, in the file's order, as with one engine. The command runs in this
+    process (`run_here`; its worker is a process of its own all the same), at DSV41_THREADS=1."""
     import json
-
-    import torch
-
-    from dsv41_cli.app import main
+    import os
 
     prompts = "\n\n".join(f"Add: {k} {k + 3} {2 * k % 7}" for k in range(2 * MIN_REQUESTS_PER_ENGINE + 1))
     (tmp_path / "in.txt").write_text(prompts + "\n")
-    monkeypatch.setenv("DSV41_THREADS", "1")
-    monkeypatch.chdir(tmp_path)
-    threads = torch.get_num_threads()
     replies = {}
     for engines in (1, 2):
-        capsys.readouterr()
-        try:
-            with pytest.raises(SystemExit) as stop:
-                main(["generate", "--model", str(small_ckpt), "--input-file", str(tmp_path / "in.txt"),
-                      "--max-new-tokens", "6", "--temperature", "0", "--json", "--engines", str(engines)])
-        finally:
-            torch.set_num_threads(threads)
-        stdout, stderr = capsys.readouterr()
-        assert stop.value.code == 0, stderr[-2000:]
-        docs = [json.loads(line) for line in stdout.splitlines()]
+        r = run_here("generate", "--model", small_ckpt, "--input-file", tmp_path / "in.txt", "--max-new-tokens", 6,
+                     "--temperature", 0, "--json", "--engines", engines, env={**os.environ, "DSV41_THREADS": "1"},
+                     cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
+        docs = [json.loads(line) for line in r.stdout.splitlines()]
         replies[engines] = [(d["prompt_tokens"], d["output_ids"], d["finish_reason"]) for d in docs]
     assert len(replies[1]) == 2 * MIN_REQUESTS_PER_ENGINE + 1 and replies[2] == replies[1]

@@ -7,8 +7,6 @@ which spares each the start of a Python with torch and changes nothing in what t
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -17,12 +15,11 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
 import pytest
 
 from dsv41.evals.scaffolds.sandbox import Sandbox, SandboxUnavailable
-from dsv41_cli.app import main as cli_main
+from in_process import run_dsv41
 
 BENCH = ["scaffold-bench", "--backend", "oracle", "--scaffolds", "xml,backticks", "--efforts", "low,high",
          "--limit", "2", "--no-plot"]
@@ -44,14 +41,8 @@ def _env() -> dict:
 
 
 def dsv41(*args, cwd: Path) -> subprocess.CompletedProcess:
-    """`dsv41 ARGS` in `cwd`, run in this process as the console script runs it (with the subprocess's
-    terminal width): its exit status, stdout and stderr."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.chdir(cwd), mock.patch.dict(os.environ, {"COLUMNS": _env()["COLUMNS"]}), \
-            contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
-            pytest.raises(SystemExit) as exit_info:
-        cli_main([*map(str, args)])
-    return subprocess.CompletedProcess(args, exit_info.value.code, stdout.getvalue(), stderr.getvalue())
+    """`dsv41 ARGS` in `cwd`, run in this process (tests/in_process.py) with the subprocess's terminal width."""
+    return run_dsv41(*args, env={**os.environ, "COLUMNS": _env()["COLUMNS"]}, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
