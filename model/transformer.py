@@ -56,7 +56,7 @@ class Head(nn.Module):
         if wants_grad:
             return _FixedOrderHead.apply(x, w, self.host_weight())
         rows = x.numel() // x.size(-1)
-        if rows <= host.HEAD_BF16_MAX_ROWS and self.weight.dtype == torch.bfloat16 and host.available():
+        if self.weight.dtype == torch.bfloat16 and host.available() and rows <= host.head_bf16_max_rows():
             # a decode step of one or a few sequences: the bf16 weight read in column blocks, the same sums
             xf = x.detach().float().reshape(rows, -1).contiguous()
             V = self.weight.size(0)

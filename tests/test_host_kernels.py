@@ -327,7 +327,8 @@ def test_head_logits_bits(R, K, V):
         assert_same(host.head_logits(x[r:r + 1].contiguous(), wt), expected[r:r + 1])
 
 
-@pytest.mark.parametrize("R,K,V", [(1, 64, 1000), (2, 16, 64), (3, 64, 129), (5, 72, 300), (7, 32, 7), (11, 64, 200)])
+@pytest.mark.parametrize("R,K,V", [(1, 64, 1000), (2, 16, 64), (3, 64, 129), (5, 72, 300), (6, 64, 130), (7, 32, 7),
+                                   (8, 64, 192), (11, 64, 200)])
 def test_head_from_bf16_blocks_is_the_heads_bits(R, K, V):
     """The head for a few rows from the bf16 weight in column blocks (host.head_logits_bf16): the fp32 head's bits
     at every ISA version this CPU runs, whole and partial blocks, whole row tiles and the rows left after them;
@@ -348,13 +349,13 @@ def test_head_from_bf16_blocks_is_the_heads_bits(R, K, V):
 
 
 def test_head_takes_the_bf16_blocks_for_few_rows(tiny_model, monkeypatch):
-    """Head.forward on the CPU at inference: up to HEAD_BF16_MAX_ROWS rows from the bf16 blocks, more rows from the
+    """Head.forward on the CPU at inference: up to host.head_bf16_max_rows() rows from the bf16 blocks, more rows from the
     fp32 kernel; the same logits either way."""
     head = tiny_model.head
     calls = []
     real = host.head_logits_bf16
     monkeypatch.setattr(host, "head_logits_bf16", lambda *a: calls.append(1) or real(*a))
-    n = host.HEAD_BF16_MAX_ROWS + 1
+    n = host.head_bf16_max_rows() + 1
     x = torch.randn(1, n, head.weight.size(1)).bfloat16()
     with torch.inference_mode():
         few = [head(x[:, i:i + 3]) for i in range(0, n, 3)]
@@ -386,7 +387,7 @@ def test_the_head_takes_a_helper_core_only_where_lent(tiny_model, monkeypatch):
 
 def _helper_core_calls(tiny_model, monkeypatch):
     head = tiny_model.head
-    x = torch.randn(1, host.HEAD_BF16_MAX_ROWS + 3, head.weight.size(1)).bfloat16()
+    x = torch.randn(1, host.head_bf16_max_rows() + 3, head.weight.size(1)).bfloat16()
     called = []
     lib = host.library()
     for name in ("dsv41_head_bf16", "dsv41_head_bf16_two", "dsv41_fixed_order_matmul", "dsv41_head_logits_two"):

@@ -687,6 +687,41 @@ def test_by_entry_scores_padded_to_a_bucket_are_the_same_bits():
         assert_same(got, expected)
 
 
+def _mxfp4_values(shape, g, exponents=(-8, 8)) -> torch.Tensor:
+    """MXFP4-valued bf16 (formats.mxfp4_fake_quant over 32-element blocks) whose blocks' scales span 2^exponents,
+    with zero blocks, lone large elements and negative zeros mixed in."""
+    x = torch.randn(*shape, generator=g)
+    x = x * torch.exp2(torch.randint(exponents[0], exponents[1], (*shape[:-1], 1), generator=g).float())
+    x[..., 3] *= 100.0
+    flat = x.view(-1, shape[-1])
+    flat[:: 7] = 0.0
+    flat[1:: 11] = -0.0
+    return formats.mxfp4_fake_quant(x.bfloat16(), 32)
+
+
+def test_mxfp4_scores_from_an_fp32_gemm_are_the_bf16_gemms_bits():
+    """reference.weighted_relu_scores(mxfp4=True) takes the products of one-block MXFP4 operands as an fp32 GEMM
+    rounded to bf16 (exact in fp32: mxfp4_products_exact), every form: all entries, a candidate list, by entry
+    (with the bf16 GEMM's bucket padding on the other side). The bits are those of the bf16 GEMM; a head dim
+    of two blocks is not taken that way."""
+    g = torch.Generator().manual_seed(7)
+    for B, T, H, n in ((1, 1, 4, 1), (2, 5, 4, 37), (1, 64, 4, 300), (3, 1, 2, 129)):
+        q, keys = _mxfp4_values((B, T, H, 32), g), _mxfp4_values((B, n, 32), g)
+        w = torch.randn(B, T, H, generator=g).bfloat16()
+        assert reference.mxfp4_products_exact(q, keys)
+        assert_same(reference.weighted_relu_scores(q, keys, w, True, mxfp4=True),
+                    reference.weighted_relu_scores(q, keys, w, True))
+        cand = torch.randint(0, n, (B, T, 6), generator=g)
+        gathered = keys[torch.arange(B).view(-1, 1, 1), cand]
+        assert_same(reference.weighted_relu_scores(q, gathered, w, True, mxfp4=True),
+                    reference.weighted_relu_scores(q, gathered, w, True))
+        if T == 1:
+            assert_same(reference.weighted_relu_scores(q, keys, w, True, by_entry=True, mxfp4=True),
+                        reference.weighted_relu_scores(q, keys, w, True, by_entry=True))
+    wide = _mxfp4_values((1, 2, 4, 64), g)
+    assert not reference.mxfp4_products_exact(wide, _mxfp4_values((1, 5, 64), g))
+
+
 def test_sparse_attention_packed_decodes_only_the_chosen_main_entries():
     """Decode (one query per row): only the selected FP4 entries are unpacked; the same bits as unpacking all."""
     g = torch.Generator().manual_seed(0)

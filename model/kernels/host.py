@@ -315,14 +315,26 @@ def helper_core(on: bool):
 
 # The head for a few rows from its bf16 weight in column blocks of HEAD_VB (host_kernels.c, dsv41_head_bf16): one
 # sequence's decode step is one row, bound by reading the vocabulary-sized weight, which this reads at half the
-# fp32 copy's bytes and as one stream per block. Up to HEAD_BF16_MAX_ROWS rows: on this project's 2-core AVX-512 CPU
-# (bundled model, 129,280 x 64) 0.32 against 0.80 ms for one row, 2.24 against 2.56 ms for 16, 4.74 against 4.03 ms
-# for 32, where the fp32 kernel's register tile, bound by arithmetic, no longer waits on the bytes and the widening
-# costs more than it saves. The same sums in the same order: the same bits.
+# fp32 copy's bytes and as one stream per block. Up to head_bf16_max_rows() rows, by the ISA the CPU runs: on this
+# project's 2-core AVX-512 CPU (bundled model, 129,280 x 64) 0.32 against 0.80 ms for one row, 2.24 against 2.56 ms
+# for 16, 4.74 against 4.03 ms for 32, where the fp32 kernel's register tile, bound by arithmetic, no longer waits on
+# the bytes and the widening costs more than it saves: 16 rows. On a 2-core AVX2 EPYC, with AVX2's 4-row tiles
+# (2026-12-06), 5.71 against 7.82 ms for 16 rows and 10.42 against 14.32 ms for 32 (cpu-head-avx2): 32 rows. The
+# same sums in the same order: the same bits.
 HEAD_VB = 64
-HEAD_BF16_MAX_ROWS = 16
+HEAD_BF16_MAX_ROWS = {"avx512": 16, "avx2": 32, "base": 16}
 HEAD_BF16_VERSIONS = {0: "dsv41_head_bf16_base", 1: "dsv41_head_bf16_avx2", 2: "dsv41_head_bf16_avx512"}
 _HEAD_BLOCKS = WeakTensorKeyDictionary()
+
+
+def head_bf16_max_rows() -> int:
+    """The most rows the head takes from the bf16 blocks on this CPU (HEAD_BF16_MAX_ROWS by head_isa())."""
+    if _HEAD_BF16_ROWS[0] is None:
+        _HEAD_BF16_ROWS[0] = HEAD_BF16_MAX_ROWS[head_isa()]
+    return _HEAD_BF16_ROWS[0]
+
+
+_HEAD_BF16_ROWS: list[int | None] = [None]
 
 
 def head_blocks(w: torch.Tensor) -> torch.Tensor:

@@ -296,7 +296,7 @@ def entry_bucket(n: int) -> int:
 
 
 def weighted_relu_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, bf16: bool,
-                         by_entry: bool = False) -> torch.Tensor:
+                         by_entry: bool = False, mxfp4: bool = False) -> torch.Tensor:
     """score = sum_h w_h ReLU(q_h . k), fp32. q [B, T, H, D], weights [B, T, H]; keys [B, N, D] (every entry:
     [B, T, N]) or [B, T, C, D] (a candidate list per token: [B, T, C]). bf16: q, k, the products, the weighted
     terms and the head sum in bf16, as REF keeps them (and breaks Top-K ties on those values).
@@ -304,21 +304,39 @@ def weighted_relu_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Ten
     by_entry (one query per sequence, keys [B, N, D]): the product taken as keys @ q^T, entries as the GEMM's
     rows, and the head sum over the last dim. A score then does not depend on how many entries are scored
     (the decode step of a continuous batch scores as many as its fullest row holds; model/batch_cache.py),
-    where q @ keys^T sums a column differently for some widths. Same terms, fp32 sums in another order."""
+    where q @ keys^T sums a column differently for some widths. Same terms, fp32 sums in another order.
+
+    mxfp4: q and keys hold MXFP4 values (indexer_scores). Where one MXFP4 block spans the head dim, each bf16
+    product is then exact in fp32 whatever the order of its sum (`mxfp4_products_exact`), so on the CPU it is
+    taken as an fp32 GEMM and rounded to bf16 once: the same bits as the bf16 GEMM, which ATen runs 4-25x
+    slower there (benchmarks/results/cpu-indexer-exact), and a score that depends on no other row or width."""
     dtype = torch.bfloat16 if bf16 else torch.float32
+    exact = bf16 and mxfp4 and mxfp4_products_exact(q, keys)
+    # the products' operand dtype: fp32 where they are exact there (then rounded to bf16 once), else `dtype`
+    operand = torch.float32 if exact else dtype
     if by_entry and keys.dim() == 3 and q.size(1) == 1:
-        n, k = keys.size(1), keys.to(dtype)
-        rows = entry_bucket(n) if bf16 and keys.device.type == "cpu" else n
+        n, k = keys.size(1), keys.to(operand)
+        rows = entry_bucket(n) if bf16 and not exact and keys.device.type == "cpu" else n
         if rows != n:
             # On the CPU a bf16 GEMM of a shape not seen before builds a oneDNN primitive, about 0.5 ms, where the
             # product itself takes ~20 us; a decode step scores one more entry every step or few, so it would pay
             # that at every step. Zero rows pad the entries to a few sizes; a row's score does not depend on them.
             k = F.pad(k, (0, 0, 0, rows - n))
-        scores = torch.bmm(k, q[:, 0].to(dtype).transpose(1, 2))[:, :n].relu_()  # [B, N, H]
+        scores = torch.bmm(k, q[:, 0].to(operand).transpose(1, 2))[:, :n].to(dtype).relu_()  # [B, N, H]
         return (scores * weights.to(dtype)).sum(dim=-1).float().unsqueeze(1)
     pattern = "bthd,bnd->bthn" if keys.dim() == 3 else "bthd,btcd->bthc"
-    scores = torch.einsum(pattern, q.to(dtype), keys.to(dtype)).relu_()
+    scores = torch.einsum(pattern, q.to(operand), keys.to(operand)).to(dtype).relu_()
     return (scores * weights.to(dtype).unsqueeze(-1)).sum(dim=2).float()
+
+
+def mxfp4_products_exact(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether every q . k of MXFP4-valued CPU operands is exact in fp32, whatever the order of its sum: true when
+    the head dim is one MXFP4 block. Each element is then s m with one power-of-two scale s per operand and m an
+    E2M1 value (a multiple of 1/2, |m| <= 6), so each product is s_q s_k times a multiple of 1/4 of at most 36,
+    and any partial sum of 32 of them a multiple of 1/4 below 1,152: 13 significant bits, fp32 holds it exactly
+    (short of the fp32 range's ends, where the bf16 GEMM's fp32 sums are cut the same way). Several blocks would
+    add terms of different scales, which fp32 rounds in an order-dependent way: those stay on the bf16 GEMM."""
+    return q.device.type == "cpu" and keys.device.type == "cpu" and q.size(-1) == formats.MXFP4_BLOCK
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tensor, key_scales: torch.Tensor,
@@ -335,13 +353,13 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_codes: torch.Tens
     keys = (unpack or _formats_unpack)("mxfp4", key_codes, key_scales, formats.MXFP4_BLOCK)
     n = keys.size(1)
     if candidates is None:
-        scores = weighted_relu_scores(q, keys, weights, bf16_scores, by_entry)
+        scores = weighted_relu_scores(q, keys, weights, bf16_scores, by_entry, mxfp4=True)
         if visible is not None:
             scores = scores.masked_fill(torch.arange(n, device=q.device) >= visible.view(-1, 1), -torch.inf)
         return scores
     batch = torch.arange(keys.size(0), device=q.device).view(-1, 1, 1)
     gathered = keys[batch, candidates.clamp_min(0).long()]  # [B,T,C,Dk]
-    scores = weighted_relu_scores(q, gathered, weights, bf16_scores)
+    scores = weighted_relu_scores(q, gathered, weights, bf16_scores, mxfp4=True)
     hidden = candidates < 0
     if visible is not None:
         hidden = hidden | (candidates >= visible.view(1, -1, 1))
