@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rev", default="HEAD")
     ap.add_argument("--runs", type=int, default=3, help="single-sequence runs per tree (median)")
     ap.add_argument("--rounds", type=int, default=1,
-                    help="alternate the trees this many times (single: --runs each; the batched pair: one run each), "
+                    help="alternate the trees this many times (single: --runs each; the concurrent pair, the revision "
+                         "batched or, without an engine, one request after another: one run each), "
                          "medians over all; on a shared machine, whose speed drifts, 3 or more")
     ap.add_argument("--only", nargs="+", choices=["single", "concurrent", "concurrency", "commands"])
     ap.add_argument("--json", metavar="PATH")
@@ -273,6 +274,15 @@ def main(argv: list[str] | None = None) -> int:
                 batched_rev = worker(rev_tree, "batched", n_req=n_req, scale=scale)
             except SystemExit:
                 batched_rev = None
+            if batched_rev is None and a.rounds > 1:  # more rounds of the revision one by one and this tree batched
+                walls = {"current": [batched["wall_s"]], "revision": [seq_rev["wall_s"]]}
+                for r in range(1, a.rounds):
+                    for label in (("revision", "current") if r % 2 else ("current", "revision")):
+                        tree, what = (rev_tree, "sequential") if label == "revision" else (REPO, "batched")
+                        walls[label].append(worker(tree, what, n_req=n_req, scale=scale)["wall_s"])
+                batched["wall_s"], seq_rev["wall_s"] = (statistics.median(walls["current"]),
+                                                        statistics.median(walls["revision"]))
+                batched["walls_s"], seq_rev["walls_s"] = walls["current"], walls["revision"]
             if batched_rev is not None and a.rounds > 1:  # more rounds of the like-for-like pair, alternating
                 walls = {"current": [batched["wall_s"]], "revision": [batched_rev["wall_s"]]}
                 for r in range(1, a.rounds):
@@ -295,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                                  "rows_identical_to_alone": sum(same),
                                  "revision_tokens_equal_current": sum(x == y for x, y in zip(seq_rev["output_ids"],
                                                                                               alone["output_ids"]))}
+            if "walls_s" in seq_rev:
+                doc["concurrent"].update(current_batched_walls_s=batched["walls_s"],
+                                         revision_sequential_walls_s=seq_rev["walls_s"])
             if batched_rev is not None:
                 rate_rev = batched_rev["tokens"] / batched_rev["wall_s"]
                 if "walls_s" in batched:
