@@ -327,14 +327,10 @@ HEAD_BF16_VERSIONS = {0: "dsv41_head_bf16_base", 1: "dsv41_head_bf16_avx2", 2: "
 _HEAD_BLOCKS = WeakTensorKeyDictionary()
 
 
+@functools.cache
 def head_bf16_max_rows() -> int:
     """The most rows the head takes from the bf16 blocks on this CPU (HEAD_BF16_MAX_ROWS by head_isa())."""
-    if _HEAD_BF16_ROWS[0] is None:
-        _HEAD_BF16_ROWS[0] = HEAD_BF16_MAX_ROWS[head_isa()]
-    return _HEAD_BF16_ROWS[0]
-
-
-_HEAD_BF16_ROWS: list[int | None] = [None]
+    return HEAD_BF16_MAX_ROWS[head_isa()]
 
 
 def head_blocks(w: torch.Tensor) -> torch.Tensor:

@@ -334,8 +334,9 @@ def mxfp4_products_exact(q: torch.Tensor, keys: torch.Tensor) -> bool:
     the head dim is one MXFP4 block. Each element is then s m with one power-of-two scale s per operand and m an
     E2M1 value (a multiple of 1/2, |m| <= 6), so each product is s_q s_k times a multiple of 1/4 of at most 36,
     and any partial sum of 32 of them a multiple of 1/4 below 1,152: 13 significant bits, fp32 holds it exactly
-    (short of the fp32 range's ends, where the bf16 GEMM's fp32 sums are cut the same way). Several blocks would
-    add terms of different scales, which fp32 rounds in an order-dependent way: those stay on the bf16 GEMM."""
+    (away from fp32's ends: products below 2^-126 or sums past 2^127, which would need block scales far from the
+    indexer's normalized activations). Several blocks would add terms of different scales, which fp32 rounds in an
+    order-dependent way: those stay on the bf16 GEMM."""
     return q.device.type == "cpu" and keys.device.type == "cpu" and q.size(-1) == formats.MXFP4_BLOCK
 
 
