@@ -21,6 +21,9 @@
 #include <immintrin.h>
 #endif
 
+/* the loops that should vectorize (-O2 vectorizes only the cheapest) */
+#define HEAD_OPT __attribute__((optimize("O3")))
+
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
@@ -78,21 +81,65 @@ static inline uint32_t ue8m0_bits(float amax, float amax_floor, float ratio) {
     return (f2u(amax * ratio) + 0x7FFFFFu) & 0xFF800000u;
 }
 
+/* The FP8 activation grid on 4 floats at a time, in GCC's generic vectors (one SSE2 register at the baseline ISA):
+ * round_e4m3 and the clamp with the branches as masks. Comparisons run on the magnitudes' bits as signed integers (a
+ * magnitude's bits order as its value, below 2^31); the subnormal grid's rint is (y + 2^23) - 2^23, exact and ties to
+ * even for 0 <= y < 2^22 (here y = |q| 512 < 8). Only for blocks without a NaN (those take the scalar loop). */
+typedef float qf32x4 __attribute__((vector_size(16)));
+typedef float qf32x4u __attribute__((vector_size(16), aligned(4), may_alias));
+typedef int32_t qi32x4 __attribute__((vector_size(16)));
+
+static inline qi32x4 q_select(qi32x4 mask, qi32x4 a, qi32x4 b) { return (a & mask) | (b & ~mask); }
+
+static inline qf32x4 q_e4m3_lanes(qf32x4 q) {  /* round_e4m3(clamp(q, -448, 448)) for q without NaN */
+    const qi32x4 u = (qi32x4)q, sign = u & (int32_t)0x80000000u, fp448 = u - u + 0x43E00000;
+    qi32x4 au = u & 0x7FFFFFFF;
+    au = q_select(au > fp448, fp448, au);  /* |q| > 448 (inf too): 448 */
+    const qf32x4 sub = (((qf32x4)au * 512.0f + 0x1p23f) - 0x1p23f) * 0x1p-9f;
+    const qi32x4 norm = (au + 0x7FFFF + ((au >> 20) & 1)) & (int32_t)0xFFF00000u;
+    return (qf32x4)(q_select(au < 0x3C800000, (qi32x4)sub, norm) | sign);  /* below 2^-6: subnormals */
+}
+
 /* formats.fp8_fake_quant_f32 on a contiguous fp32 [rows, cols] (cols a multiple of block): per block of
  * `block` values, scale = 2^ceil(log2(max(amax, floor) * ratio)) read off the bits (formats._ceil_pow2_bits,
- * NaN amax giving -0.0), q = e4m3(clamp(x / scale, -448, 448)), out = q * scale. */
+ * NaN amax giving -0.0), q = e4m3(clamp(x / scale, -448, 448)), out = q * scale. A block of a multiple of 4 values
+ * without a NaN or an inf takes the vector form, with x / scale as x times 1 / scale (scale a power of two whose reciprocal
+ * fp32 holds exactly, so the same correctly rounded quotient); other blocks the scalar loop. The same values:
+ * 1.9x fewer cycles than the scalar loop alone on a prefill's activations (benchmarks/results/cpu-fp8-quant). */
 void dsv41_fp8_fake_quant(const float *x, float *out, int64_t numel, int64_t block, float amax_floor,
                           float ratio) {
     for (int64_t g = 0; g < numel; g += block) {
         const float *xb = x + g;
         float amax = 0.0f;
         int nan = 0;
-        for (int64_t i = 0; i < block; i++) {
-            float a = fabsf(xb[i]);
-            if (a != a) nan = 1;
-            else if (a > amax) amax = a;
+        if (block % 4 == 0) {  /* the largest magnitude's bits, NaNs (bits above inf's) noted apart */
+            qi32x4 top = {0}, any_nan = {0};
+            for (int64_t i = 0; i < block; i += 4) {
+                const qi32x4 a = (qi32x4)*(const qf32x4u *)(xb + i) & 0x7FFFFFFF, is_nan = a > 0x7F800000;
+                const qi32x4 m = a & ~is_nan;
+                any_nan |= is_nan;
+                top = q_select(m > top, m, top);
+            }
+            int32_t t = 0;
+            for (int j = 0; j < 4; j++) {
+                t = top[j] > t ? top[j] : t;
+                nan |= any_nan[j] != 0;
+            }
+            amax = u2f((uint32_t)t);
+        } else {
+            for (int64_t i = 0; i < block; i++) {
+                float a = fabsf(xb[i]);
+                if (a != a) nan = 1;
+                else if (a > amax) amax = a;
+            }
         }
         const float scale = u2f(ue8m0_bits(nan ? u2f(0x7FC00000u) : amax, amax_floor, ratio));
+        if (!nan && f2u(scale) < 0x7F800000u && block % 4 == 0) {  /* no NaN, no inf (then q would hold NaNs) */
+            const float inv = 1.0f / scale;
+            for (int64_t i = 0; i < block; i += 4)
+                *(qf32x4u *)(out + g + i) = q_e4m3_lanes(*(const qf32x4u *)(xb + i) * inv) * scale;
+            continue;
+        }
         for (int64_t i = 0; i < block; i++) {
             float q = xb[i] / scale;
             if (q == q) q = q < -448.0f ? -448.0f : (q > 448.0f ? 448.0f : q);
@@ -106,9 +153,9 @@ void dsv41_fp8_fake_quant(const float *x, float *out, int64_t numel, int64_t blo
 /* fp32 -> bf16 bits, round to nearest even (c10::BFloat16's rounding; a NaN gives a quiet NaN, whose
  * payload torch itself writes differently on its vector and scalar paths). */
 static inline uint16_t to_bf16(float f) {
-    uint32_t u = f2u(f);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    const uint32_t u = f2u(f);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((u >> 16) | 0x40u)  /* a select, not a branch: vectorizes */
+                                           : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 static inline float load(const void *p, int64_t i, int bf16) {
@@ -264,7 +311,6 @@ TARGET void NAME(const float *x, int64_t R, int64_t K, const float *wt, int64_t 
     NAME##_strided(x, R, K, K, wt, V, out, V, V);                                                                \
 }
 
-#define HEAD_OPT __attribute__((optimize("O3")))
 HEAD_KERNEL(dsv41_head_logits_base, HEAD_OPT, f32x4, f32x4u, 4, 2, 4)
 #if defined(__x86_64__) && defined(__GNUC__)
 HEAD_KERNEL(dsv41_head_logits_avx2, HEAD_OPT __attribute__((target("avx2"))), f32x8, f32x8u, 8, 3, 4)
@@ -482,7 +528,7 @@ void dsv41_head_logits_two(const float *x, int64_t R, int64_t K, const float *wt
  * intermediate tensors (two dtype conversions and three allocations a layer). With wt_b (not NULL) the same
  * quantized x also goes through wt_b [K, Nb] into out_b (a SwiGLU's w1 and w3: layers.linear_pair).
  * Returns 0, or -1 when the scratch memory cannot be had (nothing is written then). */
-int dsv41_fp8_linear(const void *x, int x_bf16, int64_t R, int64_t K, int64_t block, float amax_floor,
+HEAD_OPT int dsv41_fp8_linear(const void *x, int x_bf16, int64_t R, int64_t K, int64_t block, float amax_floor,
                      float ratio, const float *wt, int64_t N, void *out, const float *wt_b, int64_t Nb,
                      void *out_b, int out_bf16) {
     int64_t widest = wt_b && Nb > N ? Nb : N;
@@ -493,7 +539,10 @@ int dsv41_fp8_linear(const void *x, int x_bf16, int64_t R, int64_t K, int64_t bl
         free(y);
         return -1;
     }
-    for (int64_t i = 0; i < R * K; i++) xq[i] = load(x, i, x_bf16);
+    if (x_bf16)  /* one loop per input dtype: each vectorizes */
+        for (int64_t i = 0; i < R * K; i++) xq[i] = u2f((uint32_t)((const uint16_t *)x)[i] << 16);
+    else
+        memcpy(xq, x, (size_t)(R * K) * sizeof(float));
     dsv41_fp8_fake_quant(xq, xq, R * K, block, amax_floor, ratio);  /* in place: each value read, then written */
     for (int pass = 0; pass < (wt_b ? 2 : 1); pass++) {
         const float *w = pass ? wt_b : wt;
