@@ -274,24 +274,18 @@ def main(argv: list[str] | None = None) -> int:
                 batched_rev = worker(rev_tree, "batched", n_req=n_req, scale=scale)
             except SystemExit:
                 batched_rev = None
-            if batched_rev is None and a.rounds > 1:  # more rounds of the revision one by one and this tree batched
-                walls = {"current": [batched["wall_s"]], "revision": [seq_rev["wall_s"]]}
+            # more rounds of the pair, alternating: this tree batched against the revision batched (like for like)
+            # or, without its engine, one request after another
+            rev_side, rev_what = (seq_rev, "sequential") if batched_rev is None else (batched_rev, "batched")
+            if a.rounds > 1:
+                walls = {"current": [batched["wall_s"]], "revision": [rev_side["wall_s"]]}
                 for r in range(1, a.rounds):
-                    for label in (("revision", "current") if r % 2 else ("current", "revision")):
-                        tree, what = (rev_tree, "sequential") if label == "revision" else (REPO, "batched")
+                    for label, tree, what in ((("revision", rev_tree, rev_what), ("current", REPO, "batched")) if r % 2
+                                              else (("current", REPO, "batched"), ("revision", rev_tree, rev_what))):
                         walls[label].append(worker(tree, what, n_req=n_req, scale=scale)["wall_s"])
-                batched["wall_s"], seq_rev["wall_s"] = (statistics.median(walls["current"]),
-                                                        statistics.median(walls["revision"]))
-                batched["walls_s"], seq_rev["walls_s"] = walls["current"], walls["revision"]
-            if batched_rev is not None and a.rounds > 1:  # more rounds of the like-for-like pair, alternating
-                walls = {"current": [batched["wall_s"]], "revision": [batched_rev["wall_s"]]}
-                for r in range(1, a.rounds):
-                    for label, tree in ((("revision", rev_tree), ("current", REPO)) if r % 2
-                                        else (("current", REPO), ("revision", rev_tree))):
-                        walls[label].append(worker(tree, "batched", n_req=n_req, scale=scale)["wall_s"])
                 batched["wall_s"] = statistics.median(walls["current"])
-                batched_rev["wall_s"] = statistics.median(walls["revision"])
-                batched["walls_s"], batched_rev["walls_s"] = walls["current"], walls["revision"]
+                rev_side["wall_s"] = statistics.median(walls["revision"])
+                batched["walls_s"], rev_side["walls_s"] = walls["current"], walls["revision"]
             same = [x == y for x, y in zip(batched["output_ids"], alone["output_ids"])]
             rate = {k: v["tokens"] / v["wall_s"] for k, v in (("revision_sequential", seq_rev),
                                                               ("current_batched", batched),

@@ -340,20 +340,20 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
 
 /* RB rows x HEAD_VB columns of outputs from one block's weights at rows x + r * K, CP vectors of columns at a time
- * (RB x CP accumulators held in registers: AVX2's 16 vector registers hold 3 rows x 4 vectors, not 3 rows x the
- * block's 8, so it takes a block in two halves); each weight vector read once for the RB rows */
-#define HEAD_BF16_TILE(VT, VU, HU, UT, VW, RB, CP)                                                               \
+ * (RB x CP accumulators held in registers: AVX2's 16 vector registers hold 4 rows x 2 vectors, not a row x the
+ * block's 8 for more than one row, so it takes a block in four parts); each weight vector read once for the RB rows;
+ * WIDEN(p) the bf16 weight vector at p as fp32 bits */
+#define HEAD_BF16_TILE(VT, VU, WIDEN, VW, RB, CP)                                                                    \
     do {                                                                                                         \
         for (int c0 = 0; c0 < NV; c0 += (CP)) {                                                                  \
             VT a[RB][CP];                                                                                        \
             for (int c = 0; c < (CP); c++) {                                                                     \
-                const VT wc = (VT)(__builtin_convertvector(*(const HU *)(w + (VW) * (c0 + c)), UT) << 16);       \
+                const VT wc = (VT)WIDEN(w + (VW) * (c0 + c));                                                        \
                 for (int i = 0; i < (RB); i++) a[i][c] = x[(r + i) * K] * wc;                                    \
             }                                                                                                    \
             for (int64_t k = 1; k < K; k++)                                                                      \
                 for (int c = 0; c < (CP); c++) {                                                                 \
-                    const VT wc = (VT)(__builtin_convertvector(*(const HU *)(w + k * HEAD_VB + (VW) * (c0 + c)), \
-                                                               UT) << 16);                                       \
+                    const VT wc = (VT)WIDEN(w + k * HEAD_VB + (VW) * (c0 + c));                                      \
                     for (int i = 0; i < (RB); i++) a[i][c] = a[i][c] + x[(r + i) * K + k] * wc;                  \
                 }                                                                                                \
             const int64_t lo = (int64_t)(VW) * c0, part = width - lo < (VW) * (CP) ? width - lo : (VW) * (CP);   \
@@ -371,7 +371,7 @@ typedef uint32_t u32x4 __attribute__((vector_size(16)));
         }                                                                                                        \
     } while (0)
 
-#define HEAD_BF16_KERNEL(NAME, TARGET, VT, VU, HU, UT, VW, RB, CP)                                               \
+#define HEAD_BF16_KERNEL(NAME, TARGET, VT, VU, WIDEN, VW, RB, CP)                                                    \
 TARGET void NAME##_range(const float *x, int64_t R, int64_t K, const uint16_t *wtb, int64_t V, float *out,      \
                          int64_t b0, int64_t b1) { /* column blocks b0 .. b1 - 1 */                               \
     enum { NV = HEAD_VB / (VW) };                                                                                \
@@ -379,62 +379,27 @@ TARGET void NAME##_range(const float *x, int64_t R, int64_t K, const uint16_t *w
         const uint16_t *w = wtb + b * K * HEAD_VB;                                                               \
         const int64_t width = (b + 1) * HEAD_VB <= V ? HEAD_VB : V - b * HEAD_VB;                                \
         int64_t r = 0;                                                                                           \
-        for (; r + (RB) <= R; r += (RB)) HEAD_BF16_TILE(VT, VU, HU, UT, VW, RB, CP);                              \
-        if ((RB) > 3 && R - r == 3) { HEAD_BF16_TILE(VT, VU, HU, UT, VW, 3, CP); r += 3; } /* the rows left, */  \
-        if ((RB) > 2 && R - r == 2) { HEAD_BF16_TILE(VT, VU, HU, UT, VW, 2, CP); r += 2; } /* as one tile    */  \
-        for (; r < R; r++) HEAD_BF16_TILE(VT, VU, HU, UT, VW, 1, NV);                      /* when they fit  */  \
+        for (; r + (RB) <= R; r += (RB)) HEAD_BF16_TILE(VT, VU, WIDEN, VW, RB, CP);                                  \
+        if ((RB) > 3 && R - r == 3) { HEAD_BF16_TILE(VT, VU, WIDEN, VW, 3, CP); r += 3; } /* the rows left, */       \
+        if ((RB) > 2 && R - r == 2) { HEAD_BF16_TILE(VT, VU, WIDEN, VW, 2, CP); r += 2; } /* as one tile    */       \
+        for (; r < R; r++) HEAD_BF16_TILE(VT, VU, WIDEN, VW, 1, NV);                      /* when they fit  */       \
     }                                                                                                            \
 }                                                                                                                \
 TARGET void NAME(const float *x, int64_t R, int64_t K, const uint16_t *wtb, int64_t V, float *out) {             \
     NAME##_range(x, R, K, wtb, V, out, 0, (V + HEAD_VB - 1) / HEAD_VB);                                          \
 }
 
-HEAD_BF16_KERNEL(dsv41_head_bf16_base, HEAD_OPT, f32x4, f32x4u, u16x4, u32x4, 4, 3, 4)
-#if defined(__x86_64__) && defined(__GNUC__)
-HEAD_BF16_KERNEL(dsv41_head_bf16_avx2_vec, HEAD_OPT __attribute__((target("avx2"))), f32x8, f32x8u, u16x8, u32x8, 8, 3, 4)
+/* A bf16 weight vector at p widened to fp32 (its bits shifted up 16). AVX2's in intrinsics: GCC widens a generic u16x8
+ * in five instructions, vpmovzxwd + vpslld are two. */
+#define WIDEN_BASE(p) (__builtin_convertvector(*(const u16x4 *)(p), u32x4) << 16)
+#define WIDEN_AVX2(p) _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16)
+#define WIDEN_AVX512(p) (__builtin_convertvector(*(const u16x16 *)(p), u32x16) << 16)
 
-/* AVX2's bf16 head: 4 rows x 2 vectors of 8 columns per tile, written with intrinsics (GCC widens a generic u16x8 to
- * fp32 in five instructions, vpmovzxwd + vpslld are two); the rows left take dsv41_head_bf16_avx2_vec's tiles. The
- * same products and sums in the same order: the same bits. */
-#define AVX2_WIDEN(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-HEAD_OPT __attribute__((target("avx2"))) void dsv41_head_bf16_avx2_range(
-        const float *x, int64_t R, int64_t K, const uint16_t *wtb, int64_t V, float *out, int64_t b0, int64_t b1) {
-    enum { RB = 4, CP = 2 };
-    const int64_t R4 = R / RB * RB;
-    for (int64_t b = b0; b < b1 && R4; b++) {
-        const uint16_t *w = wtb + b * K * HEAD_VB;
-        const int64_t width = (b + 1) * HEAD_VB <= V ? HEAD_VB : V - b * HEAD_VB;
-        for (int64_t r = 0; r < R4; r += RB)
-            for (int c0 = 0; c0 < HEAD_VB / 8; c0 += CP) {
-                __m256 a[RB][CP];
-                for (int c = 0; c < CP; c++) {
-                    const __m256 wc = AVX2_WIDEN(w + 8 * (c0 + c));
-                    for (int i = 0; i < RB; i++) a[i][c] = _mm256_mul_ps(_mm256_set1_ps(x[(r + i) * K]), wc);
-                }
-                for (int64_t k = 1; k < K; k++) {
-                    __m256 xk[RB];
-                    for (int i = 0; i < RB; i++) xk[i] = _mm256_broadcast_ss(x + (r + i) * K + k);
-                    for (int c = 0; c < CP; c++) {
-                        const __m256 wc = AVX2_WIDEN(w + k * HEAD_VB + 8 * (c0 + c));
-                        for (int i = 0; i < RB; i++) a[i][c] = _mm256_add_ps(a[i][c], _mm256_mul_ps(xk[i], wc));
-                    }
-                }
-                const int64_t lo = 8 * c0, part = width - lo < 8 * CP ? width - lo : 8 * CP;
-                if (part > 0) /* a constant trip count below: the accumulators stay in registers */
-                for (int i = 0; i < RB; i++) {
-                    float tile[8 * CP], *o = out + (r + i) * V + b * HEAD_VB + lo;
-                    for (int c = 0; c < CP; c++) _mm256_storeu_ps(part == 8 * CP ? o + 8 * c : tile + 8 * c, a[i][c]);
-                    if (part < 8 * CP) memcpy(o, tile, (size_t)part * sizeof(float));
-                }
-            }
-    }
-    if (R4 < R) dsv41_head_bf16_avx2_vec_range(x + R4 * K, R - R4, K, wtb, V, out + R4 * V, b0, b1);
-}
-HEAD_OPT __attribute__((target("avx2"))) void dsv41_head_bf16_avx2(
-        const float *x, int64_t R, int64_t K, const uint16_t *wtb, int64_t V, float *out) {
-    dsv41_head_bf16_avx2_range(x, R, K, wtb, V, out, 0, (V + HEAD_VB - 1) / HEAD_VB);
-}
-HEAD_BF16_KERNEL(dsv41_head_bf16_avx512, HEAD_OPT __attribute__((target("avx512f"))), f32x16, f32x16u, u16x16, u32x16,
+/* tiles of RB rows x CP vectors: the baseline 3 x 4 (SSE's 16 registers), AVX2 4 x 2 (its 16), AVX-512 4 x 4 (its 32) */
+HEAD_BF16_KERNEL(dsv41_head_bf16_base, HEAD_OPT, f32x4, f32x4u, WIDEN_BASE, 4, 3, 4)
+#if defined(__x86_64__) && defined(__GNUC__)
+HEAD_BF16_KERNEL(dsv41_head_bf16_avx2, HEAD_OPT __attribute__((target("avx2"))), f32x8, f32x8u, WIDEN_AVX2, 8, 4, 2)
+HEAD_BF16_KERNEL(dsv41_head_bf16_avx512, HEAD_OPT __attribute__((target("avx512f"))), f32x16, f32x16u, WIDEN_AVX512,
                  16, 4, 4)
 #endif
 
