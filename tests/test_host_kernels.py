@@ -45,7 +45,9 @@ def without_host(monkeypatch):
 
 @pytest.mark.parametrize("n,iters,eps", [(4, 20, 1e-6), (4, 1, 1e-6), (3, 7, 1e-3), (2, 2, 0.0)])
 def test_sinkhorn_normalize_bits(n, iters, eps):
-    """n <= host.SINKHORN_MAX_N: the stream counts the host loop takes (ATen's sums of longer rows may split)."""
+    """n <= host.SINKHORN_MAX_N: the stream counts the host loop takes (ATen's sums of longer rows may split); n = 4
+    also in vector lanes, one matrix a lane (16, 15 and 257 matrices: whole vectors and the ones left), in every ISA
+    version the CPU runs."""
     g = torch.Generator().manual_seed(n * 100 + iters)
     for shape in [(16, 1, n, n), (3, 5, n, n), (257, n, n)]:
         logits = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 2)
@@ -55,6 +57,9 @@ def test_sinkhorn_normalize_bits(n, iters, eps):
         expected = reference._sinkhorn_normalize_(comb.clone(), iters, eps)
         got = host.sinkhorn_normalize_(comb.clone(), iters, eps)
         assert_same(got, expected)
+        order = ["base", "avx2", "avx512"]
+        for version in order[: order.index(host.head_isa()) + 1]:  # n = 4 in vector lanes: the same bits in each
+            assert_same(host.sinkhorn_normalize_(comb.clone(), iters, eps, version), expected)
 
 
 # ------------------------------------------------------------------------------------------- FP8 activations

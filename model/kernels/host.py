@@ -103,6 +103,8 @@ def library() -> ctypes.CDLL | None:
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.dsv41_sinkhorn_normalize.argtypes = [ptr, i64, i64, i64, f32]
     lib.dsv41_sinkhorn_normalize.restype = None
+    lib.dsv41_sinkhorn_normalize_version.argtypes = [ctypes.c_int, ptr, i64, i64, i64, f32]
+    lib.dsv41_sinkhorn_normalize_version.restype = None
     lib.dsv41_fp8_fake_quant.argtypes = [ptr, ptr, i64, i64, f32, f32]
     lib.dsv41_fp8_fake_quant.restype = None
     lib.dsv41_mhc_collapse.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
@@ -183,12 +185,15 @@ def status() -> str:
 SINKHORN_MAX_N = 4
 
 
-def sinkhorn_normalize_(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """reference._sinkhorn_normalize_ in place on a contiguous fp32 CPU comb [..., n, n]; returns comb."""
+def sinkhorn_normalize_(comb: torch.Tensor, iters: int, eps: float, version: str | None = None) -> torch.Tensor:
+    """reference._sinkhorn_normalize_ in place on a contiguous fp32 CPU comb [..., n, n]; returns comb. version:
+    "base", "avx2" or "avx512" as in head_logits, for the tests (4 x 4 matrices go in vector lanes, one matrix a
+    lane; the same bits in each); default the widest the CPU runs."""
     if not comb.is_contiguous() or comb.dtype != torch.float32:  # the C loop walks the memory as [-1, n, n] fp32
         raise ValueError("host.sinkhorn_normalize_ needs a contiguous fp32 comb")
     n = comb.shape[-1]
-    library().dsv41_sinkhorn_normalize(comb.data_ptr(), comb.numel() // (n * n), n, iters, eps)
+    isa = -1 if version is None else ["base", "avx2", "avx512"].index(version)
+    library().dsv41_sinkhorn_normalize_version(isa, comb.data_ptr(), comb.numel() // (n * n), n, iters, eps)
     return comb
 
 

@@ -29,8 +29,9 @@ static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 /* Sinkhorn normalization of `count` n x n matrices (row-major, contiguous), in place:
  * comb /= rowsum; comb += eps; comb /= (colsum + eps); then iters-1 times: rows (sum + eps), columns
- * (sum + eps). reference._sinkhorn_normalize_ is the same loop in torch. */
-void dsv41_sinkhorn_normalize(float *comb, int64_t count, int64_t n, int64_t iters, float eps) {
+ * (sum + eps). reference._sinkhorn_normalize_ is the same loop in torch. One matrix at a time; for n = 4,
+ * dsv41_sinkhorn_normalize (below) runs groups of matrices in vector lanes first. */
+static void sinkhorn_scalar(float *comb, int64_t count, int64_t n, int64_t iters, float eps) {
     for (int64_t m = 0; m < count; m++) {
         float *c = comb + m * n * n;
         for (int64_t i = 0; i < n; i++) {  /* the softmax's division, then + eps */
@@ -167,37 +168,67 @@ static inline void store(void *p, int64_t i, float v, int bf16) {
     else ((float *)p)[i] = v;
 }
 
+/* The mHC mixes below run their sums with lanes over the channels c, in chunks of MHC_CHUNK: each channel's sum
+ * still runs j = 0, 1, ..., n-1 (the lanes never meet), and the dtypes are constants of each loop (MHC_DTYPES), so
+ * the loops vectorize; written with j innermost and the dtype tested per value they ran one channel at a time. */
+#define MHC_CHUNK 64
+#define MHC_DTYPES(BODY, A_BF16, B_BF16, ...)                                                                    \
+    do {                                                                                                         \
+        if (A_BF16) { if (B_BF16) BODY(__VA_ARGS__, 1, 1); else BODY(__VA_ARGS__, 1, 0); }                       \
+        else { if (B_BF16) BODY(__VA_ARGS__, 0, 1); else BODY(__VA_ARGS__, 0, 0); }                              \
+    } while (0)
+
 /* reference._collapse: out[t, :] = sum_j pre[t, j] x[t, j, :], the products first, then the sum in the
  * order j = 0, 1, ..., n-1; x [tokens, n, d] and out [tokens, d] in x's dtype (bf16 or fp32), pre fp32. */
-void dsv41_mhc_collapse(const void *x, const float *pre, void *out, int64_t tokens, int64_t n, int64_t d,
-                        int x_bf16) {
+static inline __attribute__((always_inline)) void mhc_collapse_body(const void *x, const float *pre, void *out,
+                                                                    int64_t tokens, int64_t n, int64_t d,
+                                                                    const int x_bf16, const int unused) {
+    (void)unused;
+    float s[MHC_CHUNK];
     for (int64_t t = 0; t < tokens; t++) {
         const float *p = pre + t * n;
-        for (int64_t c = 0; c < d; c++) {
-            const int64_t base = t * n * d + c;
-            float s = p[0] * load(x, base, x_bf16);
-            for (int64_t j = 1; j < n; j++) s = s + p[j] * load(x, base + j * d, x_bf16);
-            store(out, t * d + c, s, x_bf16);
+        for (int64_t c0 = 0; c0 < d; c0 += MHC_CHUNK) {
+            const int64_t w = d - c0 < MHC_CHUNK ? d - c0 : MHC_CHUNK, base = t * n * d + c0;
+            for (int64_t c = 0; c < w; c++) s[c] = p[0] * load(x, base + c, x_bf16);
+            for (int64_t j = 1; j < n; j++)
+                for (int64_t c = 0; c < w; c++) s[c] = s[c] + p[j] * load(x, base + j * d + c, x_bf16);
+            for (int64_t c = 0; c < w; c++) store(out, t * d + c0 + c, s[c], x_bf16);
         }
     }
+}
+
+HEAD_OPT void dsv41_mhc_collapse(const void *x, const float *pre, void *out, int64_t tokens, int64_t n, int64_t d,
+                                 int x_bf16) {
+    MHC_DTYPES(mhc_collapse_body, x_bf16, 0, x, pre, out, tokens, n, d);
 }
 
 /* reference.expand (its few-token form; the same sums as the other): out[t, k, :] = post[t, k] y[t, :] +
  * sum_j comb[t, j, k] r[t, j, :] (the sum over j in order, then added to the post term), in y's dtype;
  * r [tokens, n, d] in its own dtype, post [tokens, n] and comb [tokens, n, n] fp32. */
-void dsv41_mhc_expand(const void *y, const void *r, const float *post, const float *comb, void *out,
-                      int64_t tokens, int64_t n, int64_t d, int y_bf16, int r_bf16) {
+static inline __attribute__((always_inline)) void mhc_expand_body(const void *y, const void *r, const float *post,
+                                                                   const float *comb, void *out, int64_t tokens,
+                                                                   int64_t n, int64_t d, const int y_bf16,
+                                                                   const int r_bf16) {
+    float m[MHC_CHUNK];
     for (int64_t t = 0; t < tokens; t++) {
         const float *cm = comb + t * n * n;
         for (int64_t k = 0; k < n; k++) {
             const float pk = post[t * n + k];
-            for (int64_t c = 0; c < d; c++) {
-                float m = cm[k] * load(r, t * n * d + c, r_bf16);
-                for (int64_t j = 1; j < n; j++) m = m + cm[j * n + k] * load(r, t * n * d + j * d + c, r_bf16);
-                store(out, (t * n + k) * d + c, pk * load(y, t * d + c, y_bf16) + m, y_bf16);
+            for (int64_t c0 = 0; c0 < d; c0 += MHC_CHUNK) {
+                const int64_t w = d - c0 < MHC_CHUNK ? d - c0 : MHC_CHUNK, rb = t * n * d + c0;
+                for (int64_t c = 0; c < w; c++) m[c] = cm[k] * load(r, rb + c, r_bf16);
+                for (int64_t j = 1; j < n; j++)
+                    for (int64_t c = 0; c < w; c++) m[c] = m[c] + cm[j * n + k] * load(r, rb + j * d + c, r_bf16);
+                for (int64_t c = 0; c < w; c++)
+                    store(out, (t * n + k) * d + c0 + c, pk * load(y, t * d + c0 + c, y_bf16) + m[c], y_bf16);
             }
         }
     }
+}
+
+HEAD_OPT void dsv41_mhc_expand(const void *y, const void *r, const float *post, const float *comb, void *out,
+                               int64_t tokens, int64_t n, int64_t d, int y_bf16, int r_bf16) {
+    MHC_DTYPES(mhc_expand_body, y_bf16, r_bf16, y, r, post, comb, out, tokens, n, d);
 }
 
 /* ---------------------------------------------------------------- rotary embedding of the last channels */
@@ -415,6 +446,64 @@ HEAD_BF16_KERNEL(dsv41_head_bf16_avx512, HEAD_OPT __attribute__((target("avx512f
 #else
 #define ISA_DISPATCH(BASE, SUFFIX, ARGS) BASE##_base##SUFFIX ARGS;
 #endif
+
+/* Sinkhorn of 4 x 4 matrices (V4.1's n), VW matrices at a time, one per vector lane: the same operations in the
+ * same order as sinkhorn_scalar for each (lanes never meet; IEEE division either way), where one matrix at a
+ * time waited on a chain of scalar divisions (20 iterations x 32 a matrix). Returns the matrices done (a multiple
+ * of VW); the rest are left to sinkhorn_scalar. */
+#define SINKHORN4_KERNEL(NAME, TARGET, VT, VW)                                                                   \
+TARGET static int64_t NAME(float *comb, int64_t count, int64_t iters, float eps) {                               \
+    int64_t m0 = 0;                                                                                              \
+    for (; m0 + (VW) <= count; m0 += (VW)) {                                                                     \
+        VT c[16], s;                                                                                             \
+        for (int e = 0; e < 16; e++)                                                                             \
+            for (int l = 0; l < (VW); l++) c[e][l] = comb[(m0 + l) * 16 + e];                                    \
+        for (int i = 0; i < 4; i++) {  /* the softmax's division, then + eps */                                  \
+            s = c[i * 4]; s += c[i * 4 + 1]; s += c[i * 4 + 2]; s += c[i * 4 + 3];                               \
+            for (int j = 0; j < 4; j++) c[i * 4 + j] = c[i * 4 + j] / s + eps;                                   \
+        }                                                                                                        \
+        for (int64_t it = 0; it < iters; it++) {                                                                 \
+            if (it > 0)                                                                                          \
+                for (int i = 0; i < 4; i++) {                                                                    \
+                    s = c[i * 4]; s += c[i * 4 + 1]; s += c[i * 4 + 2]; s += c[i * 4 + 3]; s += eps;             \
+                    for (int j = 0; j < 4; j++) c[i * 4 + j] /= s;                                               \
+                }                                                                                                \
+            for (int j = 0; j < 4; j++) {                                                                        \
+                s = c[j]; s += c[4 + j]; s += c[8 + j]; s += c[12 + j]; s += eps;                                \
+                for (int i = 0; i < 4; i++) c[i * 4 + j] /= s;                                                   \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int e = 0; e < 16; e++)                                                                             \
+            for (int l = 0; l < (VW); l++) comb[(m0 + l) * 16 + e] = c[e][l];                                    \
+    }                                                                                                            \
+    return m0;                                                                                                   \
+}
+SINKHORN4_KERNEL(sinkhorn4_base, HEAD_OPT, f32x4, 4)
+#if defined(__x86_64__) && defined(__GNUC__)
+SINKHORN4_KERNEL(sinkhorn4_avx2, HEAD_OPT __attribute__((target("avx2"))), f32x8, 8)
+SINKHORN4_KERNEL(sinkhorn4_avx512, HEAD_OPT __attribute__((target("avx512f"))), f32x16, 16)
+#endif
+
+/* version: 2 AVX-512, 1 AVX2, 0 the baseline, -1 the widest this CPU runs; every version the same bits */
+void dsv41_sinkhorn_normalize_version(int version, float *comb, int64_t count, int64_t n, int64_t iters, float eps) {
+    int64_t done = 0;
+    if (n == 4) {
+#if defined(__x86_64__) && defined(__GNUC__)
+        static int isa = -1;
+        if (isa < 0) isa = dsv41_head_isa();
+        if (version < 0 || version > isa) version = isa;
+        done = version == 2 ? sinkhorn4_avx512(comb, count, iters, eps)
+               : version == 1 ? sinkhorn4_avx2(comb, count, iters, eps) : sinkhorn4_base(comb, count, iters, eps);
+#else
+        done = sinkhorn4_base(comb, count, iters, eps);
+#endif
+    }
+    sinkhorn_scalar(comb + done * n * n, count - done, n, iters, eps);
+}
+
+void dsv41_sinkhorn_normalize(float *comb, int64_t count, int64_t n, int64_t iters, float eps) {
+    dsv41_sinkhorn_normalize_version(-1, comb, count, n, iters, eps);
+}
 
 /* out[r, n] = sum_k x[r, k] wt[k, n] in the head's fixed order, for any GEMM of the decode step (the model's
  * linear layers, the MoE gate, the mHC projection, the grouped wo_a): rows x[r * ldx ..] (K contiguous floats
@@ -966,6 +1055,10 @@ void dsv41_softplus_scalar(const float *x, float *out, int64_t n) {
  * without the scratch memory (nothing is written then). */
 #define ATTN_BLOCK 64
 #define ATTN_SINK_MAX 88.0f
+#define ATTN_HB 4  /* heads per register tile */
+/* the scratch floats besides the rows: keys_t, the block's rows, q, acc, P.V [H][D], logits and bf16 probabilities
+ * [H][ATTN_BLOCK], the running max, denominators and rescales [H] */
+#define ATTN_FIXED(H, D) (2 * ATTN_BLOCK * (D) + 3 * (H) * (D) + 2 * (H) * ATTN_BLOCK + 3 * (H))
 
 /* reference.exp_fixed: SCORE_KERNEL's exp (exp_poly) for one value; 0 below EXP_FLOOR and for NaN, finite up to 88 */
 static inline float exp_fixed(float d_in) {
@@ -1011,6 +1104,97 @@ static inline int64_t window_run(const int64_t *idx, int64_t k, int64_t W_rows) 
     return base != INT64_MIN && base >= -ATTN_BLOCK && base + k <= W_rows ? base : INT64_MIN;
 }
 
+/* Register tiles of the block's products, lanes of VW floats (VT), two vectors a tile, ATTN_HB heads (or one):
+ * - logits of heads h0 .. h0 + HB - 1 for keys j0 .. j0 + 2 VW - 1 (columns of kt, row stride ld): lg[h][j] =
+ *   ((0 + q[h][0] kt[0][j]) + q[h][1] kt[1][j]) + ..., d in order, as a scalar loop sums them (the lanes are keys and
+ *   never meet). One load of a key vector serves HB heads, where a loop over one head at a time loaded and stored its
+ *   logits at every d (a prefill's largest cost in this kernel);
+ * - P.V of heads h0 .. for outputs d0 .. d0 + 2 VW - 1: pv[h][d] = ((0 + pb[h][0] row_0[d]) + pb[h][1] row_1[d]) + ...,
+ *   j in order (lanes over d); one load of a row vector serves HB heads (K = V: the heads share the latent rows).
+ * HB is a constant after inlining. The baseline ISA's tiles are 4-float vectors (8-float ones there split into
+ * pairs the compiler spilled: 5x slower than the scalar loops), AVX2's and AVX-512's 8-float ones. */
+#define ATTN_TILES(SUF, VT, VU, VW)                                                                              \
+static inline __attribute__((always_inline)) void attn_logits_tile##SUF(                                         \
+        const float *qf, int64_t D, const float *kt, int64_t ld, int64_t j0, int64_t h0, float *lg, const int HB) { \
+    VT a[ATTN_HB][2];                                                                                            \
+    for (int i = 0; i < HB; i++) a[i][0] = a[i][1] = (VT){0};                                                    \
+    for (int64_t d = 0; d < D; d++) {                                                                            \
+        const VT k0 = *(const VU *)(kt + d * ld + j0), k1 = *(const VU *)(kt + d * ld + j0 + (VW));              \
+        for (int i = 0; i < HB; i++) {                                                                           \
+            const float qd = qf[(h0 + i) * D + d];                                                               \
+            a[i][0] = a[i][0] + qd * k0;                                                                         \
+            a[i][1] = a[i][1] + qd * k1;                                                                         \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int i = 0; i < HB; i++) {                                                                               \
+        *(VU *)(lg + (h0 + i) * ATTN_BLOCK + j0) = a[i][0];                                                      \
+        *(VU *)(lg + (h0 + i) * ATTN_BLOCK + j0 + (VW)) = a[i][1];                                               \
+    }                                                                                                            \
+}                                                                                                                \
+static inline __attribute__((always_inline)) void attn_pv_tile##SUF(                                             \
+        const float *pbh, const float *const *src, int64_t k, int64_t D, int64_t d0, int64_t h0, float *pv,      \
+        const int HB) {                                                                                          \
+    VT a[ATTN_HB][2];                                                                                            \
+    for (int i = 0; i < HB; i++) a[i][0] = a[i][1] = (VT){0};                                                    \
+    for (int64_t j = 0; j < k; j++) {                                                                            \
+        const VT r0 = *(const VU *)(src[j] + d0), r1 = *(const VU *)(src[j] + d0 + (VW));                        \
+        for (int i = 0; i < HB; i++) {                                                                           \
+            const float w = pbh[(h0 + i) * ATTN_BLOCK + j];                                                      \
+            a[i][0] = a[i][0] + w * r0;                                                                          \
+            a[i][1] = a[i][1] + w * r1;                                                                          \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int i = 0; i < HB; i++) {                                                                               \
+        *(VU *)(pv + (h0 + i) * D + d0) = a[i][0];                                                               \
+        *(VU *)(pv + (h0 + i) * D + d0 + (VW)) = a[i][1];                                                        \
+    }                                                                                                            \
+}
+ATTN_TILES(4, f32x4, f32x4u, 4)
+ATTN_TILES(8, f32x8, f32x8u, 8)
+
+/* Every head's logits of a block of k keys into lg [H][ATTN_BLOCK]: tiles of ATTN_HB heads (then one head at a time)
+ * x 2 vectors of keys, the keys past the last whole tile one by one; the same sums in the same order everywhere.
+ * wide (a constant after inlining): 8-float vectors, else 4-float ones. */
+static inline __attribute__((always_inline)) void attn_block_logits(const float *qf, int64_t H, int64_t D,
+                                                                     const float *kt, int64_t ld, int64_t k,
+                                                                     float *lg, const int wide) {
+    const int64_t step = wide ? 16 : 8, kt_end = k / step * step;
+    int64_t h0 = 0;
+    for (; h0 + ATTN_HB <= H; h0 += ATTN_HB)
+        for (int64_t j0 = 0; j0 < kt_end; j0 += step) {
+            if (wide) attn_logits_tile8(qf, D, kt, ld, j0, h0, lg, ATTN_HB);
+            else attn_logits_tile4(qf, D, kt, ld, j0, h0, lg, ATTN_HB);
+        }
+    for (; h0 < H; h0++)
+        for (int64_t j0 = 0; j0 < kt_end; j0 += step) {
+            if (wide) attn_logits_tile8(qf, D, kt, ld, j0, h0, lg, 1);
+            else attn_logits_tile4(qf, D, kt, ld, j0, h0, lg, 1);
+        }
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t j = kt_end; j < k; j++) {
+            float s = 0.0f;
+            for (int64_t d = 0; d < D; d++) s = s + qf[h * D + d] * kt[d * ld + j];
+            lg[h * ATTN_BLOCK + j] = s;
+        }
+}
+
+/* Every head's P.V of a block into pv [H][D] (D a multiple of 32, so of a tile's 16 or 8 outputs). */
+static inline __attribute__((always_inline)) void attn_block_pv(const float *pbh, const float *const *src, int64_t k,
+                                                                 int64_t H, int64_t D, float *pv, const int wide) {
+    const int64_t step = wide ? 16 : 8;
+    int64_t h0 = 0;
+    for (; h0 + ATTN_HB <= H; h0 += ATTN_HB)
+        for (int64_t d0 = 0; d0 < D; d0 += step) {
+            if (wide) attn_pv_tile8(pbh, src, k, D, d0, h0, pv, ATTN_HB);
+            else attn_pv_tile4(pbh, src, k, D, d0, h0, pv, ATTN_HB);
+        }
+    for (; h0 < H; h0++)
+        for (int64_t d0 = 0; d0 < D; d0 += step) {
+            if (wide) attn_pv_tile8(pbh, src, k, D, d0, h0, pv, 1);
+            else attn_pv_tile4(pbh, src, k, D, d0, h0, pv, 1);
+        }
+}
+
 /* The body over every query token. A store's rows are read as fp32 values: the window's given (win_values), or
  * else, and the main store's, decoded from their bytes; for several tokens a sequence (a prefill) each store's
  * W_rows / N_rows rows are decoded once per sequence into `decoded` (the tokens share most of them), for one
@@ -1020,10 +1204,11 @@ static inline __attribute__((always_inline)) void sparse_attention_body(
         const float *win_values, const uint8_t *win_codes, const uint8_t *win_scales, int64_t W, int64_t W_rows,
         const int64_t *win_idx, int64_t Kw, const uint8_t *main_codes, const uint8_t *main_scales, int64_t N,
         int64_t N_rows, const int64_t *main_idx, int64_t Km, const float *sink, float scale, void *out,
-        float *scratch, float *decoded, float *win_t) {
+        float *scratch, float *decoded, float *win_t, const int wide) {
     float *rows = scratch, *keys_t = rows + ATTN_BLOCK * D, *qf = keys_t + ATTN_BLOCK * D, *acc = qf + H * D;
-    float *run_max = acc + H * D, *denom = run_max + H, *pv = denom + H;
-    float logit[ATTN_BLOCK], p[ATTN_BLOCK], pb[ATTN_BLOCK];
+    float *pv = acc + H * D, *lg = pv + H * D, *pbh = lg + H * ATTN_BLOCK, *run_max = pbh + H * ATTN_BLOCK;
+    float *denom = run_max + H, *resc = denom + H;  /* ATTN_FIXED(H, D) floats in all */
+    float p[ATTN_BLOCK];
     const float *src[ATTN_BLOCK];
     int valid[ATTN_BLOCK];
     const int64_t K = Kw + Km;
@@ -1081,14 +1266,9 @@ static inline __attribute__((always_inline)) void sparse_attention_body(
                 if (kt == keys_t)
                     for (int64_t d = 0; d < D; d++) keys_t[d * ATTN_BLOCK + j] = src[j][d];
             }
+            attn_block_logits(qf, H, D, kt, ld, k, lg, wide);
             for (int64_t h = 0; h < H; h++) {
-                const float *qh = qf + h * D;
-                for (int64_t j = 0; j < k; j++) logit[j] = 0.0f;
-                for (int64_t d = 0; d < D; d++) {  /* lanes over the keys: each key's sum still runs d = 0, 1, ... */
-                    const float qd = qh[d];
-                    const float *kd = kt + d * ld;
-                    for (int64_t j = 0; j < k; j++) logit[j] = logit[j] + qd * kd[j];
-                }
+                float *logit = lg + h * ATTN_BLOCK, *pb = pbh + h * ATTN_BLOCK;
                 float block_max = -__builtin_inff();
                 for (int64_t j = 0; j < k; j++) {
                     logit[j] = valid[j] ? logit[j] * scale : -__builtin_inff();
@@ -1096,21 +1276,19 @@ static inline __attribute__((always_inline)) void sparse_attention_body(
                 }
                 const float old = run_max[h];
                 const float new_max = old != old ? old : (block_max != block_max || block_max > old ? block_max : old);
-                const float rescale = exp_fixed(old - new_max);
+                resc[h] = exp_fixed(old - new_max);
                 for (int64_t j = 0; j < k; j++) p[j] = exp_fixed(logit[j] - new_max);
                 for (int64_t j = 0; j < k; j++) pb[j] = bf16_round(p[j]);
                 float psum = 0.0f;
                 for (int64_t j = 0; j < k; j++) psum = psum + p[j];
-                denom[h] = denom[h] * rescale + psum;
-                for (int64_t d = 0; d < D; d++) pv[d] = 0.0f;
-                for (int64_t j = 0; j < k; j++) {  /* lanes over d: each output's sum runs j = 0, 1, ... */
-                    const float w = pb[j];
-                    const float *row = src[j];
-                    for (int64_t d = 0; d < D; d++) pv[d] = pv[d] + w * row[d];
-                }
-                float *ah = acc + h * D;
-                for (int64_t d = 0; d < D; d++) ah[d] = ah[d] * rescale + pv[d];
+                denom[h] = denom[h] * resc[h] + psum;
                 run_max[h] = new_max;
+            }
+            attn_block_pv(pbh, src, k, H, D, pv, wide);
+            for (int64_t h = 0; h < H; h++) {
+                float *ah = acc + h * D;
+                const float *ph = pv + h * D;
+                for (int64_t d = 0; d < D; d++) ah[d] = ah[d] * resc[h] + ph[d];
             }
         }
         for (int64_t h = 0; h < H; h++) {
@@ -1129,14 +1307,14 @@ static inline __attribute__((always_inline)) void sparse_attention_body(
     const int64_t *main_idx, int64_t Km, const float *sink, float scale, void *out
 #define ATTN_CALL q, q_bf16, B, T, H, D, win_values, win_codes, win_scales, W, W_rows, win_idx, Kw, main_codes,     \
     main_scales, N, N_rows, main_idx, Km, sink, scale, out
-#define ATTN_KERNEL(NAME, TARGET)                                                                                 \
+#define ATTN_KERNEL(NAME, TARGET, WIDE)                                                                           \
 TARGET static void NAME(ATTN_ARGS(T), float *scratch, float *decoded, float *win_t) {                            \
-    sparse_attention_body(ATTN_CALL, scratch, decoded, win_t);                                                   \
+    sparse_attention_body(ATTN_CALL, scratch, decoded, win_t, WIDE);                                             \
 }
-ATTN_KERNEL(dsv41_sparse_attention_base, HEAD_OPT)
+ATTN_KERNEL(dsv41_sparse_attention_base, HEAD_OPT, 0)
 #if defined(__x86_64__) && defined(__GNUC__)
-ATTN_KERNEL(dsv41_sparse_attention_avx2, HEAD_OPT __attribute__((target("avx2"))))
-ATTN_KERNEL(dsv41_sparse_attention_avx512, HEAD_OPT __attribute__((target("avx512f"))))
+ATTN_KERNEL(dsv41_sparse_attention_avx2, HEAD_OPT __attribute__((target("avx2"))), 1)
+ATTN_KERNEL(dsv41_sparse_attention_avx512, HEAD_OPT __attribute__((target("avx512f"))), 1)
 #endif
 
 /* version: 2 AVX-512, 1 AVX2, 0 the baseline, -1 the widest this CPU runs (dsv41_head_isa); every version the same
@@ -1144,7 +1322,7 @@ ATTN_KERNEL(dsv41_sparse_attention_avx512, HEAD_OPT __attribute__((target("avx51
 int dsv41_sparse_attention_version(int version, ATTN_ARGS(T)) {
     const int64_t decoded_size = T > 1 ? (win_values ? 0 : W_rows * D) + (Km ? N_rows * D : 0) : 0;
     const int64_t win_t_size = T > 1 ? (W_rows + ATTN_BLOCK) * D : 0;  /* a prefill's window, transposed */
-    const int64_t fixed = 2 * ATTN_BLOCK * D + 2 * H * D + 2 * H + D;
+    const int64_t fixed = ATTN_FIXED(H, D);
     float *scratch = malloc(sizeof(float) * (size_t)(fixed + decoded_size + win_t_size));
     if (!scratch) return -1;
     float *decoded = decoded_size ? scratch + fixed : NULL;
