@@ -10,7 +10,9 @@ at torch's default, the machine's cores, which --threads 0 gives).
                  tokens/s (all generated tokens / wall). The revision runs them one after another (it has
                  no engine for mixed lengths); the current tree submits them at once (continuous
                  batching, 32 rows) and also runs each alone, to check that every row's greedy tokens
-                 are the ones it gets alone (batch invariance).
+                 are the ones it gets alone (batch invariance). --pool: the current tree also runs them over
+                 an EnginePool of one engine per core (worker processes, started and warmed before the
+                 timing), what `dsv41 generate --input-file` does with them on the CPU.
     concurrency  the current tree only: aggregate tokens/s of 64 requests against the number of rows in
                  flight (1, 2, 4, ..., 64); the plot of docs/generation.md (--plot PATH)
     commands     wall time of `dsv41 effort-sweep tiny-reasoning --limit 50`, `dsv41 eval --suite smoke --limit 20`
@@ -81,6 +83,24 @@ with torch.inference_mode():
         wall = time.perf_counter() - t0
         out = {"wall_s": wall, "tokens": sum(map(len, ids)), "output_ids": ids,
                "prompt_tokens": [len(p) for p in prompts], "new_tokens": lengths}
+    elif what == "pool":
+        # the same requests over an EnginePool (evals/engine_pool.py): this process's engine and one worker process
+        # per other core, each at one thread, as `dsv41 generate --input-file` runs them on the CPU; the workers
+        # load the checkpoint and run a small warm-up batch before the timing (a server's pool, started once)
+        from dsv41.evals.engine_pool import EnginePool, default_engines
+        from dsv41.model.engine import Request
+        prompts, lengths = workload(n_req)
+        engines = default_engines(device)
+        with EnginePool(gen, bundled_model_dir(), engines=engines, batch_size=n_req) as pool:
+            pool.wait_ready()
+            pool.generate_many([Request(p[:16], cfg(4)) for p in prompts[:16]])
+            before = pool.from_workers
+            t0 = time.perf_counter()
+            ids = [r.output_ids for r in pool.generate_many([Request(p, cfg(n)) for p, n in zip(prompts, lengths)])]
+            wall = time.perf_counter() - t0
+            from_workers = pool.from_workers - before  # the timed run's requests that a worker finished
+        out = {"wall_s": wall, "tokens": sum(map(len, ids)), "output_ids": ids, "engines": engines,
+               "from_workers": from_workers}
     elif what == "concurrency":
         from dsv41.model.engine import Request
         prompts, lengths = workload(n_req)
@@ -219,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                          "torch's default, the machine's cores, as the workers ran until 2026-12-06)")
     ap.add_argument("--plot", metavar="PATH", help="the concurrency curve as a PNG")
     ap.add_argument("--quick", action="store_true", help="8 requests, outputs a quarter as long, no commands")
+    ap.add_argument("--pool", action="store_true",
+                    help="with the concurrent part: also the current tree's 32 requests over an EnginePool of one "
+                         "engine per core (processes; warm), once per round, as `dsv41 generate --input-file` runs "
+                         "them on the CPU")
     ap.add_argument("--engines", type=int, default=None,
                     help="the current tree's effort-sweep and eval with --engines N (default: its own default, one "
                          "engine per CPU core; the revision runs as it is)")
@@ -277,12 +301,15 @@ def main(argv: list[str] | None = None) -> int:
             # more rounds of the pair, alternating: this tree batched against the revision batched (like for like)
             # or, without its engine, one request after another
             rev_side, rev_what = (seq_rev, "sequential") if batched_rev is None else (batched_rev, "batched")
+            pooled = [worker(REPO, "pool", n_req=n_req, scale=scale)] if a.pool else []
             if a.rounds > 1:
                 walls = {"current": [batched["wall_s"]], "revision": [rev_side["wall_s"]]}
                 for r in range(1, a.rounds):
                     for label, tree, what in ((("revision", rev_tree, rev_what), ("current", REPO, "batched")) if r % 2
                                               else (("current", REPO, "batched"), ("revision", rev_tree, rev_what))):
                         walls[label].append(worker(tree, what, n_req=n_req, scale=scale)["wall_s"])
+                    if a.pool:
+                        pooled.append(worker(REPO, "pool", n_req=n_req, scale=scale))
                 batched["wall_s"] = statistics.median(walls["current"])
                 rev_side["wall_s"] = statistics.median(walls["revision"])
                 batched["walls_s"], rev_side["walls_s"] = walls["current"], walls["revision"]
@@ -302,6 +329,20 @@ def main(argv: list[str] | None = None) -> int:
             if "walls_s" in seq_rev:
                 doc["concurrent"].update(current_batched_walls_s=batched["walls_s"],
                                          revision_sequential_walls_s=seq_rev["walls_s"])
+            if pooled:
+                pool_wall = statistics.median(p["wall_s"] for p in pooled)
+                pool_rate = pooled[0]["tokens"] / pool_wall
+                doc["concurrent"].update(
+                    pool_engines=pooled[0]["engines"], pool_walls_s=[round(p["wall_s"], 3) for p in pooled],
+                    pool_requests_from_workers=[p["from_workers"] for p in pooled],
+                    current_pool_tokens_per_s=round(pool_rate, 2),
+                    ratio_pool_vs_revision=pool_rate / rate["revision_sequential"],
+                    pool_rows_identical_to_alone=min(sum(x == y for x, y in zip(p["output_ids"], alone["output_ids"]))
+                                                     for p in pooled))
+                print(f"{n_req} concurrent requests over an EnginePool of {pooled[0]['engines']} engines: "
+                      f"{pool_rate:.1f} tok/s ({doc['concurrent']['ratio_pool_vs_revision']:.1f}x the revision one "
+                      f"by one); rows identical to alone: {doc['concurrent']['pool_rows_identical_to_alone']}/{n_req}",
+                      flush=True)
             if batched_rev is not None:
                 rate_rev = batched_rev["tokens"] / batched_rev["wall_s"]
                 if "walls_s" in batched:

@@ -576,6 +576,16 @@ def test_argmax_rows_is_torchs(R, V):
     assert torch.equal(greedy_ids(logits), logits.argmax(-1))
     wide = torch.cat([logits, logits], 1)[:, :V]
     assert torch.equal(host.argmax_rows(wide), logits.argmax(-1))
+    # the count of rows with a NaN or an inf, from the same pass (engine.checked_greedy_ids): the rows above, and
+    # each kind alone at the last position (the vector loop's tail) and at the first
+    ids, bad = host.argmax_rows(logits, count_nonfinite=True)
+    assert torch.equal(ids, logits.argmax(-1)) and bad == int((~torch.isfinite(logits)).any(-1).sum())
+    for value in (float("nan"), float("inf"), float("-inf"), 3e38):
+        for at in (0, V - 1):
+            one = torch.randn(R, V, generator=g)
+            one[R // 2, at] = value
+            ids, bad = host.argmax_rows(one, count_nonfinite=True)
+            assert torch.equal(ids, one.argmax(-1)) and bad == (0 if value == 3e38 else 1), (value, at)
 
 
 @pytest.mark.parametrize("n_tok", [1, 5, 33])

@@ -176,6 +176,25 @@ def test_finite_logits_whose_sum_overflows_pass():
         check_finite(huge)
 
 
+@pytest.mark.parametrize("host_pass", [True, False])
+def test_the_greedy_pick_checks_every_row(host_pass, monkeypatch):
+    """engine.checked_greedy_ids (the batched decode step's greedy pick): the argmax of each row when all are
+    finite, and check_finite's error when any row holds a NaN or an inf, from the C pass or torch's."""
+    from dsv41.model import engine
+    from dsv41.model.kernels import host
+
+    if not host_pass:
+        monkeypatch.setattr(host, "available", lambda: False)
+    logits = torch.randn(5, 300)
+    logits[:, 17] = 3e38  # finite, and the sum overflows
+    assert torch.equal(engine.checked_greedy_ids(logits, "ckpt"), logits.argmax(-1))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        broken = logits.clone()
+        broken[3, 299] = bad
+        with pytest.raises(NonFiniteLogits, match=r"^ckpt: the model's logits hold 1 NaN/inf of 1,500 values"):
+            engine.checked_greedy_ids(broken, "ckpt")
+
+
 def test_speculative_verification_checks_the_target_logits(tiny_model):
     from dsv41.model.engine import Generator
 

@@ -665,33 +665,52 @@ TARGET static VT NAME##_exp(VT d) {                                             
     return (VT)(((IT)(p * (VT)bits)) & keep);                                                                   \
 }                                                                                                               \
 /* the row's maximum (NaN aside) and the first index of it, or of the first NaN when there is one */            \
-TARGET static int64_t NAME##_argmax(const float *l, int64_t V, int *has_nan_out) {                              \
+TARGET static int64_t NAME##_argmax(const float *l, int64_t V, int *has_nan_out, int *nonfinite_out) {           \
     enum { NV = SCORE_LANES / (VW) };                                                                           \
     const int64_t full = V / SCORE_LANES * SCORE_LANES;                                                         \
-    VT mx[NV];                                                                                                  \
+    VT mx[NV], amx[NV]; /* the maximum, and the largest magnitude (an inf, either sign, makes it inf) */         \
     IT nan[NV];                                                                                                 \
-    for (int c = 0; c < NV; c++) { mx[c] = (VT){0} - __builtin_inff(); nan[c] = (IT){0}; }                      \
+    const IT magnitude = (IT){0} + 0x7FFFFFFF;                                                                  \
+    for (int c = 0; c < NV; c++) { mx[c] = (VT){0} - __builtin_inff(); amx[c] = (VT){0}; nan[c] = (IT){0}; }     \
     for (int64_t j = 0; j < full; j += SCORE_LANES)                                                             \
         for (int c = 0; c < NV; c++) {                                                                          \
-            const VT v = *(const VU *)(l + j + (VW) * c);                                                       \
-            const IT gt = v > mx[c];                                                                            \
+            const VT v = *(const VU *)(l + j + (VW) * c), a = (VT)((IT)v & magnitude);                           \
+            const IT gt = v > mx[c], agt = a > amx[c];                                                          \
             mx[c] = (VT)(((IT)v & gt) | ((IT)mx[c] & ~gt));                                                     \
+            amx[c] = (VT)(((IT)a & agt) | ((IT)amx[c] & ~agt));                                                 \
             nan[c] |= (v != v);                                                                                 \
         }                                                                                                       \
-    float m = -__builtin_inff();                                                                                \
+    float m = -__builtin_inff(), am = 0.0f;                                                                     \
     int has_nan = 0;                                                                                            \
     for (int c = 0; c < NV; c++)                                                                                \
-        for (int i = 0; i < (VW); i++) { if (mx[c][i] > m) m = mx[c][i]; has_nan |= nan[c][i] != 0; }           \
-    for (int64_t j = full; j < V; j++) { if (l[j] > m) m = l[j]; has_nan |= l[j] != l[j]; }                      \
+        for (int i = 0; i < (VW); i++) {                                                                        \
+            if (mx[c][i] > m) m = mx[c][i];                                                                     \
+            if (amx[c][i] > am) am = amx[c][i];                                                                 \
+            has_nan |= nan[c][i] != 0;                                                                          \
+        }                                                                                                       \
+    for (int64_t j = full; j < V; j++) {                                                                        \
+        if (l[j] > m) m = l[j];                                                                                 \
+        if (fabsf(l[j]) > am) am = fabsf(l[j]);                                                                 \
+        has_nan |= l[j] != l[j];                                                                                \
+    }                                                                                                           \
     int64_t at = 0;                                                                                             \
     if (has_nan) { while (l[at] == l[at]) at++; }                                                               \
     else { while (at < V - 1 && !(l[at] == m)) at++; }                                                          \
     *has_nan_out = has_nan;                                                                                     \
+    *nonfinite_out = has_nan || am == __builtin_inff();                                                         \
     return at;                                                                                                  \
 }                                                                                                               \
-TARGET void NAME##_argmax_rows(const float *logits, int64_t R, int64_t V, int64_t ld, int64_t *argmax) {         \
-    int has_nan;                                                                                                \
-    for (int64_t r = 0; r < R; r++) argmax[r] = NAME##_argmax(logits + r * ld, V, &has_nan);                     \
+/* the argmax of each row; with nonfinite (not NULL), *nonfinite = the rows holding a NaN or an inf: the engine's   \
+ * greedy pick and its check of the logits (engine.check_finite) in one read */                                 \
+TARGET void NAME##_argmax_rows(const float *logits, int64_t R, int64_t V, int64_t ld, int64_t *argmax,           \
+                               int64_t *nonfinite) {                                                            \
+    int has_nan, bad;                                                                                           \
+    int64_t rows_bad = 0;                                                                                       \
+    for (int64_t r = 0; r < R; r++) {                                                                           \
+        argmax[r] = NAME##_argmax(logits + r * ld, V, &has_nan, &bad);                                          \
+        rows_bad += bad;                                                                                        \
+    }                                                                                                           \
+    if (nonfinite) *nonfinite = rows_bad;                                                                       \
 }                                                                                                               \
 TARGET void NAME(const float *logits, int64_t R, int64_t V, int64_t ld, const int64_t *targets, float *logprob, \
                  float *lse, int64_t *argmax) {                                                                 \
@@ -700,7 +719,8 @@ TARGET void NAME(const float *logits, int64_t R, int64_t V, int64_t ld, const in
         const float *l = logits + r * ld;                                                                       \
         const int64_t full = V / SCORE_LANES * SCORE_LANES;                                                     \
         int has_nan;                                                                                            \
-        const int64_t at = NAME##_argmax(l, V, &has_nan);                                                       \
+        int bad;                                                                                                \
+        const int64_t at = NAME##_argmax(l, V, &has_nan, &bad);                                                 \
         const float m = l[at];                                                                                  \
         argmax[r] = at;                                                                                         \
         /* a NaN, or an infinite maximum: lse is m, as torch's logsumexp gives it */                              \
@@ -749,8 +769,8 @@ void dsv41_score_logits(const float *logits, int64_t R, int64_t V, int64_t ld, c
 
 /* argmax[r] of each row of fp32 logits [R, V] (row r at logits + r * ld): torch.argmax's answer (the first index of
  * the maximum; of the first NaN when there is one), for greedy decoding on the CPU in one vector pass a row. */
-void dsv41_argmax_rows(const float *logits, int64_t R, int64_t V, int64_t ld, int64_t *argmax) {
-    ISA_DISPATCH(dsv41_score_logits, _argmax_rows, (logits, R, V, ld, argmax))
+void dsv41_argmax_rows(const float *logits, int64_t R, int64_t V, int64_t ld, int64_t *argmax, int64_t *nonfinite) {
+    ISA_DISPATCH(dsv41_score_logits, _argmax_rows, (logits, R, V, ld, argmax, nonfinite))
 }
 
 /* dsv41_fp8_linear over consecutive groups of x's rows, each with its own weights (the routed experts of a MoE
