@@ -1132,42 +1132,37 @@ static inline int64_t window_run(const int64_t *idx, int64_t k, int64_t W_rows) 
  * - P.V of heads h0 .. for outputs d0 .. d0 + 2 VW - 1: pv[h][d] = ((0 + pb[h][0] row_0[d]) + pb[h][1] row_1[d]) + ...,
  *   j in order (lanes over d); one load of a row vector serves HB heads (K = V: the heads share the latent rows).
  * HB is a constant after inlining. The baseline ISA's tiles are 4-float vectors (8-float ones there split into
- * pairs the compiler spilled: 5x slower than the scalar loops), AVX2's and AVX-512's 8-float ones. */
+ * pairs the compiler spilled: 5x slower than the scalar loops), AVX2's and AVX-512's 8-float ones.
+ * Both are ATTN_TILE: acc[i][c] = ((0 + SCALAR(i, 0) VEC(0)[c]) + SCALAR(i, 1) VEC(1)[c]) + ... over t = 0 .. N-1 in
+ * order, for i < HB heads and c < 2 vectors, stored at OUT(i) and OUT(i) + VW (VEC, SCALAR and OUT: expressions of the
+ * loop variables t and i). */
+#define ATTN_TILE(VT, VU, VW, HB, N, VEC, SCALAR, OUT)                                                           \
+    do {                                                                                                         \
+        VT a[ATTN_HB][2];                                                                                        \
+        for (int i = 0; i < (HB); i++) a[i][0] = a[i][1] = (VT){0};                                              \
+        for (int64_t t = 0; t < (N); t++) {                                                                      \
+            const float *v = (VEC);                                                                              \
+            const VT v0 = *(const VU *)v, v1 = *(const VU *)(v + (VW));                                          \
+            for (int i = 0; i < (HB); i++) {                                                                     \
+                const float s = (SCALAR);                                                                        \
+                a[i][0] = a[i][0] + s * v0;                                                                      \
+                a[i][1] = a[i][1] + s * v1;                                                                      \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int i = 0; i < (HB); i++) {                                                                         \
+            *(VU *)(OUT) = a[i][0];                                                                              \
+            *(VU *)((OUT) + (VW)) = a[i][1];                                                                     \
+        }                                                                                                        \
+    } while (0)
 #define ATTN_TILES(SUF, VT, VU, VW)                                                                              \
 static inline __attribute__((always_inline)) void attn_logits_tile##SUF(                                         \
         const float *qf, int64_t D, const float *kt, int64_t ld, int64_t j0, int64_t h0, float *lg, const int HB) { \
-    VT a[ATTN_HB][2];                                                                                            \
-    for (int i = 0; i < HB; i++) a[i][0] = a[i][1] = (VT){0};                                                    \
-    for (int64_t d = 0; d < D; d++) {                                                                            \
-        const VT k0 = *(const VU *)(kt + d * ld + j0), k1 = *(const VU *)(kt + d * ld + j0 + (VW));              \
-        for (int i = 0; i < HB; i++) {                                                                           \
-            const float qd = qf[(h0 + i) * D + d];                                                               \
-            a[i][0] = a[i][0] + qd * k0;                                                                         \
-            a[i][1] = a[i][1] + qd * k1;                                                                         \
-        }                                                                                                        \
-    }                                                                                                            \
-    for (int i = 0; i < HB; i++) {                                                                               \
-        *(VU *)(lg + (h0 + i) * ATTN_BLOCK + j0) = a[i][0];                                                      \
-        *(VU *)(lg + (h0 + i) * ATTN_BLOCK + j0 + (VW)) = a[i][1];                                               \
-    }                                                                                                            \
+    ATTN_TILE(VT, VU, VW, HB, D, kt + t * ld + j0, qf[(h0 + i) * D + t], lg + (h0 + i) * ATTN_BLOCK + j0);        \
 }                                                                                                                \
 static inline __attribute__((always_inline)) void attn_pv_tile##SUF(                                             \
         const float *pbh, const float *const *src, int64_t k, int64_t D, int64_t d0, int64_t h0, float *pv,      \
         const int HB) {                                                                                          \
-    VT a[ATTN_HB][2];                                                                                            \
-    for (int i = 0; i < HB; i++) a[i][0] = a[i][1] = (VT){0};                                                    \
-    for (int64_t j = 0; j < k; j++) {                                                                            \
-        const VT r0 = *(const VU *)(src[j] + d0), r1 = *(const VU *)(src[j] + d0 + (VW));                        \
-        for (int i = 0; i < HB; i++) {                                                                           \
-            const float w = pbh[(h0 + i) * ATTN_BLOCK + j];                                                      \
-            a[i][0] = a[i][0] + w * r0;                                                                          \
-            a[i][1] = a[i][1] + w * r1;                                                                          \
-        }                                                                                                        \
-    }                                                                                                            \
-    for (int i = 0; i < HB; i++) {                                                                               \
-        *(VU *)(pv + (h0 + i) * D + d0) = a[i][0];                                                               \
-        *(VU *)(pv + (h0 + i) * D + d0 + (VW)) = a[i][1];                                                        \
-    }                                                                                                            \
+    ATTN_TILE(VT, VU, VW, HB, k, src[t] + d0, pbh[(h0 + i) * ATTN_BLOCK + t], pv + (h0 + i) * D + d0);            \
 }
 ATTN_TILES(4, f32x4, f32x4u, 4)
 ATTN_TILES(8, f32x8, f32x8u, 8)
