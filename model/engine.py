@@ -115,8 +115,9 @@ def _host_rows(logits: torch.Tensor) -> bool:
 
 def checked_greedy_ids(logits: torch.Tensor, source: str | None = None) -> torch.Tensor:
     """check_finite(logits, source), then greedy_ids(logits): on the CPU one C pass a row gives both (the argmax
-    and whether the row holds a NaN or an inf), where the check's sum was a second read of every logit (0.8 ms of
-    a 32-row step of the bundled model); the error, when there is one, is check_finite's."""
+    and whether the row holds a NaN or an inf), where the check's sum was a second read of every logit (2.5% of a
+    one-row step of the bundled model: benchmarks/results/cpu-engine-tiles); the error, when there is one, is
+    check_finite's."""
     if not _host_rows(logits):
         check_finite(logits, source)
         return greedy_ids(logits)
