@@ -187,12 +187,13 @@ def test_fixed_order_linear_and_its_groups_follow_the_gemm(monkeypatch):
 # ------------------------------------------------------------------------------------------- mHC mixes, RoPE
 
 
-@pytest.mark.parametrize("B,T", [(16, 1), (2, 3), (1, 37)])
+@pytest.mark.parametrize("B,T,d", [(16, 1, 64), (2, 3, 64), (1, 37, 64), (2, 3, 200), (1, 5, 100)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_collapse_and_expand_bits(B, T, dtype):
+def test_collapse_and_expand_bits(B, T, d, dtype):
+    """The C loops run the channels in chunks of 64 (whole chunks, and a last one of 8 or 36 at d 200 and 100)."""
     g = torch.Generator().manual_seed(B * T)
-    x = (torch.randn(B, T, 4, 64, generator=g) * torch.exp(torch.randn(B, T, 4, 1, generator=g) * 3)).to(dtype)
-    y = (torch.randn(B, T, 64, generator=g) * 5).to(dtype)
+    x = (torch.randn(B, T, 4, d, generator=g) * torch.exp(torch.randn(B, T, 4, 1, generator=g) * 3)).to(dtype)
+    y = (torch.randn(B, T, d, generator=g) * 5).to(dtype)
     pre, post = torch.rand(B, T, 4, generator=g), torch.rand(B, T, 4, generator=g) * 2
     comb = torch.rand(B, T, 4, 4, generator=g)
     with torch.inference_mode():

@@ -1167,24 +1167,33 @@ static inline __attribute__((always_inline)) void attn_pv_tile##SUF(            
 ATTN_TILES(4, f32x4, f32x4u, 4)
 ATTN_TILES(8, f32x8, f32x8u, 8)
 
-/* Every head's logits of a block of k keys into lg [H][ATTN_BLOCK]: tiles of ATTN_HB heads (then one head at a time)
- * x 2 vectors of keys, the keys past the last whole tile one by one; the same sums in the same order everywhere.
- * wide (a constant after inlining): 8-float vectors, else 4-float ones. */
+/* Every head's tiles of one product over columns 0 .. END - 1, a tile's columns at a time (16 with 8-float vectors,
+ * WIDE; else 8): ATTN_HB heads at a time, then the heads left one at a time. TILE##8 and TILE##4 take (ARGS..., c0,
+ * h0, OUT, HB); WIDE is a constant after inlining. */
+#define ATTN_TILE_CALL(TILE, WIDE, HB, OUT, c0, h0, ...)                                                          \
+    do {                                                                                                         \
+        if (WIDE) TILE##8(__VA_ARGS__, c0, h0, OUT, HB);                                                         \
+        else TILE##4(__VA_ARGS__, c0, h0, OUT, HB);                                                              \
+    } while (0)
+#define ATTN_EACH_TILE(TILE, H, END, WIDE, OUT, ...)                                                              \
+    do {                                                                                                         \
+        const int64_t step_ = (WIDE) ? 16 : 8;                                                                   \
+        int64_t h0_ = 0;                                                                                         \
+        for (; h0_ + ATTN_HB <= (H); h0_ += ATTN_HB)                                                             \
+            for (int64_t c0_ = 0; c0_ < (END); c0_ += step_)                                                     \
+                ATTN_TILE_CALL(TILE, WIDE, ATTN_HB, OUT, c0_, h0_, __VA_ARGS__);                                 \
+        for (; h0_ < (H); h0_++)                                                                                 \
+            for (int64_t c0_ = 0; c0_ < (END); c0_ += step_)                                                     \
+                ATTN_TILE_CALL(TILE, WIDE, 1, OUT, c0_, h0_, __VA_ARGS__);                                       \
+    } while (0)
+
+/* Every head's logits of a block of k keys into lg [H][ATTN_BLOCK]: ATTN_EACH_TILE, then the keys past the last whole
+ * tile one by one; the same sums in the same order everywhere. */
 static inline __attribute__((always_inline)) void attn_block_logits(const float *qf, int64_t H, int64_t D,
                                                                      const float *kt, int64_t ld, int64_t k,
                                                                      float *lg, const int wide) {
-    const int64_t step = wide ? 16 : 8, kt_end = k / step * step;
-    int64_t h0 = 0;
-    for (; h0 + ATTN_HB <= H; h0 += ATTN_HB)
-        for (int64_t j0 = 0; j0 < kt_end; j0 += step) {
-            if (wide) attn_logits_tile8(qf, D, kt, ld, j0, h0, lg, ATTN_HB);
-            else attn_logits_tile4(qf, D, kt, ld, j0, h0, lg, ATTN_HB);
-        }
-    for (; h0 < H; h0++)
-        for (int64_t j0 = 0; j0 < kt_end; j0 += step) {
-            if (wide) attn_logits_tile8(qf, D, kt, ld, j0, h0, lg, 1);
-            else attn_logits_tile4(qf, D, kt, ld, j0, h0, lg, 1);
-        }
+    const int64_t kt_end = wide ? k / 16 * 16 : k / 8 * 8;
+    ATTN_EACH_TILE(attn_logits_tile, H, kt_end, wide, lg, qf, D, kt, ld);
     for (int64_t h = 0; h < H; h++)
         for (int64_t j = kt_end; j < k; j++) {
             float s = 0.0f;
@@ -1196,18 +1205,7 @@ static inline __attribute__((always_inline)) void attn_block_logits(const float 
 /* Every head's P.V of a block into pv [H][D] (D a multiple of 32, so of a tile's 16 or 8 outputs). */
 static inline __attribute__((always_inline)) void attn_block_pv(const float *pbh, const float *const *src, int64_t k,
                                                                  int64_t H, int64_t D, float *pv, const int wide) {
-    const int64_t step = wide ? 16 : 8;
-    int64_t h0 = 0;
-    for (; h0 + ATTN_HB <= H; h0 += ATTN_HB)
-        for (int64_t d0 = 0; d0 < D; d0 += step) {
-            if (wide) attn_pv_tile8(pbh, src, k, D, d0, h0, pv, ATTN_HB);
-            else attn_pv_tile4(pbh, src, k, D, d0, h0, pv, ATTN_HB);
-        }
-    for (; h0 < H; h0++)
-        for (int64_t d0 = 0; d0 < D; d0 += step) {
-            if (wide) attn_pv_tile8(pbh, src, k, D, d0, h0, pv, 1);
-            else attn_pv_tile4(pbh, src, k, D, d0, h0, pv, 1);
-        }
+    ATTN_EACH_TILE(attn_pv_tile, H, D, wide, pv, pbh, src, k, D);
 }
 
 /* The body over every query token. A store's rows are read as fp32 values: the window's given (win_values), or
