@@ -24,6 +24,18 @@
 /* the loops that should vectorize (-O2 vectorizes only the cheapest) */
 #define HEAD_OPT __attribute__((optimize("O3")))
 
+/* GCC's generic vectors, used by every ISA version (the target attribute decides the instructions) */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+/* the same vectors at any float's address (unaligned loads and stores, no aliasing assumption) */
+typedef float f32x16u __attribute__((vector_size(64), aligned(4), may_alias));
+typedef float f32x8u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef float f32x4u __attribute__((vector_size(16), aligned(4), may_alias));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
@@ -86,19 +98,15 @@ static inline uint32_t ue8m0_bits(float amax, float amax_floor, float ratio) {
  * round_e4m3 and the clamp with the branches as masks. Comparisons run on the magnitudes' bits as signed integers (a
  * magnitude's bits order as its value, below 2^31); the subnormal grid's rint is (y + 2^23) - 2^23, exact and ties to
  * even for 0 <= y < 2^22 (here y = |q| 512 < 8). Only for blocks without a NaN (those take the scalar loop). */
-typedef float qf32x4 __attribute__((vector_size(16)));
-typedef float qf32x4u __attribute__((vector_size(16), aligned(4), may_alias));
-typedef int32_t qi32x4 __attribute__((vector_size(16)));
+static inline i32x4 q_select(i32x4 mask, i32x4 a, i32x4 b) { return (a & mask) | (b & ~mask); }
 
-static inline qi32x4 q_select(qi32x4 mask, qi32x4 a, qi32x4 b) { return (a & mask) | (b & ~mask); }
-
-static inline qf32x4 q_e4m3_lanes(qf32x4 q) {  /* round_e4m3(clamp(q, -448, 448)) for q without NaN */
-    const qi32x4 u = (qi32x4)q, sign = u & (int32_t)0x80000000u, fp448 = u - u + 0x43E00000;
-    qi32x4 au = u & 0x7FFFFFFF;
+static inline f32x4 q_e4m3_lanes(f32x4 q) {  /* round_e4m3(clamp(q, -448, 448)) for q without NaN */
+    const i32x4 u = (i32x4)q, sign = u & (int32_t)0x80000000u, fp448 = u - u + 0x43E00000;
+    i32x4 au = u & 0x7FFFFFFF;
     au = q_select(au > fp448, fp448, au);  /* |q| > 448 (inf too): 448 */
-    const qf32x4 sub = (((qf32x4)au * 512.0f + 0x1p23f) - 0x1p23f) * 0x1p-9f;
-    const qi32x4 norm = (au + 0x7FFFF + ((au >> 20) & 1)) & (int32_t)0xFFF00000u;
-    return (qf32x4)(q_select(au < 0x3C800000, (qi32x4)sub, norm) | sign);  /* below 2^-6: subnormals */
+    const f32x4 sub = (((f32x4)au * 512.0f + 0x1p23f) - 0x1p23f) * 0x1p-9f;
+    const i32x4 norm = (au + 0x7FFFF + ((au >> 20) & 1)) & (int32_t)0xFFF00000u;
+    return (f32x4)(q_select(au < 0x3C800000, (i32x4)sub, norm) | sign);  /* below 2^-6: subnormals */
 }
 
 /* formats.fp8_fake_quant_f32 on a contiguous fp32 [rows, cols] (cols a multiple of block): per block of
@@ -114,10 +122,10 @@ void dsv41_fp8_fake_quant(const float *x, float *out, int64_t numel, int64_t blo
         float amax = 0.0f;
         int nan = 0;
         if (block % 4 == 0) {  /* the largest magnitude's bits, NaNs (bits above inf's) noted apart */
-            qi32x4 top = {0}, any_nan = {0};
+            i32x4 top = {0}, any_nan = {0};
             for (int64_t i = 0; i < block; i += 4) {
-                const qi32x4 a = (qi32x4)*(const qf32x4u *)(xb + i) & 0x7FFFFFFF, is_nan = a > 0x7F800000;
-                const qi32x4 m = a & ~is_nan;
+                const i32x4 a = (i32x4)*(const f32x4u *)(xb + i) & 0x7FFFFFFF, is_nan = a > 0x7F800000;
+                const i32x4 m = a & ~is_nan;
                 any_nan |= is_nan;
                 top = q_select(m > top, m, top);
             }
@@ -138,7 +146,7 @@ void dsv41_fp8_fake_quant(const float *x, float *out, int64_t numel, int64_t blo
         if (!nan && f2u(scale) < 0x7F800000u && block % 4 == 0) {  /* no NaN, no inf (then q would hold NaNs) */
             const float inv = 1.0f / scale;
             for (int64_t i = 0; i < block; i += 4)
-                *(qf32x4u *)(out + g + i) = q_e4m3_lanes(*(const qf32x4u *)(xb + i) * inv) * scale;
+                *(f32x4u *)(out + g + i) = q_e4m3_lanes(*(const f32x4u *)(xb + i) * inv) * scale;
             continue;
         }
         for (int64_t i = 0; i < block; i++) {
@@ -169,21 +177,15 @@ static inline void store(void *p, int64_t i, float v, int bf16) {
 }
 
 /* The mHC mixes below run their sums with lanes over the channels c, in chunks of MHC_CHUNK: each channel's sum
- * still runs j = 0, 1, ..., n-1 (the lanes never meet), and the dtypes are constants of each loop (MHC_DTYPES), so
+ * still runs j = 0, 1, ..., n-1 (the lanes never meet), and the dtypes are constants of each loop (one call per dtype pair), so
  * the loops vectorize; written with j innermost and the dtype tested per value they ran one channel at a time. */
 #define MHC_CHUNK 64
-#define MHC_DTYPES(BODY, A_BF16, B_BF16, ...)                                                                    \
-    do {                                                                                                         \
-        if (A_BF16) { if (B_BF16) BODY(__VA_ARGS__, 1, 1); else BODY(__VA_ARGS__, 1, 0); }                       \
-        else { if (B_BF16) BODY(__VA_ARGS__, 0, 1); else BODY(__VA_ARGS__, 0, 0); }                              \
-    } while (0)
 
 /* reference._collapse: out[t, :] = sum_j pre[t, j] x[t, j, :], the products first, then the sum in the
  * order j = 0, 1, ..., n-1; x [tokens, n, d] and out [tokens, d] in x's dtype (bf16 or fp32), pre fp32. */
 static inline __attribute__((always_inline)) void mhc_collapse_body(const void *x, const float *pre, void *out,
                                                                     int64_t tokens, int64_t n, int64_t d,
-                                                                    const int x_bf16, const int unused) {
-    (void)unused;
+                                                                    const int x_bf16) {
     float s[MHC_CHUNK];
     for (int64_t t = 0; t < tokens; t++) {
         const float *p = pre + t * n;
@@ -199,7 +201,8 @@ static inline __attribute__((always_inline)) void mhc_collapse_body(const void *
 
 HEAD_OPT void dsv41_mhc_collapse(const void *x, const float *pre, void *out, int64_t tokens, int64_t n, int64_t d,
                                  int x_bf16) {
-    MHC_DTYPES(mhc_collapse_body, x_bf16, 0, x, pre, out, tokens, n, d);
+    if (x_bf16) mhc_collapse_body(x, pre, out, tokens, n, d, 1);
+    else mhc_collapse_body(x, pre, out, tokens, n, d, 0);
 }
 
 /* reference.expand (its few-token form; the same sums as the other): out[t, k, :] = post[t, k] y[t, :] +
@@ -228,7 +231,10 @@ static inline __attribute__((always_inline)) void mhc_expand_body(const void *y,
 
 HEAD_OPT void dsv41_mhc_expand(const void *y, const void *r, const float *post, const float *comb, void *out,
                                int64_t tokens, int64_t n, int64_t d, int y_bf16, int r_bf16) {
-    MHC_DTYPES(mhc_expand_body, y_bf16, r_bf16, y, r, post, comb, out, tokens, n, d);
+    if (y_bf16 && r_bf16) mhc_expand_body(y, r, post, comb, out, tokens, n, d, 1, 1);
+    else if (y_bf16) mhc_expand_body(y, r, post, comb, out, tokens, n, d, 1, 0);
+    else if (r_bf16) mhc_expand_body(y, r, post, comb, out, tokens, n, d, 0, 1);
+    else mhc_expand_body(y, r, post, comb, out, tokens, n, d, 0, 0);
 }
 
 /* ---------------------------------------------------------------- rotary embedding of the last channels */
@@ -268,13 +274,6 @@ void dsv41_rope_tail(const void *x, void *out, const float *freqs, int64_t B, in
  * and baseline versions below give the same bits (no fused multiply-add: -ffp-contract=off); they differ only
  * in their register tiles (RB rows x CB vectors of accumulators, sized to the ISA's register file).
  * dsv41_fixed_order_matmul (below) picks the widest one the CPU runs; each is exported for the tests. */
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-/* the same vectors at any float's address (unaligned loads and stores, no aliasing assumption) */
-typedef float f32x16u __attribute__((vector_size(64), aligned(4), may_alias));
-typedef float f32x8u __attribute__((vector_size(32), aligned(4), may_alias));
-typedef float f32x4u __attribute__((vector_size(16), aligned(4), may_alias));
 
 #define HEAD_KERNEL(NAME, TARGET, VT, VU, VW, RB, CB)                                                            \
 TARGET void NAME##_strided(const float *x, int64_t R, int64_t K, int64_t ldx, const float *wt, int64_t V,        \
@@ -630,9 +629,6 @@ HEAD_OPT int dsv41_fp8_linear(const void *x, int x_bf16, int64_t R, int64_t K, i
 #define SCORE_LANES 16
 #define SCORE_CHUNK 1024
 #define EXP_FLOOR (-87.0f)
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef int32_t i32x4 __attribute__((vector_size(16)));
 
 /* ln(x) for a finite x >= 1 (a sum whose largest term is exactly 1): x = f 2^e with f in [sqrt(1/2), sqrt(2)),
  * ln f = 2 atanh(s) = 2 (s + s^3/3 + s^5/5 + ...), s = (f - 1) / (f + 1), |s| < 0.172: 14 terms reach 2^-53. */
