@@ -245,8 +245,8 @@ class Attention(nn.Module):
         stop = cache.rope_stop()
         freqs = cache.step_memo(("freqs", self.rope, stop),  # the same rows for every layer of one RoPE
                                 lambda: self.freqs(cache.positions[:cache.rows].unsqueeze(1), x.device, stop=stop))
-        qr, q = self.query(x, freqs)
-        cache.write_window(self.spec.id, WINDOW_CODEC.pack(self.window_latent(x, freqs)))
+        qr, q, latent = self.decode_inputs(x, freqs)
+        cache.write_window(self.spec.id, WINDOW_CODEC.pack(latent))
         main_codes = main_scales = top = None
         if self.spec.compress_ratio:
             if self.spec.owns_kv:
@@ -262,6 +262,34 @@ class Attention(nn.Module):
         o = kernels_attention.sparse_attention_packed(q, *cache.window_rows(self.spec.id), main_codes, main_scales,
                                                       self.attn_sink, cache.window_index(self.spec.id), top,
                                                       self.scale, window_values=cache.window_decoded(self.spec.id))
+        return self.decode_output(o, freqs)
+
+    def decode_inputs(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qr, q) = query(x, freqs) and window_latent(x, freqs) of a decode step: on the CPU one C call
+        (host.attention_inputs: the same calls in one, about 40 us of Python fewer a layer), where every piece
+        takes the host path it takes alone; else the two methods."""
+        wq_a, wq_b, wkv = self.wq_a.host_matrix(), self.wq_b.host_matrix(), self.wkv.host_matrix()
+        block = self.wq_a.block
+        if (wq_a is not None and wq_b is not None and wkv is not None and host.takes(x, self.q_norm.weight,
+                                                                                 self.kv_norm.weight)
+                and self.wq_b.block == block and self.wkv.block == block and x.size(-1) % block == 0
+                and self.wq_a.out_features % block == 0 and x.dim() == 3 and x.size(1) == 1
+                and min(self.wq_a.out_features, self.head_dim) >= host.SUM_LANES and host.rope_fits(x, freqs)):
+            return host.attention_inputs(x, block, wq_a, self.wq_a.out_features, self.q_norm.weight, self.q_norm.eps,
+                                         wq_b, self.n_heads, self.head_dim, wkv, self.kv_norm.weight,
+                                         self.kv_norm.eps, freqs, self.rope_dim)
+        return (*self.query(x, freqs), self.window_latent(x, freqs))
+
+    def decode_output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """output(o, freqs) of a decode step: on the CPU one C call (host.attention_output: the same calls in one),
+        where each piece takes the host path it takes alone; else `output`."""
+        wo_b = self.wo_b.host_matrix()
+        G = self.n_groups
+        if (wo_b is not None and not self.wo_a.trainable and host.takes(o) and o.dim() == 4 and o.size(1) == 1
+                and host.rope_fits(o, freqs) and (self.n_heads * self.head_dim) % G == 0
+                and (G * self.o_lora_rank) % self.wo_b.block == 0):
+            w = self.wo_a.weight if self.wo_a.kind == "dense" else self.wo_a.dequantized_weight()
+            return host.attention_output(o, freqs, self.rope_dim, w, G, self.wo_b.block, wo_b, self.wo_b.out_features)
         return self.output(o, freqs)
 
     def compress_step(self, x: torch.Tensor, cache, stop: int) -> None:

@@ -1,10 +1,10 @@
 """One layer of the V4.1 stack (spec §4.2, §4.3): attention and MoE, each between an mHC collapse and
 expansion, in the single-pass form.
 
-    X, h, pre_a, post_a, comb_a = mhc_step(X, pre)                 h = sum_j pre_j X_j (the previous pre)
-    y = Attention(RMSNorm(h))
+    X, h, pre_a, post_a, comb_a = mhc_step(X, pre)                 h = RMSNorm(sum_j pre_j X_j) (the previous pre)
+    y = Attention(h)
     X, h, pre_f, post_f, comb_f = mhc_step(X, pre_a, y, post_a, comb_a)    X = post_a (x) y + comb_a^T X
-    z = MoE(RMSNorm(h))
+    z = MoE(h)
     X = post_f (x) z + comb_f^T X;  the block hands pre_f to the next
 
 model/transformer.py stacks these blocks into the model; model/dspark.py's drafter stages are blocks too,
@@ -69,10 +69,12 @@ class Block(nn.Module):
                  post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
         """One read of the residual streams at a sub-layer boundary (kernels/mhc.py: a single Triton pass on
         CUDA, model/mhc.py's functions elsewhere): X' = post (x) y + comb^T X (when the previous sub-layer's
-        output y is given), this sub-layer's input collapse(X', pre_prev), and its coefficients from X'."""
+        output y is given), this sub-layer's input RMSNorm(collapse(X', pre_prev)), and its coefficients from X'.
+        (The norm rides along so that the CPU decode step's one C call for the step takes it too.)"""
+        norm = getattr(self, f"{sub}_norm")
         return kernels_mhc.mhc_step(x, pre_prev, getattr(self, f"hc_{sub}_fn"), getattr(self, f"hc_{sub}_scale"),
                                     getattr(self, f"hc_{sub}_base"), self.hc_iters, self.hc_eps, self.norm_eps,
-                                    y, post, comb)
+                                    y, post, comb, norm=(norm.weight, norm.eps))
 
     def forward(self, x: torch.Tensor, pre: torch.Tensor, start_pos: int, cache: KVCache, shared: SharedState,
                 image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,8 +93,8 @@ class Block(nn.Module):
         The attention's input uses the previous sub-layer's `pre`; its own coefficients come from the same
         read. The FFN's step folds the attention's residual update into that read. The FFN's own update
         stays a separate pass: Engram and the DSpark taps read the residual between blocks."""
-        x, h, pre_a, post_a, comb_a = self.mhc_step(x, pre, "attn")
-        y = attend(self.attn_norm(h))
-        x, h, pre_f, post_f, comb_f = self.mhc_step(x, pre_a, "ffn", y, post_a, comb_a)
-        z = self.ffn(self.ffn_norm(h), image_mask) if ffn is None else ffn(self.ffn_norm(h))
+        x, h, pre_a, post_a, comb_a = self.mhc_step(x, pre, "attn")  # h = attn_norm(collapse(X, pre))
+        y = attend(h)
+        x, h, pre_f, post_f, comb_f = self.mhc_step(x, pre_a, "ffn", y, post_a, comb_a)  # h = ffn_norm(...)
+        z = self.ffn(h, image_mask) if ffn is None else ffn(h)
         return kernels_mhc.expand(z, x, post_f, comb_f), pre_f

@@ -179,15 +179,13 @@ class Linear(nn.Module):
                 and not (torch.is_grad_enabled() and x.requires_grad) and kernels.use_triton(x, self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cached = self._dequantized
-        if (cached is not None and cached[3] is not None and not torch.is_grad_enabled()
-                and (x.dtype == torch.bfloat16 or x.dtype == torch.float32) and x.is_contiguous()
-                and x.shape[-1] % self.block == 0 and self._parameters["bias"] is None
-                and GEMM_MODE["mode"] != "exact" and not kernels.interpreting() and self._host_current()
-                and host.available()):
+        if (not torch.is_grad_enabled() and (x.dtype == torch.bfloat16 or x.dtype == torch.float32)
+                and x.is_contiguous() and x.shape[-1] % self.block == 0 and host.available()):
             # the decode step's common case, asked in one pass: inference on the host with the transposed weight
             # kept and current (what _host_weight and _fused_host ask, below, in the order that answers soonest)
-            return host.fp8_linear(x, self.block, cached[3], cached[4])
+            wt_ptr = self.host_matrix()
+            if wt_ptr is not None:
+                return host.fp8_linear(x, self.block, self._dequantized[3], wt_ptr)
         w = self._host_weight(x)
         if w is not None:
             dtype = x.dtype
@@ -237,6 +235,17 @@ class Linear(nn.Module):
         return (self._dequantized[3] is not None and self.bias is None
                 and (x.dtype == torch.bfloat16 or x.dtype == torch.float32)
                 and x.shape[-1] % self.block == 0 and x.is_contiguous() and host.available())
+
+    def host_matrix(self) -> int | None:
+        """The address of the transposed fp32 weight that forward's host path multiplies by, where that path takes
+        any contiguous bf16/fp32 CPU input whose width is whole blocks, with no gradient wanted (what forward's
+        first branch asks of the layer, not of the input: the weight kept and current, no bias, the "fast" GEMM
+        mode, no Triton interpreter); else None. Fused host calls (host.attention_inputs) take it."""
+        cached = self._dequantized
+        if (cached is not None and cached[3] is not None and self._parameters["bias"] is None
+                and GEMM_MODE["mode"] != "exact" and not kernels.interpreting() and cached[0] == self._weight_key()):
+            return cached[4]
+        return None
 
     def _host_current(self) -> bool:
         """Whether the transposed weight of the host path is kept and current (the weight and scale unchanged

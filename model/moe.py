@@ -17,7 +17,6 @@ from dsv41.model import formats
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.kernels import experts as expert_kernels
 from dsv41.model.kernels import host, reference, routing
-from dsv41.model.kernels.host import fixed_order_linear
 from dsv41.model.layers import FP4, Linear, host_path_applies, linear_pair, qat, storage_dtype, weight_grid
 
 
@@ -35,14 +34,14 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
         """x [N, d] -> (weights [N, k] fp32, indices [N, k])."""
-        scores = fixed_order_linear(x, self.weight)  # F.linear in fp32 (in a fixed order on the CPU)
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)
-        # the scores, the biased Top-k and the weights: reference.route's torch arithmetic (one kernel on CUDA
-        # at inference, model/kernels/routing.py)
-        return routing.route(scores, bias, self.topk, self.score_func, self.gate_temp, self.norm_topk_prob,
-                             self.route_scale)
+        # the scores x W_g^T in fp32 (in a fixed order on the CPU), then the biased Top-k and the weights:
+        # reference.route's torch arithmetic (one kernel on CUDA at inference, two C calls with the GEMM in the CPU
+        # decode step: model/kernels/routing.py)
+        return routing.gate_route(x, self.weight, bias, self.topk, self.score_func, self.gate_temp,
+                                  self.norm_topk_prob, self.route_scale)
 
 
 class Expert(nn.Module):

@@ -855,6 +855,157 @@ def test_scalar_sigmoid_and_softplus_are_atens_scalar_loop(monkeypatch):
     assert sorted(set(seen)) == ["scalar_sigmoid", "scalar_softplus"]
 
 
+# ------------------------------------------------------------------------------------------- attention inputs
+
+
+def _unfused_inputs(attn):
+    return lambda x, freqs: (*attn.query(x, freqs), attn.window_latent(x, freqs))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("R,per_row", [(1, True), (3, True), (2, False)])
+def test_attention_inputs_in_one_call_bits(tiny_model, monkeypatch, dtype, R, per_row):
+    """host.attention_inputs (Attention.decode_inputs on the CPU) against Attention.query and window_latent, each
+    of whose pieces takes its own host call: qr, the rotated queries and the window latent, bit for bit."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    calls = []
+    real = host.attention_inputs
+    monkeypatch.setattr(host, "attention_inputs", lambda *a: calls.append(1) or real(*a))
+    attn = tiny_model.layers[2].attn
+    g = torch.Generator().manual_seed(R)
+    x = (torch.randn(R, 1, tiny_model.args.dim, generator=g) * 3).to(dtype)
+    positions = torch.tensor([5, 70, 300])[:R].unsqueeze(1) if per_row else slice(40, 41)
+    with torch.inference_mode():
+        freqs = attn.freqs(positions, x.device, stop=301) if per_row else attn.freqs(positions, x.device)
+        want = _unfused_inputs(attn)(x, freqs)
+        want = _unfused_inputs(attn)(x, freqs)  # the weight caches filled by the first call
+        got = attn.decode_inputs(x, freqs)
+    assert calls, "the fused call was not taken"
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("R,per_row", [(1, True), (3, True), (2, False)])
+def test_attention_output_in_one_call_bits(tiny_model, monkeypatch, dtype, R, per_row):
+    """host.attention_output (Attention.decode_output on the CPU) against Attention.output, whose inverse RoPE,
+    grouped wo_a and wo_b each take their own host call: bit for bit."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    calls = []
+    real = host.attention_output
+    monkeypatch.setattr(host, "attention_output", lambda *a: calls.append(1) or real(*a))
+    attn = tiny_model.layers[5].attn
+    g = torch.Generator().manual_seed(10 + R)
+    o = (torch.randn(R, 1, attn.n_heads, attn.head_dim, generator=g) * 2).to(dtype)
+    positions = torch.tensor([5, 70, 300])[:R].unsqueeze(1) if per_row else slice(40, 41)
+    with torch.inference_mode():
+        freqs = attn.freqs(positions, o.device, stop=301) if per_row else attn.freqs(positions, o.device)
+        attn.output(o, freqs)  # the weight caches filled
+        want = attn.output(o, freqs)
+        got = attn.decode_output(o, freqs)
+    assert calls, "the fused call was not taken"
+    assert_same(got, want)
+
+
+def test_decode_steps_with_fused_attention_inputs_are_the_same_bits(tiny_model, monkeypatch):
+    """The tiny model's decode steps (every layer mode, rows at different positions): the same logits, bit for bit,
+    with the attention's inputs and output each in one call and in their separate calls."""
+    from test_batch_engine import prompts, run_rows
+
+    from dsv41.model.attention import Attention
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    ids = prompts((1, 9, 17))
+    calls = []
+    for name in ("attention_inputs", "attention_output"):
+        monkeypatch.setattr(host, name, lambda *a, _real=getattr(host, name), _name=name: calls.append(_name)
+                            or _real(*a))
+    with torch.inference_mode():
+        fused = run_rows(tiny_model, ids, 8)
+    assert set(calls) == {"attention_inputs", "attention_output"}
+    monkeypatch.setattr(Attention, "decode_inputs", lambda self, x, freqs: _unfused_inputs(self)(x, freqs))
+    monkeypatch.setattr(Attention, "decode_output", Attention.output)
+    with torch.inference_mode():
+        apart = run_rows(tiny_model, ids, 8)
+    assert_same(fused, apart)
+
+
+# ------------------------------------------------------------------------------------------- the MoE router
+
+
+def _gate_case(N, E, dtype, bias_rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(N, 64, generator=g) * 2).to(dtype)
+    w = torch.randn(E, 64, generator=g) * 0.3
+    bias = torch.randn(N, E, generator=g) * 0.1 if bias_rows else torch.randn(E, generator=g) * 0.1
+    return x, w, bias
+
+
+@pytest.mark.parametrize("E,k", [(8, 1), (8, 2), (7, 3), (16, 4), (33, 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("temp,norm,bias_rows", [(1.0, True, False), (0.7, True, True), (1.3, False, False)])
+def test_gate_route_is_the_references_bits(E, k, dtype, temp, norm, bias_rows):
+    """host.gate_route (the GEMM and softplus, torch's sqrt, the Top-k and weights) against reference.gate_route
+    inside the decode step's row_invariant(): the weights and the indices in their order, bit for bit."""
+    x, w, bias = _gate_case(9, E, dtype, bias_rows, E * 100 + k)
+    with torch.inference_mode(), reference.row_invariant():
+        out = host.gate_route(x, w, bias, k, temp, norm, 1.5)
+        assert out is not None
+        assert_same(out, reference.gate_route(x, w, bias, k, temp, norm, 1.5))
+
+
+def test_gate_route_leaves_ties_and_nans_to_torch(monkeypatch):
+    """A row whose k largest biased scores hold a tie, or with a NaN, is torch.topk's to order: the C call declines
+    and routing.gate_route answers with the reference; ties below the k-th and elsewhere in other rows do not
+    matter to it."""
+    from dsv41.model.kernels import routing
+
+    w = torch.randn(8, 64) * 0.3
+    with torch.inference_mode(), reference.row_invariant():
+        tied = torch.zeros(3, 64)  # every score the same
+        assert host.gate_route(tied, w, torch.zeros(8), 2) is None
+        nan = torch.randn(3, 64)
+        nan[2, 5] = float("nan")
+        assert host.gate_route(nan, w, torch.zeros(8), 2) is None
+        # the k-th largest tied with a lower one: declined; a tie below the k-th: answered
+        x = torch.randn(1, 64)
+        scores = reference.fixed_order_matmul(x, w.t().contiguous())
+        s = reference.per_row(torch.nn.functional.softplus, scores).sqrt()[0]
+        order = s.argsort(descending=True)
+        at_k = torch.zeros(8)
+        at_k[order[2]] = s[order[1]] - s[order[2]]  # the 3rd largest raised to the 2nd's biased score
+        assert host.gate_route(x, w, at_k, 2) is None
+        below = torch.zeros(8)
+        below[order[3]] = s[order[2]] - s[order[3]]  # the 4th raised to the 3rd: top 2 unchanged
+        if s[order[3]] + below[order[3]] == s[order[2]]:
+            assert_same(host.gate_route(x, w, below, 2), reference.gate_route(x, w, below, 2))
+        for xs, bias in ((tied, torch.zeros(8)), (nan, torch.zeros(8)), (x, at_k)):
+            assert_same(routing.gate_route(xs, w, bias, 2), reference.gate_route(xs, w, bias, 2))
+
+
+def test_gate_route_dispatch(monkeypatch):
+    """routing.gate_route takes the C calls only inside the decode step's row_invariant() with rows that are not
+    whole vector chunks (where the reference's softplus is ATen's scalar formula), the sqrt-softplus score, k <= 4;
+    everywhere else the GEMM and route of before, with the same numbers."""
+    from dsv41.model.kernels import routing
+
+    calls = []
+    real = host.gate_route
+    monkeypatch.setattr(host, "gate_route", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w, bias = _gate_case(4, 8, torch.bfloat16, False, 7)
+    with torch.inference_mode():
+        want = routing.route(host.fixed_order_linear(x, w), bias, 2)
+        assert_same(routing.gate_route(x, w, bias, 2), want)  # outside row_invariant(): the vector softplus
+        assert not calls
+        with reference.row_invariant():
+            assert_same(routing.gate_route(x, w, bias, 2), reference.gate_route(x, w, bias, 2))
+            assert len(calls) == 1
+            wide = torch.randn(32, 64) * 0.3  # a whole vector chunk of experts: the vector code, not the scalar loop
+            routing.gate_route(x, wide, torch.zeros(32), 2)
+            routing.gate_route(x, w, bias, 5)  # k above GATE_MAX_TOPK
+            routing.gate_route(x, w, bias, 2, "sigmoid")
+            assert len(calls) == 1
+
+
 # ------------------------------------------------------------------------------------------- fixed-order attention
 
 
@@ -1025,6 +1176,44 @@ def test_mhc_step_dispatch(monkeypatch):
     with torch.inference_mode():
         mhc.mhc_step(x, pre, *weights, 20, 1e-6, 1e-6)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("norm_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mhc_step_with_the_sublayers_norm_bits(monkeypatch, norm_dtype, dtype):
+    """mhc_step's `norm`: the collapsed input through the sub-layer's RMSNorm in the host's one call (its C call in
+    place) and on every other path (the pieces, the reference) the bits of rms_norm after the step; the other
+    outputs unchanged."""
+    from dsv41.model.kernels import mhc
+    from dsv41.model.kernels import norm as kernels_norm
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(3)
+    weights = (torch.randn(24, 256, generator=g) * 0.05, torch.ones(3), torch.zeros(24))
+    x, pre = torch.randn(3, 1, 4, 64, generator=g).to(dtype), torch.rand(3, 1, 4, generator=g)
+    y, post, comb = torch.randn(3, 1, 64, generator=g).to(dtype), torch.rand(3, 1, 4) * 2, torch.rand(3, 1, 4, 4)
+    norm = ((torch.rand(64, generator=g) + 0.5).to(norm_dtype), 1e-6)
+    calls = []
+    real = host.mhc_step
+    monkeypatch.setattr(host, "mhc_step", lambda *a, **k: calls.append(a[-1]) or real(*a, **k))
+    with torch.inference_mode(), reference.row_invariant():
+        plain = mhc.mhc_step(x, pre, *weights, 20, 1e-6, 1e-6, y, post, comb)
+        normed = mhc.mhc_step(x, pre, *weights, 20, 1e-6, 1e-6, y, post, comb, norm=norm)
+        assert calls == [None, norm]  # the norm went into the one call
+        monkeypatch.setattr(mhc, "_one_call", lambda *a: False)
+        pieces = mhc.mhc_step(x, pre, *weights, 20, 1e-6, 1e-6, y, post, comb, norm=norm)
+        monkeypatch.undo()
+    with torch.inference_mode():
+        want = kernels_norm.rms_norm(plain[1], *norm)
+        torch_ref = reference.rms_norm(plain[1], *norm)
+        outside = mhc._normed(reference.mhc_step(x, pre, *weights, 20, 1e-6, 1e-6, y, post, comb), norm)
+    assert_same(want, torch_ref)
+    for got in (normed, pieces):
+        assert_same(got[1], want)
+        for a, b in zip(got[2:] + (got[0],), plain[2:] + (plain[0],)):
+            assert_same(a, b)
+    assert_same(outside[1], reference.rms_norm(reference.mhc_step(x, pre, *weights, 20, 1e-6, 1e-6, y, post,
+                                                                  comb)[1], *norm))
 
 
 # ------------------------------------------------------------------------------------------- the batch cache's writes

@@ -147,6 +147,17 @@ def library() -> ctypes.CDLL | None:
     for name in ("dsv41_sigmoid_scalar", "dsv41_softplus_scalar"):
         getattr(lib, name).argtypes = [ptr, ptr, i64]
         getattr(lib, name).restype = None
+    lib.dsv41_attention_inputs.argtypes = [ptr, ctypes.c_int, i64, i64, i64, f32, f32, ptr, i64, ptr, ctypes.c_int,
+                                           f32, ptr, i64, i64, ptr, ptr, ctypes.c_int, f32, ptr, i64, ctypes.c_int,
+                                           ptr, ptr, ptr]
+    lib.dsv41_attention_inputs.restype = ctypes.c_int
+    lib.dsv41_attention_output.argtypes = [ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ctypes.c_int, i64, ptr, i64,
+                                           i64, f32, f32, ptr, i64, ptr]
+    lib.dsv41_attention_output.restype = ctypes.c_int
+    lib.dsv41_gate_softplus.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ctypes.c_int, f32, ptr]
+    lib.dsv41_gate_softplus.restype = ctypes.c_int
+    lib.dsv41_route_pick.argtypes = [ptr, i64, i64, ptr, i64, i64, ctypes.c_int, f32, ptr, ptr]
+    lib.dsv41_route_pick.restype = ctypes.c_int
     lib.dsv41_rms_rstd.argtypes = [ptr, ctypes.c_int, i64, i64, f32, ptr]
     lib.dsv41_rms_rstd.restype = ctypes.c_int
     lib.dsv41_rms_norm.argtypes = [ptr, ctypes.c_int, ptr, ctypes.c_int, i64, i64, f32, ptr]
@@ -685,6 +696,75 @@ def scalar_softplus(t: torch.Tensor) -> torch.Tensor | None:
     return _scalar("dsv41_softplus_scalar", t)
 
 
+# ------------------------------------------------------------------------------- a decode step's attention inputs
+def attention_inputs(x: torch.Tensor, block: int, wq_a: int, q_lora: int, q_norm: torch.Tensor, q_eps: float,
+                     wq_b: int, n_heads: int, head_dim: int, wkv: int, kv_norm: torch.Tensor, kv_eps: float,
+                     freqs: torch.Tensor, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention.query and Attention.window_latent of a decode step in one C call (host_kernels.c,
+    dsv41_attention_inputs: the calls those make, in their order and dtypes, so the same bits): x [R, 1, dim]
+    contiguous bf16/fp32 (dim whole blocks); wq_a, wq_b, wkv the addresses of the layers' transposed fp32 weights
+    (Linear.host_matrix); q_norm [q_lora], kv_norm [head_dim] contiguous bf16/fp32 weights; freqs complex64
+    [R, 1, r/2] (each row's) or [1, r/2], contiguous. Returns (qr [R, 1, q_lora], q [R, 1, H, head_dim], the window
+    latent [R, 1, head_dim]) in x's dtype."""
+    R = x.size(0)
+    qr = x.new_empty(R, 1, q_lora)
+    q = x.new_empty(R, 1, n_heads, head_dim)
+    kv = x.new_empty(R, 1, head_dim)
+    if library().dsv41_attention_inputs(
+            x.data_ptr(), x.dtype == torch.bfloat16, R, x.size(-1), block, formats.FP8_AMAX_FLOOR, formats._FP8_RATIO,
+            wq_a, q_lora, q_norm.data_ptr(), q_norm.dtype == torch.bfloat16, q_eps, wq_b, n_heads, head_dim, wkv,
+            kv_norm.data_ptr(), kv_norm.dtype == torch.bfloat16, kv_eps, freqs.data_ptr(), rope_dim,
+            freqs.dim() == 3, qr.data_ptr(), q.data_ptr(), kv.data_ptr()):
+        raise MemoryError(f"attention_inputs: no scratch memory for {tuple(x.shape)}")
+    return qr, q, kv
+
+
+def attention_output(o: torch.Tensor, freqs: torch.Tensor, rope_dim: int, wo_a: torch.Tensor, groups: int, block: int,
+                     wo_b: int, dim: int) -> torch.Tensor:
+    """Attention.output of a decode step in one C call (host_kernels.c, dsv41_attention_output: the inverse RoPE,
+    the grouped fixed-order wo_a product rounded to o's dtype, wo_b's host path; the same bits): o [R, 1, H, D]
+    contiguous bf16/fp32, freqs as attention_inputs', wo_a the fp32 weight [G r, H D / G] (transposed per group once:
+    `transposed`), wo_b the address of wo_b's transposed fp32 weight (Linear.host_matrix) -> [R, 1, dim] in o's
+    dtype."""
+    R, _, H, D = o.shape
+    wt = transposed(wo_a, groups)
+    out = o.new_empty(R, 1, dim)
+    if library().dsv41_attention_output(o.data_ptr(), o.dtype == torch.bfloat16, R, H, D, freqs.data_ptr(), rope_dim,
+                                        freqs.dim() == 3, groups, wt.data_ptr(), wt.size(-1), block,
+                                        formats.FP8_AMAX_FLOOR, formats._FP8_RATIO, wo_b, dim, out.data_ptr()):
+        raise MemoryError(f"attention_output: no scratch memory for {tuple(o.shape)}")
+    return out
+
+
+# ------------------------------------------------------------------------------- the MoE router
+# At most this many experts a token and this many experts: the router's sum of the chosen scores is ATen's left to
+# right order only for so short a row (as SINKHORN_MAX_N's sums); the biased scores of a row sit on the C stack
+GATE_MAX_TOPK, GATE_MAX_EXPERTS = 4, 256
+
+
+def gate_route(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, topk: int, gate_temp: float = 1.0,
+               norm_topk_prob: bool = True, route_scale: float = 1.0):
+    """reference.gate_route (sqrt-softplus scores, softplus by ATen's scalar formula) in two C calls around torch's
+    sqrt: a contiguous bf16 or fp32 CPU x [N, d], the router's weight w [E, d] (widened and transposed once:
+    `transposed`), a contiguous fp32 bias [E] or [N, E], topk <= GATE_MAX_TOPK, E <= GATE_MAX_EXPERTS ->
+    (weights [N, k] fp32, indices [N, k] int64), or None where a row's choice has a tie or a NaN (torch.topk's
+    own order for equal values; the caller takes the reference)."""
+    N, K = x.shape
+    E = w.size(0)
+    lib = library()
+    scores = torch.empty(N, E, dtype=torch.float32)
+    if lib.dsv41_gate_softplus(x.data_ptr(), x.dtype == torch.bfloat16, N, K, transposed(w).data_ptr(), E,
+                               gate_temp != 1.0, gate_temp, scores.data_ptr()):
+        raise MemoryError(f"gate_route: no scratch memory for {tuple(x.shape)}")
+    scores.sqrt_()  # torch's sqrt, whose bits C does not have (host_kernels.c)
+    weights = torch.empty(N, topk, dtype=torch.float32)
+    indices = torch.empty(N, topk, dtype=torch.int64)
+    if lib.dsv41_route_pick(scores.data_ptr(), N, E, bias.data_ptr(), E if bias.dim() == 2 else 0, topk,
+                            norm_topk_prob, route_scale, weights.data_ptr(), indices.data_ptr()):
+        return None
+    return weights, indices
+
+
 # ------------------------------------------------------------------------------- sparse attention
 def _rows_apart(*stores: torch.Tensor) -> int | None:
     """The rows between one sequence's first row and the next's, shared by these [B, N, width] stores whose rows
@@ -740,22 +820,33 @@ def sparse_attention_packed(q: torch.Tensor, window_codes: torch.Tensor, window_
 # ------------------------------------------------------------------------------- mHC
 def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn_t: torch.Tensor, scale_mix: torch.Tensor, base: torch.Tensor,
              iters: int, hc_eps: float, norm_eps: float, y: torch.Tensor | None = None,
-             post: torch.Tensor | None = None, comb: torch.Tensor | None = None):
+             post: torch.Tensor | None = None, comb: torch.Tensor | None = None, norm: tuple | None = None):
     """reference.mhc_step_fixed_order in two C calls around torch's exp, for takes(x, pre_prev[, y, post, comb])
     with y in x's dtype: x [..., n, d] (n <= SINKHORN_MAX_N), fn_t = transposed(W_fn) [n d, (n+2) n] fp32, scale_mix
     and base [(n+2) n] fp32 contiguous (the scales spread per mix: reference._mix_affine).
-    Returns (X', collapsed, pre, post, comb)."""
+    Returns (X', collapsed, pre, post, comb). norm (weight, eps), a contiguous bf16/fp32 weight [d] with d >= SUM_LANES:
+    the collapsed input then comes out through rms_norm's C call (the sub-layer's RMSNorm, model/block.py)."""
     *lead, n, d = x.shape
+    rows = x.numel() // (n * d)
     x_new = x if y is None else torch.empty_like(x)
     collapsed = x.new_empty(*lead, d)
     pre_n, post_n, comb_n = torch.empty(*lead, n), torch.empty(*lead, n), torch.empty(*lead, n, n)
-    if library().dsv41_mhc_step(
+    lib = library()
+    bf16 = x.dtype == torch.bfloat16
+    if lib.dsv41_mhc_step(
             x.data_ptr(), None if y is None else y.data_ptr(), None if y is None else post.data_ptr(),
-            None if y is None else comb.data_ptr(), pre_prev.data_ptr(), x.dtype == torch.bfloat16,
-            x.numel() // (n * d), n, d, fn_t.data_ptr(), scale_mix.data_ptr(), base.data_ptr(), hc_eps,
-            norm_eps, x_new.data_ptr(), collapsed.data_ptr(), pre_n.data_ptr(), post_n.data_ptr(), comb_n.data_ptr()):
+            None if y is None else comb.data_ptr(), pre_prev.data_ptr(), bf16, rows, n, d, fn_t.data_ptr(),
+            scale_mix.data_ptr(), base.data_ptr(), hc_eps, norm_eps, x_new.data_ptr(), collapsed.data_ptr(),
+            pre_n.data_ptr(), post_n.data_ptr(), comb_n.data_ptr()):
         raise MemoryError(f"mhc_step: no scratch memory for {tuple(x.shape)}")
-    return x_new, collapsed, pre_n, post_n, sinkhorn_normalize_(torch.exp(comb_n, out=comb_n), iters, hc_eps)
+    if norm is not None:  # in place: each row's statistic is read before the row is written
+        weight, eps = norm
+        if lib.dsv41_rms_norm(collapsed.data_ptr(), bf16, weight.data_ptr(), weight.dtype == torch.bfloat16, rows, d,
+                              eps, collapsed.data_ptr()):
+            raise MemoryError(f"mhc_step: no scratch memory for {tuple(x.shape)}")
+    torch.exp(comb_n, out=comb_n)  # torch's exp, whose bits C does not have; then sinkhorn_normalize_'s C loop
+    lib.dsv41_sinkhorn_normalize(comb_n.data_ptr(), rows, n, iters, hc_eps)
+    return x_new, collapsed, pre_n, post_n, comb_n
 
 
 # ------------------------------------------------------------------------------- a MoE layer's decode step

@@ -1042,6 +1042,67 @@ int dsv41_rms_norm(const void *x, int x_bf16, const void *w, int w_bf16, int64_t
 }
 
 
+/* ---------------------------------------------------------------- a decode step's attention inputs */
+/* Attention.query and Attention.window_latent of a decode step in one call (host.attention_inputs), each piece the
+ * dsv41_ function its own call runs, with the same operands, order and dtypes (x's, bf16 or fp32), so the same bits:
+ *   qr = RMSNorm_q(FP8(x) Wq_a)                 [R, q_lora]      dsv41_fp8_linear (the pair with Wkv: x quantized
+ *   kv = RoPE(RMSNorm_kv(FP8(x) Wkv))           [R, D]           once), dsv41_rms_norm, dsv41_rope_tail
+ *   q  = RoPE(FP8(qr) Wq_b)                     [R, H, D]
+ * RoPE rotates the last r channels of each head at row b's own frequencies (freqs [R, r/2] complex64, per_row),
+ * or at one shared row (per_row 0). Returns 0, or -1 when scratch memory cannot be had. */
+int dsv41_attention_inputs(const void *x, int bf16, int64_t R, int64_t dim, int64_t block, float amax_floor,
+                           float ratio, const float *wq_a, int64_t q_lora, const void *q_norm, int q_norm_bf16,
+                           float q_eps, const float *wq_b, int64_t H, int64_t D, const float *wkv,
+                           const void *kv_norm, int kv_norm_bf16, float kv_eps, const float *freqs, int64_t r,
+                           int per_row, void *qr, void *q, void *kv) {
+    const size_t width = bf16 ? 2 : 4;
+    char *scratch = malloc((size_t)R * (size_t)(q_lora + D + H * D) * width);
+    if (!scratch) return -1;
+    char *qr_raw = scratch, *kv_raw = qr_raw + (size_t)(R * q_lora) * width, *q_raw = kv_raw + (size_t)(R * D) * width;
+    int status = dsv41_fp8_linear(x, bf16, R, dim, block, amax_floor, ratio, wq_a, q_lora, qr_raw, wkv, D, kv_raw,
+                                  bf16);
+    if (!status) status = dsv41_rms_norm(qr_raw, bf16, q_norm, q_norm_bf16, R, q_lora, q_eps, qr);
+    if (!status) status = dsv41_rms_norm(kv_raw, bf16, kv_norm, kv_norm_bf16, R, D, kv_eps, kv_raw);
+    if (!status) status = dsv41_fp8_linear(qr, bf16, R, q_lora, block, amax_floor, ratio, wq_b, H * D, q_raw, NULL,
+                                           0, NULL, bf16);
+    if (!status) {
+        dsv41_rope_tail(kv_raw, kv, freqs, R, 1, 1, D, r, per_row, 0, bf16);
+        dsv41_rope_tail(q_raw, q, freqs, R, 1, H, D, r, per_row, 0, bf16);
+    }
+    free(scratch);
+    return status;
+}
+
+
+/* Attention.output of a decode step in one call (host.attention_output), the same pieces as its calls:
+ *   o' = RoPE^-1(o)                 [R, H, D] in o's dtype            dsv41_rope_tail (inverse)
+ *   u  = o' W_{o,a} per group       [R, G, N'] fp32, then o's dtype   dsv41_fixed_order_matmul per group over
+ *                                                                    o' widened, G groups of H D / G channels
+ *   y  = FP8(u) W_{o,b}             [R, dim] in o's dtype             dsv41_fp8_linear
+ * wt_groups [G, H D / G, N'] fp32 (host.transposed(W_{o,a}, G)). Returns 0, or -1 when scratch memory cannot
+ * be had. */
+int dsv41_attention_output(const void *o, int bf16, int64_t R, int64_t H, int64_t D, const float *freqs, int64_t r,
+                           int per_row, int64_t G, const float *wt_groups, int64_t Ng, int64_t block,
+                           float amax_floor, float ratio, const float *wo_b, int64_t dim, void *out) {
+    const int64_t HD = H * D, Dg = HD / G;
+    const size_t width = bf16 ? 2 : 4;
+    char *scratch = malloc((size_t)R * ((size_t)HD * (width + 4) + (size_t)(G * Ng) * (4 + width)));
+    if (!scratch) return -1;
+    char *rotated = scratch;
+    float *wide = (float *)(rotated + (size_t)(R * HD) * width), *u = wide + R * HD;
+    char *u_cast = (char *)(u + R * G * Ng);
+    dsv41_rope_tail(o, rotated, freqs, R, 1, H, D, r, per_row, 1, bf16);
+    for (int64_t i = 0; i < R * HD; i++) wide[i] = load(rotated, i, bf16);
+    for (int64_t g = 0; g < G; g++)
+        dsv41_fixed_order_matmul(wide + g * Dg, R, Dg, HD, wt_groups + g * Dg * Ng, Ng, u + g * Ng, G * Ng);
+    for (int64_t i = 0; i < R * G * Ng; i++) store(u_cast, i, u[i], bf16);
+    int status = dsv41_fp8_linear(u_cast, bf16, R, G * Ng, block, amax_floor, ratio, wo_b, dim, out, NULL, 0, NULL,
+                                  bf16);
+    free(scratch);
+    return status;
+}
+
+
 /* ---------------------------------------------------------------- ATen's scalar sigmoid and softplus */
 /* torch.sigmoid and F.softplus (beta 1, threshold 20) of fp32 values as ATen's scalar loop computes them
  * (aten/src/ATen/native/cpu: 1 / (1 + exp(-a)); a > 20 ? a : log1p(exp(a))), which `reference.per_row` makes
@@ -1057,6 +1118,75 @@ void dsv41_softplus_scalar(const float *x, float *out, int64_t n) {
         const float a = x[i];
         out[i] = a > 20.0f ? a : log1pf(expf(a));
     }
+}
+
+
+/* ---------------------------------------------------------------- the MoE router, its GEMM and its choice */
+/* reference.gate_route inside the engine's decode step (reference.row_invariant, E not whole vector chunks: the
+ * softplus by ATen's scalar formula, reference.per_row), in two calls around torch's sqrt (host.gate_route), where
+ * torch took a dozen operators. torch 2.13's fp32 sqrt on the CPU is not the correctly rounded one (about one value
+ * in six differs from sqrtf by an ulp, the same at every capability), so it stays torch's:
+ *   dsv41_gate_softplus   u = softplus(x W_g^T / temp)      the GEMM in the fixed order (dsv41_fixed_order_matmul
+ *                                                          over the widened x), the division only where temp != 1
+ *   (torch)               s = sqrt(u)
+ *   dsv41_route_pick      I = Top-k(s + b), descending     b [E], or a row of [N, E] (bias_ld E)
+ *                         w = s_I / (sum s_I + 1e-20) * scale   the sum left to right (k <= 4: ATen's order for
+ *                                                          so short a row), the division only where norm and k > 1
+ * torch.topk orders equal values by its own selection algorithm, which this does not copy: a row where one of its
+ * k largest biased scores is held twice, or with a NaN, is not answered here. */
+int dsv41_gate_softplus(const void *x, int x_bf16, int64_t N, int64_t K, const float *wt, int64_t E, int temp_on,
+                        float temp, float *out) {
+    float *xf = malloc((size_t)(N * K) * sizeof(float));
+    if (!xf) return -1;
+    if (x_bf16)
+        for (int64_t i = 0; i < N * K; i++) xf[i] = u2f((uint32_t)((const uint16_t *)x)[i] << 16);
+    else
+        memcpy(xf, x, (size_t)(N * K) * sizeof(float));
+    dsv41_fixed_order_matmul(xf, N, K, K, wt, E, out, E);
+    for (int64_t i = 0; i < N * E; i++) {
+        const float a = temp_on ? out[i] / temp : out[i];
+        out[i] = a > 20.0f ? a : log1pf(expf(a));  /* dsv41_softplus_scalar's formula */
+    }
+    free(xf);
+    return 0;
+}
+
+/* Returns 0, or 1 + the first row it did not answer (the caller takes the torch reference for the whole call). */
+int dsv41_route_pick(const float *s, int64_t N, int64_t E, const float *bias, int64_t bias_ld, int64_t k, int norm,
+                     float scale, float *weights, int64_t *indices) {
+    float biased[256];
+    if (E > 256 || k > 4) return 1;
+    for (int64_t r = 0; r < N; r++) {
+        const float *sr = s + r * E, *b = bias + r * bias_ld;
+        int nan = 0;
+        for (int64_t e = 0; e < E; e++) {
+            biased[e] = sr[e] + b[e];
+            nan |= biased[e] != biased[e];
+        }
+        if (nan) return (int)(r + 1);
+        /* k passes of the row maximum; with the k largest distinct and above the rest, torch.topk's answer */
+        int64_t picked[4];
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1, held = 0;
+            for (int64_t e = 0; e < E; e++) {
+                int used = 0;
+                for (int64_t i = 0; i < j; i++) used |= picked[i] == e;
+                if (!used && (best < 0 || biased[e] > biased[best])) best = e;
+            }
+            for (int64_t e = 0; e < E; e++) held += biased[e] == biased[best];
+            if (held > 1) return (int)(r + 1);
+            picked[j] = best;
+        }
+        float sum = 0.0f;
+        for (int64_t i = 0; i < k; i++) sum = i ? sum + sr[picked[i]] : sr[picked[i]];
+        for (int64_t i = 0; i < k; i++) {
+            float w = sr[picked[i]];
+            if (norm && k > 1) w = w / (sum + 1e-20f);
+            weights[r * k + i] = w * scale;
+            indices[r * k + i] = picked[i];
+        }
+    }
+    return 0;
 }
 
 

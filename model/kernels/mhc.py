@@ -23,6 +23,7 @@ import torch
 
 from dsv41.model.kernels import (cdiv, host, inference_kernel, interpreting, opaque, reference, use_triton,
                                  whole_waves)
+from dsv41.model.kernels import norm as kernels_norm
 
 _FN_SPLIT: dict = {}
 
@@ -117,22 +118,33 @@ def _blocks_per_range(token_blocks: int, n_blocks: int, target: int) -> int:
 
 def mhc_step(x: torch.Tensor, pre_prev: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
              iters: int, hc_eps: float, norm_eps: float, y: torch.Tensor | None = None,
-             post: torch.Tensor | None = None, comb: torch.Tensor | None = None, force_triton: bool = False):
+             post: torch.Tensor | None = None, comb: torch.Tensor | None = None, force_triton: bool = False,
+             norm: tuple | None = None):
     """See reference.mhc_step: returns (X', collapsed, pre, post, comb). The reference runs where the kernel
     does not apply: off CUDA, when a gradient is wanted (training), or for shapes it does not take (a
-    stream count that is not a power of two, d not a multiple of 16; a forced call raises instead)."""
+    stream count that is not a power of two, d not a multiple of 16; a forced call raises instead).
+    norm (weight, eps): the sub-layer's RMSNorm of the collapsed input, returned in its place (kernels/norm.py's
+    rms_norm; in the CPU decode step's one call, its C call)."""
     if not force_triton and not use_triton(x, y):  # the usual CPU answer, before any shape is read
         if host.takes(x, pre_prev, *(() if y is None else (y, post, comb))):
-            return _host_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb)
-        return reference.mhc_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb)
+            return _host_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb, norm)
+        return _normed(reference.mhc_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb), norm)
     *lead, n, d = x.shape
     fits = n & (n - 1) == 0 and d % 16 == 0
     if force_triton and not fits:
         raise ValueError(f"mHC kernel needs a power-of-two stream count and d % 16 == 0, got n={n}, d={d}")
     if not fits or not use_triton(x, y, force=force_triton) or torch.is_grad_enabled() and (
             x.requires_grad or (y is not None and y.requires_grad) or fn.requires_grad):
-        return reference.mhc_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb)
-    return _launch(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb)
+        return _normed(reference.mhc_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb), norm)
+    return _normed(_launch(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb), norm)
+
+
+def _normed(step: tuple, norm: tuple | None) -> tuple:
+    """mhc_step's outputs with the collapsed input through the RMSNorm `norm` (weight, eps), where one is given."""
+    if norm is None:
+        return step
+    x_new, collapsed, *coefficients = step
+    return (x_new, kernels_norm.rms_norm(collapsed, *norm), *coefficients)
 
 
 _HOST_OPERANDS: dict = {}
@@ -163,7 +175,7 @@ def _one_call(x: torch.Tensor, fn: torch.Tensor, y: torch.Tensor | None) -> bool
             and host.fixed_order_applies(x, fn) and (y is None or y.dtype == x.dtype))
 
 
-def _host_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb):
+def _host_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, comb, norm=None):
     """reference.mhc_step with its operator-bound pieces as C calls (host.py, the same bits): the residual
     update, the collapse and the Sinkhorn loop; the projection W_fn X summed in a fixed order (a token's
     coefficients do not depend on the tokens beside it: host.fixed_order_linear); the RMS statistic in C with
@@ -172,8 +184,10 @@ def _host_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, c
     In the decode step (`row_invariant`) all of it but the exp is one C call (host.mhc_step: about 20 operators
     fewer a call, 20 calls a token)."""
     if _one_call(x, fn, y):
-        return host.mhc_step(x, pre_prev, *_host_operands(fn, scale, base, x.size(-2)), iters, hc_eps, norm_eps, y,
-                             post, comb)
+        in_call = norm is None or host.takes(norm[0]) and x.size(-1) >= host.SUM_LANES  # rms_norm's host path
+        step = host.mhc_step(x, pre_prev, *_host_operands(fn, scale, base, x.size(-2)), iters, hc_eps, norm_eps, y,
+                             post, comb, norm if in_call else None)
+        return step if in_call else _normed(step, norm)
     x_new = x if y is None else host.expand(y, x, post, comb)
     collapsed = host.collapse(x_new, pre_prev)
     normalize = host.sinkhorn_normalize_ if x.shape[-2] <= host.SINKHORN_MAX_N else None
@@ -181,7 +195,7 @@ def _host_step(x, pre_prev, fn, scale, base, iters, hc_eps, norm_eps, y, post, c
     rstd = host.rms_rstd if host.rms_fits(xf.flatten(-2)) else None
     pre_n, post_n, comb_n = reference._hc_coefficients(xf, fn, scale, base, iters, hc_eps, norm_eps,
                                                        normalize, host.fixed_order_linear, rstd, host.scalar_sigmoid)
-    return x_new, collapsed, pre_n, post_n, comb_n
+    return _normed((x_new, collapsed, pre_n, post_n, comb_n), norm)
 
 
 def expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,

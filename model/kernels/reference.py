@@ -70,6 +70,12 @@ def sequences_apart(n: int):
         _SEQUENCES.reset(token)
 
 
+def scalar_loop_applies(n: int) -> bool:
+    """Whether `per_row` computes rows of n elements by ATen's scalar formula here (inside `row_invariant()`, n not
+    whole vector chunks)."""
+    return _ROW_INVARIANT.get() and n % VECTOR_CHUNK != 0
+
+
 def per_row(fn, t: torch.Tensor, scalar=None) -> torch.Tensor:
     """fn(t) for an elementwise fn (sigmoid, softplus); inside `row_invariant()` each element computed by ATen's
     scalar loop (t read through a view with a stride of 2 elements), so its bits do not depend on its place.
@@ -77,7 +83,7 @@ def per_row(fn, t: torch.Tensor, scalar=None) -> torch.Tensor:
     the vector code in any batch and are left to it. Inside `sequences_apart(n)`, fn of each sequence's part.
     scalar(t): that scalar loop's values in one call, or None where it does not take t (host.scalar_sigmoid and
     scalar_softplus, passed by the CPU dispatch); used only where the scalar loop is what runs."""
-    if _ROW_INVARIANT.get() and t.shape[-1] % VECTOR_CHUNK != 0:
+    if scalar_loop_applies(t.shape[-1]):
         out = scalar(t) if scalar is not None else None
         return out if out is not None else fn(torch.stack((t, t), dim=-1)[..., 0])
     n = _SEQUENCES.get()
@@ -114,6 +120,15 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str =
     if norm_topk_prob and topk > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * route_scale, indices
+
+
+def gate_route(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, topk: int, gate_temp: float = 1.0,
+               norm_topk_prob: bool = True, route_scale: float = 1.0):
+    """The router with its GEMM, as the CPU decode step computes it (model/moe.py Gate): x [N, d] times w [E, d]
+    in the fixed order (fixed_order_matmul), then `route` with sqrt-softplus scores -> (weights [N, k] fp32,
+    indices [N, k]). host.gate_route is this in two C calls around torch's sqrt."""
+    scores = fixed_order_matmul(x.float(), w.float().t().contiguous())
+    return route(scores, bias, topk, "sqrtsoftplus", gate_temp, norm_topk_prob, route_scale)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, dtype: torch.dtype) -> torch.Tensor:

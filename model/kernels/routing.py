@@ -1,6 +1,7 @@
 """The MoE router after its GEMM, and the shared expert's SwiGLU, one launch each (model/moe.py).
 
     route    s = sqrt(softplus(x W_g^T / temp)); I = Top-k(s + b); w = s_I / (sum s_I + 1e-20) * route_scale
+    gate_route  the GEMM x W_g^T and route; in the CPU decode step two C calls (host.gate_route)
     swiglu   h = silu(min(gate, L)) * clamp(up, -L, L), cast to the activation dtype
 
 In torch the router is nine launches after its GEMM (softplus, sqrt, the bias add, topk, gather, sum, the eps
@@ -49,6 +50,23 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str =
         return reference.route(scores, bias, topk, score_func, gate_temp, norm_topk_prob, route_scale,
                                host.scalar_softplus if host.takes(scores) else None)
     return _launch_route(scores, bias, topk, gate_temp, norm_topk_prob, route_scale)
+
+
+def gate_route(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str = "sqrtsoftplus",
+               gate_temp: float = 1.0, norm_topk_prob: bool = True, route_scale: float = 1.0):
+    """The router with its GEMM (model/moe.py Gate): x [N, d], w [E, d] -> route(x W^T in fp32, ...): the GEMM by
+    host.fixed_order_linear (F.linear off the host path), then `route`. In the CPU decode step (the softplus by
+    ATen's scalar formula: reference.scalar_loop_applies) both are two C calls around torch's sqrt,
+    host.gate_route, save for a row whose choice has a tie or a NaN."""
+    E = w.size(0)
+    if (score_func == "sqrtsoftplus" and 1 <= topk <= min(E, host.GATE_MAX_TOPK) and E <= host.GATE_MAX_EXPERTS
+            and x.dim() == 2 and reference.scalar_loop_applies(E) and host.takes(x)
+            and bias.dtype == torch.float32 and bias.is_contiguous() and not bias.is_cuda and bias.size(-1) == E
+            and (bias.dim() == 1 or bias.shape == (x.size(0), E))):
+        out = host.gate_route(x, w, bias, topk, gate_temp, norm_topk_prob, route_scale)
+        if out is not None:
+            return out
+    return route(host.fixed_order_linear(x, w), bias, topk, score_func, gate_temp, norm_topk_prob, route_scale)
 
 
 @opaque
