@@ -61,6 +61,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dsv41.model.kernels import host, reference
 from dsv41.model.kernels.reference import per_row
 
 DEAD = -1  # compressed-id marker for "no token here": an image token, or before the sequence start
@@ -411,11 +412,20 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(args.hc_mult, args.dim, dtype=torch.bfloat16))
         self.k_weight = nn.Parameter(torch.ones(args.hc_mult, args.dim, dtype=torch.bfloat16))
 
+    def _host_gate(self, x: torch.Tensor, kv: torch.Tensor) -> bool:
+        """Whether host.engram_mix takes the gate: the decode step's scalar sigmoid (reference.scalar_loop_applies),
+        contiguous bf16/fp32 CPU operands, rows long enough for the C statistic."""
+        return (reference.scalar_loop_applies(self.hc_mult) and self.dim >= host.SUM_LANES
+                and host.takes(x, kv, self.q_weight, self.k_weight) and kv.shape[-1] == (self.hc_mult + 1) * self.dim)
+
     def forward(self, x: torch.Tensor, rows: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, T, hc, dim]; rows: [B, T, n_cols] (this layer's slice of `NgramHasher` output);
         token_mask: [B, T], False = gate shut (image tokens), those positions pass through unchanged."""
         memory = self.embed(rows).flatten(-2)  # [B, T, n_cols * head_dim], bf16
         kv = self.wkv(memory)  # bf16, as REF's FP8 GEMM writes it
+        if token_mask is None and self._host_gate(x, kv):
+            # the decode step: the lines below in two C calls around torch's sqrt, the same bits
+            return host.engram_mix(x, kv, self.q_weight, self.k_weight, self.eps, GATE_FLOOR)
         key, value = kv.split([self.hc_mult * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc_mult, self.dim))  # one key per hc stream
         value = value.float()  # one value shared by the streams

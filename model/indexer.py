@@ -24,7 +24,7 @@ from dsv41.model import formats
 from dsv41.model.config import LayerSpec, ModelArgs
 from dsv41.model.kernels import indexer as kernels_indexer
 from dsv41.model.kernels import quant as kernels_quant
-from dsv41.model.kernels import use_triton
+from dsv41.model.kernels import host, use_triton
 from dsv41.model.kernels.reference import weighted_relu_scores  # score = sum_h w_h ReLU(q_h . k)
 from dsv41.model.layers import Linear, RMSNorm, qat, rope_tail, storage_dtype
 
@@ -118,8 +118,34 @@ class Indexer(nn.Module):
         if self.spec.uses_candidates and use_triton(keys[0]):
             top, _ = self.pool_topk(x, qr, keys, freqs, visible.unsqueeze(-1), shared.candidate_entries)
         else:
+            top = self._host_select(x, qr, keys, freqs, visible, shared)
+            if top is not None:
+                return top
             top, _ = self.select(x, qr, keys, freqs, visible, shared, batch_invariant=True)
         return F.pad(top, (0, self.topk - top.size(-1)), value=-1)
+
+    def _host_select(self, x: torch.Tensor, qr: torch.Tensor, keys: tuple, freqs: torch.Tensor, visible: torch.Tensor,
+                     shared) -> torch.Tensor | None:
+        """`select(..., batch_invariant=True)` padded to index_topk, its scores, masks and Top-K in one C call
+        (host.indexer_decode), where the reference's scores take their exact path: bf16 scores, an index head dim
+        of one MXFP4 block, at most host.INDEXER_MAX_HEADS heads, on the host; None elsewhere (and for a NaN score)."""
+        pool = shared.candidates if self.spec.uses_candidates else None
+        if not (self.score_dtype == "bf16" and self.head_dim == formats.MXFP4_BLOCK
+                and self.n_heads <= host.INDEXER_MAX_HEADS and host.takes(x) and x.size(1) == 1
+                and visible.dtype == torch.int64 and (pool is None or pool.dtype == torch.bool and pool.dim() == 3
+                                                      and pool.shape[-1] == keys[0].size(1) and pool.stride(-1) == 1)):
+            return None
+        q, w = self.queries(x, qr, freqs)
+        if not (host.takes(q) and w.dtype == torch.bfloat16 and w.is_contiguous()):
+            return None
+        out = host.indexer_decode(q, w, *keys, visible, pool, self.topk)
+        if out is None:
+            return None
+        scores, top = out
+        if self.spec.builds_candidates:
+            shared.candidates, shared.candidate_entries = select_candidate_blocks(
+                scores, visible, self.topk_blocks, self.block_size, stable=True)
+        return top
 
     def select(self, x: torch.Tensor, qr: torch.Tensor, keys, freqs: torch.Tensor, visible: torch.Tensor, shared,
                batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,16 +179,22 @@ class Indexer(nn.Module):
         ids = torch.where(torch.isfinite(top.values), pool.gather(-1, top.indices), last).sort(dim=-1).values
         return torch.where(ids == last, -1, ids), scores
 
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The index queries q_t = MXFP4(RoPE(W_qb^I q_r)) [B, T, H, Dk] and their head weights w_t [B, T, H], bf16 at
+        REF's score precision (index_score_dtype "bf16", inference), else fp32."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = qat(kernels_quant.mxfp4_fake_quant, rope_tail(q, freqs, self.rope_dim), 32)  # formats' rounding
+        bf16 = self.score_dtype == "bf16" and not torch.is_grad_enabled()  # REF's precision (inference only)
+        return q, self.weights_proj(x).to(torch.bfloat16 if bf16 else torch.float32) * self.weight_scale
+
     def head_scores(self, x: torch.Tensor, qr: torch.Tensor, keys, freqs: torch.Tensor,
                     candidates: torch.Tensor | None = None, by_entry: bool = False) -> torch.Tensor:
         """sum_h w_h ReLU(q_h . k_g) over the index heads held here, [B, T, N] fp32, before any masking
         (packed keys with a candidate list [B, T, C]: over those entries only, [B, T, C]).
         Under tensor parallelism (model/parallel.py) each rank holds some heads and the partial sums
         are all-reduced before Top-K, so every rank selects the same entries."""
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = qat(kernels_quant.mxfp4_fake_quant, rope_tail(q, freqs, self.rope_dim), 32)  # formats' rounding
-        bf16 = self.score_dtype == "bf16" and not torch.is_grad_enabled()  # REF's precision (inference only)
-        w = self.weights_proj(x).to(torch.bfloat16 if bf16 else torch.float32) * self.weight_scale
+        q, w = self.queries(x, qr, freqs)
+        bf16 = w.dtype == torch.bfloat16
         if isinstance(keys, tuple):  # packed bytes: model/kernels/indexer.py (Triton on CUDA)
             return kernels_indexer.indexer_scores(q, w, *keys, candidates=candidates, bf16_scores=bf16,
                                                   by_entry=by_entry)

@@ -349,6 +349,11 @@ class RowParallelLinear(Linear):
         # the partial product in the one-process Linear's fixed order on the CPU (F.linear elsewhere)
         return fixed_order_linear(xq, self.dequantized_weight(torch.float32))
 
+    def host_matrix(self) -> None:
+        """None: the product is the ranks' partial products summed, which no host call of one rank computes (the
+        fused calls that take Linear.host_matrix, host.attention_output's wo_b, then run the module instead)."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _all_reduce(self.partial(x), self.group).to(x.dtype)
         if self.bias is not None:
@@ -394,6 +399,11 @@ class HeadParallelIndexer(Indexer):
 
     def head_scores(self, x, qr, keys, freqs, candidates=None, by_entry=False):
         return _all_reduce(super().head_scores(x, qr, keys, freqs, candidates, by_entry).contiguous(), self.group)
+
+    def _host_select(self, *args) -> None:
+        """None: the choice needs the ranks' head sums all-reduced first (head_scores), which the decode step's one
+        C call (Indexer._host_select) would skip."""
+        return None
 
 
 class ExpertParallelMoE(MoE):

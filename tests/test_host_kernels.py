@@ -908,25 +908,96 @@ def test_attention_output_in_one_call_bits(tiny_model, monkeypatch, dtype, R, pe
 
 def test_decode_steps_with_fused_attention_inputs_are_the_same_bits(tiny_model, monkeypatch):
     """The tiny model's decode steps (every layer mode, rows at different positions): the same logits, bit for bit,
-    with the attention's inputs and output each in one call and in their separate calls."""
+    with the attention's inputs and output and the indexer's choice each in one call and Engram's gate in two, and in
+    their separate calls."""
     from test_batch_engine import prompts, run_rows
 
     from dsv41.model.attention import Attention
+    from dsv41.model.engram import Engram
+    from dsv41.model.indexer import Indexer
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ids = prompts((1, 9, 17))
     calls = []
-    for name in ("attention_inputs", "attention_output"):
+    for name in ("attention_inputs", "attention_output", "engram_mix", "indexer_decode"):
         monkeypatch.setattr(host, name, lambda *a, _real=getattr(host, name), _name=name: calls.append(_name)
                             or _real(*a))
     with torch.inference_mode():
         fused = run_rows(tiny_model, ids, 8)
-    assert set(calls) == {"attention_inputs", "attention_output"}
+    assert set(calls) == {"attention_inputs", "attention_output", "engram_mix", "indexer_decode"}
     monkeypatch.setattr(Attention, "decode_inputs", lambda self, x, freqs: _unfused_inputs(self)(x, freqs))
     monkeypatch.setattr(Attention, "decode_output", Attention.output)
+    monkeypatch.setattr(Engram, "_host_gate", lambda *a: False)
+    monkeypatch.setattr(Indexer, "_host_select", lambda *a: None)
     with torch.inference_mode():
         apart = run_rows(tiny_model, ids, 8)
     assert_same(fused, apart)
+
+
+# ------------------------------------------------------------------------------------------- the indexer's choice
+
+
+@pytest.mark.parametrize("B,H,N,topk,with_pool", [(1, 4, 70, 32, False), (3, 4, 130, 32, True), (2, 2, 20, 32, False),
+                                                  (2, 4, 64, 8, True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_indexer_decode_in_one_call_bits(B, H, N, topk, with_pool, dtype):
+    """host.indexer_decode against Indexer.select's decode lines (reference.indexer_scores' exact path, the masks,
+    the stable Top-K, the ascending ids, -1 past the visible ones, the pad), over keys read in place from a row-range
+    view: the scores and the ids bit for bit, with tied scores (repeated keys) and rows that see few entries."""
+    from dsv41.model.indexer import top_indices
+
+    g = torch.Generator().manual_seed(B * 100 + N)
+    q = formats.mxfp4_fake_quant(torch.randn(B, 1, H, 32, generator=g) * 2, 32).to(dtype)
+    w = (torch.randn(B, 1, H, generator=g) * 0.3).bfloat16()
+    keys = torch.randn(B, 2 * N, 32, generator=g)
+    keys[:, 5], keys[:, 9] = keys[:, 3], keys[:, 3]  # equal scores: the lower id first
+    codes, scales = (t[:, :N] for t in formats.pack_mxfp4(keys, 32))
+    visible = torch.tensor([N, N // 2, 3])[:B].view(B, 1)
+    pool = torch.rand(B, 1, N, generator=g) > 0.3 if with_pool else None
+    with torch.inference_mode():
+        got = host.indexer_decode(q, w, codes, scales, visible, pool, topk)
+        scores = reference.indexer_scores(q, w, codes, scales, bf16_scores=True, by_entry=True)
+        scores = scores.masked_fill(torch.arange(N) >= visible.unsqueeze(-1), -torch.inf)
+        if pool is not None:
+            scores = scores.masked_fill(~pool, -torch.inf)
+        idx = top_indices(scores, min(topk, N), stable=True).sort(dim=-1).values
+        top = torch.nn.functional.pad(torch.where(idx < visible.unsqueeze(-1), idx, -1), (0, topk - idx.size(-1)),
+                                      value=-1)
+    assert got is not None
+    assert_same(got[0], scores)
+    assert_same(got[1], top)
+    nan = w.clone()
+    nan[0, 0, 0] = float("nan")
+    assert host.indexer_decode(q, nan, codes, scales, visible, pool, topk) is None  # torch's sort puts NaN first
+
+
+# ------------------------------------------------------------------------------------------- Engram's gate
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("R", [1, 3])
+def test_engram_gate_in_two_calls_bits(tiny_model, monkeypatch, dtype, R):
+    """host.engram_mix (Engram.forward's gate in the decode step) against the torch lines it replaces: bit for bit,
+    with a stream of zeros among the rows (its dot product clamped to the floor before the signed square root)."""
+    from dsv41.model.engram import Engram
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    engram = tiny_model.layers[1].engram
+    hc, dim = engram.hc_mult, engram.dim
+    g = torch.Generator().manual_seed(R)
+    x = (torch.randn(R, 1, hc, dim, generator=g) * 2).to(dtype)
+    x[0, 0, 1] = 0
+    rows = torch.randint(0, engram.embed.weight.size(0), (R, 1, engram.n_cols), generator=g)
+    calls = []
+    real = host.engram_mix
+    monkeypatch.setattr(host, "engram_mix", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode(), reference.row_invariant():
+        got = engram(x, rows)
+        assert calls, "the C calls were not taken"
+        monkeypatch.setattr(Engram, "_host_gate", lambda *a: False)
+        want = engram(x, rows)
+    assert_same(got, want)
+    assert not torch.equal(got, x)
 
 
 # ------------------------------------------------------------------------------------------- the MoE router

@@ -276,6 +276,28 @@ def test_torchrun_generate_on_two_ranks_matches_one_process(small_checkpoint, sp
 
 
 @pytest.mark.process
+def test_a_ranks_split_layers_keep_their_forward_in_the_decode_step(tiny_model):
+    """The CPU decode step's fused host calls (host.attention_output, host.indexer_decode) compute a module's product
+    in place of its forward. A rank's row-parallel wo_b and head-parallel indexer sum over the ranks in theirs, so
+    they answer None, and the step runs them: with the host cache of wo_b made, as a forward makes it, and the
+    attention output's shape the fused call takes (one group of 32 channels, whole FP8 blocks)."""
+    import copy
+
+    from dsv41.model import parallel
+    from dsv41.model.block import SharedState
+
+    model = parallel.apply_tensor_parallel(copy.deepcopy(tiny_model), 0, 2)
+    attn = model.layers[2].attn
+    with torch.inference_mode():
+        attn.wo_b.dequantized_weight()
+        assert attn.wo_b._dequantized[3] is not None and (attn.n_groups * attn.o_lora_rank) % attn.wo_b.block == 0
+        assert attn.wo_b.host_matrix() is None
+        assert type(attn.wo_a).host_matrix is parallel.Linear.host_matrix  # the plain layers keep theirs
+        indexer = attn.indexer
+        assert isinstance(indexer, parallel.HeadParallelIndexer)
+        assert indexer._host_select(torch.zeros(1, 1, model.args.dim), None, None, None, None, SharedState()) is None
+
+
 def test_torchrun_interactive_reads_stdin_on_rank_0(split_checkpoint):
     r = torchrun(2, "-m", "dsv41_cli", "generate", "--interactive", "--model", str(split_checkpoint), "--mode", "chat",
                  "--temperature", "0", "--max-new-tokens", "4", stdin="Hello\n/exit\n")

@@ -154,6 +154,14 @@ def library() -> ctypes.CDLL | None:
     lib.dsv41_attention_output.argtypes = [ptr, ctypes.c_int, i64, i64, i64, ptr, i64, ctypes.c_int, i64, ptr, i64,
                                            i64, f32, f32, ptr, i64, ptr]
     lib.dsv41_attention_output.restype = ctypes.c_int
+    lib.dsv41_indexer_decode.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, i64,
+                                         i64, i64, ptr, ptr]
+    lib.dsv41_indexer_decode.restype = ctypes.c_int
+    lib.dsv41_engram_dot.argtypes = [ptr, ctypes.c_int, ptr, ctypes.c_int, i64, i64, i64, ptr, ctypes.c_int, ptr,
+                                     ctypes.c_int, f32, f32, f32, ptr, ptr]
+    lib.dsv41_engram_dot.restype = ctypes.c_int
+    lib.dsv41_engram_mix.argtypes = [ptr, ctypes.c_int, ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ptr]
+    lib.dsv41_engram_mix.restype = None
     lib.dsv41_gate_softplus.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ctypes.c_int, f32, ptr]
     lib.dsv41_gate_softplus.restype = ctypes.c_int
     lib.dsv41_route_pick.argtypes = [ptr, i64, i64, ptr, i64, i64, ctypes.c_int, f32, ptr, ptr]
@@ -733,6 +741,59 @@ def attention_output(o: torch.Tensor, freqs: torch.Tensor, rope_dim: int, wo_a: 
                                         freqs.dim() == 3, groups, wt.data_ptr(), wt.size(-1), block,
                                         formats.FP8_AMAX_FLOOR, formats._FP8_RATIO, wo_b, dim, out.data_ptr()):
         raise MemoryError(f"attention_output: no scratch memory for {tuple(o.shape)}")
+    return out
+
+
+# ------------------------------------------------------------------------------- the indexer's choice
+# At most this many index heads: ATen's bf16 sum over so short a row is fp32 from 0, left to right, rounded once
+INDEXER_MAX_HEADS = 4
+
+
+def indexer_decode(q: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, visible: torch.Tensor,
+                   pool: torch.Tensor | None, topk: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Indexer.select of a decode step (batch_invariant, bf16 scores) in one C call (host_kernels.c,
+    dsv41_indexer_decode: the exact path of reference.weighted_relu_scores, the masks, the stable Top-K, the ids
+    ascending and -1 past the visible ones, padded to topk): q [B, 1, H, Dk] contiguous bf16/fp32 MXFP4 values with
+    Dk one MXFP4 block and H <= INDEXER_MAX_HEADS, w [B, 1, H] contiguous bf16, the packed keys [B, N, Dk / 2] and
+    [B, N, Dk / 32] (rows contiguous), visible [B, 1] int64, pool None or the candidate mask [B, 1, N] bool ->
+    (scores [B, 1, N] fp32, top [B, 1, topk] int64), or None where a score is NaN (torch's order for it)."""
+    B, _, H, Dk = q.shape
+    N = codes.size(1)
+    apart = _rows_apart(codes, scales)
+    if apart is None:
+        codes, scales, apart = codes.contiguous(), scales.contiguous(), N
+    visible = visible.reshape(B).to(torch.int64).contiguous()
+    scores = torch.empty(B, 1, N, dtype=torch.float32)
+    top = torch.empty(B, 1, topk, dtype=torch.int64)
+    status = library().dsv41_indexer_decode(
+        q.data_ptr(), q.dtype == torch.bfloat16, w.data_ptr(), codes.data_ptr(), scales.data_ptr(), apart, B, H, Dk, N,
+        visible.data_ptr(), None if pool is None else pool.data_ptr(), 0 if pool is None else pool.stride(0), topk,
+        topk, scores.data_ptr(), top.data_ptr())
+    if status < 0:
+        raise MemoryError(f"indexer_decode: no scratch memory for {tuple(q.shape)} and {N} entries")
+    return None if status else (scores, top)
+
+
+# ------------------------------------------------------------------------------- Engram's gate
+def engram_mix(x: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+               floor: float) -> torch.Tensor:
+    """Engram.forward after its wkv product, in the decode step (where its sigmoid is ATen's scalar formula:
+    reference.scalar_loop_applies), in two C calls around torch's sqrt (host_kernels.c, dsv41_engram_dot / _mix: the
+    torch code's operations in its order, the sums in ATen's): x [..., hc, dim] and kv [..., (hc + 1) dim] contiguous
+    bf16/fp32 (dim >= SUM_LANES), q_weight and k_weight [hc, dim] contiguous -> [..., hc, dim] in x's dtype."""
+    *lead, hc, dim = x.shape
+    R = x.numel() // (hc * dim)
+    lib = library()
+    dot = torch.empty(*lead, hc, dtype=torch.float32)
+    root = torch.empty(*lead, hc, dtype=torch.float32)
+    if lib.dsv41_engram_dot(x.data_ptr(), x.dtype == torch.bfloat16, kv.data_ptr(), kv.dtype == torch.bfloat16, R, hc,
+                            dim, q_weight.data_ptr(), q_weight.dtype == torch.bfloat16, k_weight.data_ptr(),
+                            k_weight.dtype == torch.bfloat16, eps, dim ** -0.5, floor, dot.data_ptr(), root.data_ptr()):
+        raise MemoryError(f"engram_mix: no scratch memory for {tuple(x.shape)}")
+    root.sqrt_()  # torch's sqrt, whose bits C does not have (host_kernels.c, the router's note)
+    out = torch.empty_like(x)
+    lib.dsv41_engram_mix(x.data_ptr(), x.dtype == torch.bfloat16, kv.data_ptr(), kv.dtype == torch.bfloat16, R, hc,
+                         dim, dot.data_ptr(), root.data_ptr(), out.data_ptr())
     return out
 
 

@@ -1103,6 +1103,124 @@ int dsv41_attention_output(const void *o, int bf16, int64_t R, int64_t H, int64_
 }
 
 
+/* ---------------------------------------------------------------- the indexer's choice in a decode step */
+/* Indexer.select of a decode step (batch_invariant) from the packed MXFP4 keys, in one call (host.indexer_decode),
+ * where reference.weighted_relu_scores takes its exact path: bf16 scores and an index head dim of one MXFP4 block,
+ * so every q . k is exact in fp32 in any order (reference.mxfp4_products_exact), and at most 4 index heads, whose
+ * bf16 head sum ATen takes in fp32 from 0, left to right, rounded once (tested):
+ *   s_n = bf16( sum_h bf16( relu(bf16(q_h . k_n)) w_h ) )      q [B, H, Dk] (bf16/fp32), w [B, H] bf16
+ *   s_n = -inf where n >= visible[b], or where the candidate pool (bool [B, N] at pool + b pool_ld) leaves n out
+ *   top = the k largest s_n, equal ones to the lower n (a stable descending sort's first k), as ascending ids, each
+ *         >= visible[b] replaced by -1, then -1 up to `width`
+ * Key n of row b: codes + (b apart + n) Dk / 2, scales + (b apart + n) Dk / 32 (a row-range view of the cache).
+ * Returns 0, 1 when a score is NaN (torch's sort puts NaN first; the caller takes the torch path), -1 when scratch
+ * memory cannot be had. */
+static inline float bf16_round(float v);
+
+int dsv41_indexer_decode(const void *q, int q_bf16, const uint16_t *w, const uint8_t *codes, const uint8_t *scales,
+                         int64_t apart, int64_t B, int64_t H, int64_t Dk, int64_t N, const int64_t *visible,
+                         const uint8_t *pool, int64_t pool_ld, int64_t k, int64_t width, float *score, int64_t *top) {
+    float *kf = malloc((size_t)(Dk + H * Dk) * sizeof(float));
+    uint8_t *picked = malloc((size_t)(N > 0 ? N : 1));
+    if (!kf || !picked) {
+        free(kf);
+        free(picked);
+        return -1;
+    }
+    float *qf = kf + Dk;
+    const int64_t K = k < N ? k : N;
+    int status = 0;
+    for (int64_t b = 0; b < B && !status; b++) {
+        float *s = score + b * N;
+        for (int64_t i = 0; i < H * Dk; i++) qf[i] = load(q, b * H * Dk + i, q_bf16);
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *c = codes + (b * apart + n) * (Dk / 2), *sc = scales + (b * apart + n) * (Dk / 32);
+            for (int64_t d = 0; d < Dk; d += 2) {
+                const float scale = e8m0_value(sc[d / 32]);
+                kf[d] = E2M1_VALUES[c[d / 2] & 0xFu] * scale;
+                kf[d + 1] = E2M1_VALUES[c[d / 2] >> 4] * scale;
+            }
+            float acc = 0.0f;
+            for (int64_t h = 0; h < H; h++) {
+                float dot = 0.0f;
+                for (int64_t d = 0; d < Dk; d++) dot = dot + kf[d] * qf[h * Dk + d];
+                float r = bf16_round(dot);
+                r = r < 0.0f ? 0.0f : r;  /* relu_ on bf16: -0.0 and NaN stay */
+                acc = acc + bf16_round(r * u2f((uint32_t)w[b * H + h] << 16));
+            }
+            float v = bf16_round(acc);
+            if (n >= visible[b] || (pool && !pool[b * pool_ld + n])) v = -INFINITY;
+            if (v != v) status = 1;
+            s[n] = v;
+        }
+        memset(picked, 0, (size_t)N);
+        for (int64_t j = 0; j < K; j++) {  /* the next largest, the lower index among equals */
+            int64_t best = -1;
+            for (int64_t n = 0; n < N; n++)
+                if (!picked[n] && (best < 0 || s[n] > s[best])) best = n;
+            picked[best] = 1;
+        }
+        int64_t *t = top + b * width, j = 0;
+        for (int64_t n = 0; n < N; n++)
+            if (picked[n]) t[j++] = n < visible[b] ? n : -1;
+        for (; j < width; j++) t[j] = -1;
+    }
+    free(kf);
+    free(picked);
+    return status;
+}
+
+
+/* ---------------------------------------------------------------- Engram's gate in a decode step */
+/* model/engram.py Engram.forward after its wkv product, in the decode step (reference.row_invariant: the sigmoid by
+ * ATen's scalar formula), as two calls around torch's sqrt (host.engram_mix), each operation the torch code's:
+ *   dsv41_engram_dot   d = (sum_i (h_i (q_i k_i)) key_i) rstd(h) rstd(key) dim^-1/2    per token and stream; the
+ *                      sum in ATen's order (aten_row_sum), rstd as dsv41_rms_rstd; a = max(|d|, floor)
+ *   (torch)            a = sqrt(a)
+ *   dsv41_engram_mix   out = h + sigmoid(copysign(a, d)) value, cast to x's dtype
+ * x [R, hc, dim] (bf16/fp32), kv [R, (hc + 1) dim] (the hc keys, then the value), q_weight and k_weight [hc, dim].
+ * Returns 0, or -1 when scratch memory cannot be had. */
+int dsv41_engram_dot(const void *x, int x_bf16, const void *kv, int kv_bf16, int64_t R, int64_t hc, int64_t dim,
+                     const void *qw, int qw_bf16, const void *kw, int kw_bf16, float eps, float scale, float floor,
+                     float *dot, float *a) {
+    float *scratch = malloc((size_t)(dim + 2 * hc) * sizeof(float));
+    if (!scratch) return -1;
+    float *prod = scratch, *rstd_h = prod + dim, *rstd_k = rstd_h + hc;
+    const int64_t kv_row = (hc + 1) * dim, kv_bytes = kv_bf16 ? 2 : 4;
+    int status = 0;
+    for (int64_t r = 0; r < R && !status; r++) {
+        const char *key = (const char *)kv + r * kv_row * kv_bytes;
+        status = dsv41_rms_rstd((const char *)x + r * hc * dim * (x_bf16 ? 2 : 4), x_bf16, hc, dim, eps, rstd_h)
+                 || dsv41_rms_rstd(key, kv_bf16, hc, dim, eps, rstd_k);
+        for (int64_t c = 0; c < hc && !status; c++) {
+            for (int64_t i = 0; i < dim; i++) {
+                const float w = load(qw, c * dim + i, qw_bf16) * load(kw, c * dim + i, kw_bf16);
+                prod[i] = load(x, (r * hc + c) * dim + i, x_bf16) * w * load(key, c * dim + i, kv_bf16);
+            }
+            const float d = aten_row_sum(prod, dim) * (rstd_h[c] * rstd_k[c]) * scale;
+            const float m = fabsf(d);
+            dot[r * hc + c] = d;
+            a[r * hc + c] = m < floor ? floor : m;  /* clamp_min: a NaN stays NaN */
+        }
+    }
+    free(scratch);
+    return status ? -1 : 0;
+}
+
+void dsv41_engram_mix(const void *x, int x_bf16, const void *kv, int kv_bf16, int64_t R, int64_t hc, int64_t dim,
+                      const float *dot, const float *root, void *out) {
+    const int64_t kv_row = (hc + 1) * dim;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t c = 0; c < hc; c++) {
+            const float g = 1.0f / (1.0f + expf(-copysignf(root[r * hc + c], dot[r * hc + c])));
+            for (int64_t i = 0; i < dim; i++) {
+                const int64_t at = (r * hc + c) * dim + i;
+                store(out, at, load(x, at, x_bf16) + g * load(kv, r * kv_row + hc * dim + i, kv_bf16), x_bf16);
+            }
+        }
+}
+
+
 /* ---------------------------------------------------------------- ATen's scalar sigmoid and softplus */
 /* torch.sigmoid and F.softplus (beta 1, threshold 20) of fp32 values as ATen's scalar loop computes them
  * (aten/src/ATen/native/cpu: 1 / (1 + exp(-a)); a > 20 ? a : log1p(exp(a))), which `reference.per_row` makes
