@@ -1112,7 +1112,8 @@ int dsv41_attention_output(const void *o, int bf16, int64_t R, int64_t H, int64_
  *   s_n = -inf where n >= visible[b], or where the candidate pool (bool [B, N] at pool + b pool_ld) leaves n out
  *   top = the k largest s_n, equal ones to the lower n (a stable descending sort's first k), as ascending ids, each
  *         >= visible[b] replaced by -1, then -1 up to `width`
- * Key n of row b: codes + (b apart + n) Dk / 2, scales + (b apart + n) Dk / 32 (a row-range view of the cache).
+ * Key n of row b: codes + (b apart + n) Dk / 2, scales + (b apart + n) Dk / 32 (a row-range view of the cache);
+ * Dk is one MXFP4 block (32), whose one scale multiplies each head's sum.
  * Returns 0, 1 when a score is NaN (torch's sort puts NaN first; the caller takes the torch path), -1 when scratch
  * memory cannot be had. */
 static inline float bf16_round(float v);
@@ -1120,31 +1121,39 @@ static inline float bf16_round(float v);
 int dsv41_indexer_decode(const void *q, int q_bf16, const uint16_t *w, const uint8_t *codes, const uint8_t *scales,
                          int64_t apart, int64_t B, int64_t H, int64_t Dk, int64_t N, const int64_t *visible,
                          const uint8_t *pool, int64_t pool_ld, int64_t k, int64_t width, float *score, int64_t *top) {
+    const int64_t K = k < N ? k : N;
     float *kf = malloc((size_t)(Dk + H * Dk) * sizeof(float));
     uint8_t *picked = malloc((size_t)(N > 0 ? N : 1));
-    if (!kf || !picked) {
+    int64_t *best = malloc((size_t)(K > 0 ? K : 1) * sizeof(int64_t));
+    if (!kf || !picked || !best) {
         free(kf);
         free(picked);
+        free(best);
         return -1;
     }
     float *qf = kf + Dk;
-    const int64_t K = k < N ? k : N;
     int status = 0;
     for (int64_t b = 0; b < B && !status; b++) {
         float *s = score + b * N;
         for (int64_t i = 0; i < H * Dk; i++) qf[i] = load(q, b * H * Dk + i, q_bf16);
         for (int64_t n = 0; n < N; n++) {
-            const uint8_t *c = codes + (b * apart + n) * (Dk / 2), *sc = scales + (b * apart + n) * (Dk / 32);
-            for (int64_t d = 0; d < Dk; d += 2) {
-                const float scale = e8m0_value(sc[d / 32]);
-                kf[d] = E2M1_VALUES[c[d / 2] & 0xFu] * scale;
-                kf[d + 1] = E2M1_VALUES[c[d / 2] >> 4] * scale;
+            const uint8_t *c = codes + (b * apart + n) * (Dk / 2);
+            const float scale = e8m0_value(scales[(b * apart + n) * (Dk / 32)]);
+            for (int64_t d = 0; d < Dk; d += 2) {  /* the E2M1 values; the key's block scale joins the sum below */
+                kf[d] = E2M1_VALUES[c[d / 2] & 0xFu];
+                kf[d + 1] = E2M1_VALUES[c[d / 2] >> 4];
             }
             float acc = 0.0f;
             for (int64_t h = 0; h < H; h++) {
-                float dot = 0.0f;
-                for (int64_t d = 0; d < Dk; d++) dot = dot + kf[d] * qf[h * Dk + d];
-                float r = bf16_round(dot);
+                /* eight partial sums, then their lanes, then the power-of-two scale: every partial sum of these
+                 * products is exact (one MXFP4 block: the caller's condition), so any order gives the bmm's value */
+                f32x8 p = {0};
+                int64_t d = 0;
+                for (; d + 8 <= Dk; d += 8) p += *(const f32x8u *)(kf + d) * *(const f32x8u *)(qf + h * Dk + d);
+                const f32x4 half = (f32x4){p[0], p[1], p[2], p[3]} + (f32x4){p[4], p[5], p[6], p[7]};
+                float dot = (half[0] + half[2]) + (half[1] + half[3]);
+                for (; d < Dk; d++) dot = dot + kf[d] * qf[h * Dk + d];
+                float r = bf16_round(dot * scale);
                 r = r < 0.0f ? 0.0f : r;  /* relu_ on bf16: -0.0 and NaN stay */
                 acc = acc + bf16_round(r * u2f((uint32_t)w[b * H + h] << 16));
             }
@@ -1153,13 +1162,18 @@ int dsv41_indexer_decode(const void *q, int q_bf16, const uint16_t *w, const uin
             if (v != v) status = 1;
             s[n] = v;
         }
-        memset(picked, 0, (size_t)N);
-        for (int64_t j = 0; j < K; j++) {  /* the next largest, the lower index among equals */
-            int64_t best = -1;
-            for (int64_t n = 0; n < N; n++)
-                if (!picked[n] && (best < 0 || s[n] > s[best])) best = n;
-            picked[best] = 1;
+        /* the K best, best first by (score descending, id ascending): ids come in ascending order, so an equal
+         * score never displaces one already kept */
+        int64_t count = 0;
+        for (int64_t n = 0; n < N; n++) {
+            const float v = s[n];
+            if (count == K && !(v > s[best[K - 1]])) continue;
+            int64_t j = count < K ? count++ : K - 1;
+            for (; j > 0 && v > s[best[j - 1]]; j--) best[j] = best[j - 1];
+            best[j] = n;
         }
+        memset(picked, 0, (size_t)N);
+        for (int64_t j = 0; j < count; j++) picked[best[j]] = 1;
         int64_t *t = top + b * width, j = 0;
         for (int64_t n = 0; n < N; n++)
             if (picked[n]) t[j++] = n < visible[b] ? n : -1;
@@ -1167,6 +1181,7 @@ int dsv41_indexer_decode(const void *q, int q_bf16, const uint16_t *w, const uin
     }
     free(kf);
     free(picked);
+    free(best);
     return status;
 }
 
