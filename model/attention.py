@@ -266,12 +266,12 @@ class Attention(nn.Module):
 
     def decode_inputs(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(qr, q) = query(x, freqs) and window_latent(x, freqs) of a decode step: on the CPU one C call
-        (host.attention_inputs: the same calls in one, about 40 us of Python fewer a layer), where every piece
+        (host.attention_inputs: the same calls in one; benchmarks/results/cpu-fused-calls), where every piece
         takes the host path it takes alone; else the two methods."""
         wq_a, wq_b, wkv = self.wq_a.host_matrix(), self.wq_b.host_matrix(), self.wkv.host_matrix()
         block = self.wq_a.block
-        if (wq_a is not None and wq_b is not None and wkv is not None and host.takes(x, self.q_norm.weight,
-                                                                                 self.kv_norm.weight)
+        if (wq_a is not None and wq_b is not None and wkv is not None
+                and host.takes(x, self.q_norm.weight, self.kv_norm.weight)
                 and self.wq_b.block == block and self.wkv.block == block and x.size(-1) % block == 0
                 and self.wq_a.out_features % block == 0 and x.dim() == 3 and x.size(1) == 1
                 and min(self.wq_a.out_features, self.head_dim) >= host.SUM_LANES and host.rope_fits(x, freqs)):
