@@ -35,6 +35,13 @@ typedef float f32x4u __attribute__((vector_size(16), aligned(4), may_alias));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x4 __attribute__((vector_size(16)));
+/* bf16 bits at any uint16's address, and 32-bit lanes to widen them into */
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2), may_alias));
+typedef uint16_t u16x4 __attribute__((vector_size(8), aligned(2), may_alias));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -167,6 +174,13 @@ static inline uint16_t to_bf16(float f) {
                                            : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* v rounded to bf16 (nearest even) and widened back; a NaN stays a NaN */
+static inline float bf16_round(float v) {
+    const uint32_t u = f2u(v);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? v : u2f(r);
+}
+
 static inline float load(const void *p, int64_t i, int bf16) {
     return bf16 ? u2f((uint32_t)((const uint16_t *)p)[i] << 16) : ((const float *)p)[i];
 }
@@ -174,6 +188,14 @@ static inline float load(const void *p, int64_t i, int bf16) {
 static inline void store(void *p, int64_t i, float v, int bf16) {
     if (bf16) ((uint16_t *)p)[i] = to_bf16(v);
     else ((float *)p)[i] = v;
+}
+
+/* x (bf16 or fp32, n values) as fp32 into out: one loop per input dtype, so each vectorizes */
+static void widen(const void *x, int bf16, int64_t n, float *out) {
+    if (bf16)
+        for (int64_t i = 0; i < n; i++) out[i] = u2f((uint32_t)((const uint16_t *)x)[i] << 16);
+    else
+        memcpy(out, x, (size_t)n * sizeof(float));
 }
 
 /* The mHC mixes below run their sums with lanes over the channels c, in chunks of MHC_CHUNK: each channel's sum
@@ -362,12 +384,6 @@ int dsv41_head_isa(void) {
  * by reading the vocabulary-sized matrix). Each output is summed as dsv41_head_logits sums it, k = 0, 1, ..., K-1
  * from the first product; a bf16 weight widens to fp32 exactly, so these are its bits. */
 #define HEAD_VB 64
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2), may_alias));
-typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2), may_alias));
-typedef uint16_t u16x4 __attribute__((vector_size(8), aligned(2), may_alias));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-typedef uint32_t u32x4 __attribute__((vector_size(16)));
 
 /* RB rows x HEAD_VB columns of outputs from one block's weights at rows x + r * K, CP vectors of columns at a time
  * (RB x CP accumulators held in registers: AVX2's 16 vector registers hold 4 rows x 2 vectors, not a row x the
@@ -1092,7 +1108,7 @@ int dsv41_attention_output(const void *o, int bf16, int64_t R, int64_t H, int64_
     float *wide = (float *)(rotated + (size_t)(R * HD) * width), *u = wide + R * HD;
     char *u_cast = (char *)(u + R * G * Ng);
     dsv41_rope_tail(o, rotated, freqs, R, 1, H, D, r, per_row, 1, bf16);
-    for (int64_t i = 0; i < R * HD; i++) wide[i] = load(rotated, i, bf16);
+    widen(rotated, bf16, R * HD, wide);
     for (int64_t g = 0; g < G; g++)
         dsv41_fixed_order_matmul(wide + g * Dg, R, Dg, HD, wt_groups + g * Dg * Ng, Ng, u + g * Ng, G * Ng);
     for (int64_t i = 0; i < R * G * Ng; i++) store(u_cast, i, u[i], bf16);
@@ -1116,8 +1132,6 @@ int dsv41_attention_output(const void *o, int bf16, int64_t R, int64_t H, int64_
  * Dk is one MXFP4 block (32), whose one scale multiplies each head's sum.
  * Returns 0, 1 when a score is NaN (torch's sort puts NaN first; the caller takes the torch path), -1 when scratch
  * memory cannot be had. */
-static inline float bf16_round(float v);
-
 int dsv41_indexer_decode(const void *q, int q_bf16, const uint16_t *w, const uint8_t *codes, const uint8_t *scales,
                          int64_t apart, int64_t B, int64_t H, int64_t Dk, int64_t N, const int64_t *visible,
                          const uint8_t *pool, int64_t pool_ld, int64_t k, int64_t width, float *score, int64_t *top) {
@@ -1198,9 +1212,10 @@ int dsv41_indexer_decode(const void *q, int q_bf16, const uint16_t *w, const uin
 int dsv41_engram_dot(const void *x, int x_bf16, const void *kv, int kv_bf16, int64_t R, int64_t hc, int64_t dim,
                      const void *qw, int qw_bf16, const void *kw, int kw_bf16, float eps, float scale, float floor,
                      float *dot, float *a) {
-    float *scratch = malloc((size_t)(dim + 2 * hc) * sizeof(float));
+    float *scratch = malloc((size_t)(dim + 2 * hc + hc * dim) * sizeof(float));
     if (!scratch) return -1;
-    float *prod = scratch, *rstd_h = prod + dim, *rstd_k = rstd_h + hc;
+    float *prod = scratch, *rstd_h = prod + dim, *rstd_k = rstd_h + hc, *w = rstd_k + hc;
+    for (int64_t i = 0; i < hc * dim; i++) w[i] = load(qw, i, qw_bf16) * load(kw, i, kw_bf16);  /* every token's */
     const int64_t kv_row = (hc + 1) * dim, kv_bytes = kv_bf16 ? 2 : 4;
     int status = 0;
     for (int64_t r = 0; r < R && !status; r++) {
@@ -1208,10 +1223,8 @@ int dsv41_engram_dot(const void *x, int x_bf16, const void *kv, int kv_bf16, int
         status = dsv41_rms_rstd((const char *)x + r * hc * dim * (x_bf16 ? 2 : 4), x_bf16, hc, dim, eps, rstd_h)
                  || dsv41_rms_rstd(key, kv_bf16, hc, dim, eps, rstd_k);
         for (int64_t c = 0; c < hc && !status; c++) {
-            for (int64_t i = 0; i < dim; i++) {
-                const float w = load(qw, c * dim + i, qw_bf16) * load(kw, c * dim + i, kw_bf16);
-                prod[i] = load(x, (r * hc + c) * dim + i, x_bf16) * w * load(key, c * dim + i, kv_bf16);
-            }
+            for (int64_t i = 0; i < dim; i++)
+                prod[i] = load(x, (r * hc + c) * dim + i, x_bf16) * w[c * dim + i] * load(key, c * dim + i, kv_bf16);
             const float d = aten_row_sum(prod, dim) * (rstd_h[c] * rstd_k[c]) * scale;
             const float m = fabsf(d);
             dot[r * hc + c] = d;
@@ -1271,10 +1284,7 @@ int dsv41_gate_softplus(const void *x, int x_bf16, int64_t N, int64_t K, const f
                         float temp, float *out) {
     float *xf = malloc((size_t)(N * K) * sizeof(float));
     if (!xf) return -1;
-    if (x_bf16)
-        for (int64_t i = 0; i < N * K; i++) xf[i] = u2f((uint32_t)((const uint16_t *)x)[i] << 16);
-    else
-        memcpy(xf, x, (size_t)(N * K) * sizeof(float));
+    widen(x, x_bf16, N * K, xf);
     dsv41_fixed_order_matmul(xf, N, K, K, wt, E, out, E);
     for (int64_t i = 0; i < N * E; i++) {
         const float a = temp_on ? out[i] / temp : out[i];
@@ -1355,13 +1365,6 @@ static inline float exp_fixed(float d_in) {
     p = p * r + 1.0f;
     const float v = p * u2f((uint32_t)((int32_t)n + 127) << 23);
     return keep ? v : 0.0f;
-}
-
-/* v rounded to bf16 (nearest even) and widened back; a NaN stays a NaN */
-static inline float bf16_round(float v) {
-    const uint32_t u = f2u(v);
-    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    return (u & 0x7FFFFFFFu) > 0x7F800000u ? v : u2f(r);
 }
 
 /* the unpackers' values of `rows` consecutive rows of a store: FP8 E4M3 bytes with UE8M0 per 32 (window) or E2M1
