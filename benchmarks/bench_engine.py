@@ -51,6 +51,16 @@ from dsv41.model.assets import bundled_model_dir
 from dsv41.model.checkpoint import load_model
 from dsv41.model.engine import GenerationConfig, Generator
 what, runs, n_req, scale, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+# a CUDA graph capture that failed leaves the engine eager with one warning on stderr, which the parent drops: keep
+# it in the JSON, so that a graph row that ran eagerly says so
+import warnings
+graph_warnings = []
+_show = warnings.showwarning
+def _keep(message, *rest, **kw):
+    if "CUDA graph" in str(message):
+        graph_warnings.append(str(message))
+    _show(message, *rest, **kw)
+warnings.showwarning = _keep
 # the intra-op threads `dsv41` gives the bundled model (DSV41_THREADS: 1, as env_for sets it for either tree; unset
 # with --threads 0, torch's default, as the workers ran until 2026-12-06)
 if os.environ.get("DSV41_THREADS"):
@@ -113,6 +123,7 @@ with torch.inference_mode():
             wall = time.perf_counter() - t0
             points.append({"rows": rows, "wall_s": wall, "tokens": sum(len(r.output_ids) for r in res)})
         out = {"points": points}
+out["graph_warnings"] = graph_warnings
 print(json.dumps(out))
 '''
 
@@ -190,7 +201,7 @@ def gpu_main(a) -> int:
         t0 = time.perf_counter()
         single = worker(REPO, "single", a.runs, scale=scale, device=a.device, graphs=graphs, compiled=compiled)
         doc[label] = {"single_decode_tokens_per_s": single["decode_tokens_per_s"],
-                      "single_output_ids": single["output_ids"]}
+                      "single_output_ids": single["output_ids"], "graph_warnings": single["graph_warnings"]}
         if compiled:  # one sequence only: each batch shape of the concurrent run would compile once more
             doc[label]["wall_s_with_compile"] = time.perf_counter() - t0
             print(f"{label}: one sequence {statistics.median(single['decode_tokens_per_s']):.1f} tok/s")
@@ -200,6 +211,9 @@ def gpu_main(a) -> int:
         batched = worker(REPO, "batched", 1 + a.runs, n_req=n_req, scale=scale, device=a.device, graphs=graphs)
         doc[label].update(concurrent_tokens_per_s=batched["tokens"] / batched["wall_s"], requests=n_req,
                           concurrent_walls_s=batched["walls_s"], output_ids=batched["output_ids"])
+        doc[label]["graph_warnings"] += batched["graph_warnings"]
+        for w in doc[label]["graph_warnings"]:
+            print(f"{label}: {w}")
         print(f"{label}: one sequence {statistics.median(single['decode_tokens_per_s']):.1f} tok/s; {n_req} "
               f"concurrent {doc[label]['concurrent_tokens_per_s']:.1f} tok/s (median of the {a.runs} runs after the "
               f"first; walls {', '.join(f'{w:.2f}' for w in batched['walls_s'])} s)")

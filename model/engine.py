@@ -1031,7 +1031,11 @@ class GraphedDecode:
         B = ids.size(0)
         R = cache.prepare_step(B)
         if cache.capacity != self.capacity:  # the entry stores were reallocated: the graphs read the old ones
+            # Drop the graphs and their memory pool with them: once its graphs are all released, a pool cannot
+            # take another capture (the caching allocator asserts `use_count > 0`), and the step would run
+            # eagerly from there on (seen 2026-12-06, benchmarks/results/h200-2026-12-06)
             self.graphs.clear()
+            self.pool = None
             self.capacity = cache.capacity
         key = cache.static_key()
         entry = self.graphs.get(key)

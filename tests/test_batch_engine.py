@@ -184,11 +184,42 @@ def test_cuda_graph_replays_the_eager_step(tiny_model, monkeypatch):
         eager = run_rows(model, ids, 20, static=True)
         replayed = run_rows(model, ids, 20, decode=graphed)
         assert all(torch.equal(a, b) for a, b in zip(eager, replayed))
-        assert made[0].replays >= 10 and made[0].captured <= 3
+        assert made[0].failed is None and made[0].replays >= 10 and made[0].captured <= 3
         reqs = [Request(p, greedy(12)) for p in ids]
         graphed_tokens = [r.output_ids for r in Generator(model).generate_many(reqs)]
         monkeypatch.setenv("DSV41_CUDA_GRAPHS", "0")
         assert graphed_tokens == [r.output_ids for r in Generator(model).generate_many(reqs)]
+    finally:
+        tiny_model.to("cpu")
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_are_captured_again_after_the_cache_grows(tiny_model):
+    """On CUDA: when a row outgrows the entry capacity mid-run and the stores are reallocated, the step is
+    captured again, into a new memory pool, and still equals the eager static step bit for bit. (Captured into
+    the pool of the released graphs, the capture failed in the caching allocator and the step ran eagerly from
+    there on.)"""
+    from dsv41.model.engine import GraphedDecode
+
+    model = tiny_model.to("cuda")
+    try:
+        ids = prompts()
+        made, capacities = [], set()
+
+        def graphed(m, cache):
+            made.append(GraphedDecode(m, cache))
+
+            def step(tokens):
+                capacities.add(cache.capacity)
+                return made[-1](tokens)
+            return step
+
+        eager = run_rows(model, ids, 60, static=True)
+        replayed = run_rows(model, ids, 60, decode=graphed)
+        assert len(capacities) >= 2, "the entry stores did not grow during the decode steps"
+        assert made[0].failed is None
+        assert made[0].captured >= 2 and made[0].replays >= 40
+        assert all(torch.equal(a, b) for a, b in zip(eager, replayed))
     finally:
         tiny_model.to("cpu")
 
