@@ -93,8 +93,8 @@ with torch.inference_mode():
                 ids = [r.output_ids for r in gen.generate_many([Request(p, cfg(n)) for p, n in zip(prompts, lengths)],
                                                                max_batch_size=n_req)]
             walls.append(time.perf_counter() - t0)
-        out = {"wall_s": statistics.median(walls[1:] or walls), "walls_s": walls, "tokens": sum(map(len, ids)), "output_ids": ids,
-               "prompt_tokens": [len(p) for p in prompts], "new_tokens": lengths}
+        out = {"wall_s": statistics.median(walls[1:] or walls), "walls_s": walls, "tokens": sum(map(len, ids)),
+               "output_ids": ids, "prompt_tokens": [len(p) for p in prompts], "new_tokens": lengths}
     elif what == "pool":
         # the same requests over an EnginePool (evals/engine_pool.py): this process's engine and one worker process
         # per other core, each at one thread, as `dsv41 generate --input-file` runs them on the CPU; the workers
@@ -246,8 +246,9 @@ def replot(json_path: str, png_path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rev", default="HEAD")
-    ap.add_argument("--runs", type=int, default=3, help="single-sequence runs per tree (median); on a GPU also the 32 concurrent requests' runs "
-                         "after a first one, which pays the compiles and graph captures")
+    ap.add_argument("--runs", type=int, default=3,
+                    help="single-sequence runs per tree (median); on a GPU also the 32 concurrent requests' runs after "
+                         "a first one, which pays the compiles and graph captures")
     ap.add_argument("--rounds", type=int, default=1,
                     help="alternate the trees this many times (single: --runs each; the concurrent pair, the revision "
                          "batched or, without an engine, one request after another: one run each), "
