@@ -68,12 +68,15 @@ def main() -> None:
         print(f"{'CUDA graphs' if graphs else 'eager'}, {len(seqs)} prompts of {min(map(len, seqs))}-"
               f"{max(map(len, seqs))} tokens, {STEPS} teacher-forced steps, each row against itself alone:", flush=True)
         for n in BATCHES:
-            worst, flips = [], []
+            worst, flips, parted = [], [], []
             for first in range(0, len(seqs), n):
                 together = decode_rows(model, seqs[first:first + n], graphs)
                 for i, got in enumerate(together):
                     want = alone[first + i]
                     worst.append(float((got - want).abs().max()))
+                    apart = torch.nonzero((got != want).any(-1)).flatten().tolist()
+                    if apart:  # (added after the 2026-12-06 run: which row, from which step)
+                        parted.append(f"row {first + i} ({len(seqs[first + i])} prompt tokens) from step {apart[0]}")
                     top2 = want.topk(2, dim=-1).values
                     for s in torch.nonzero(got.argmax(-1) != want.argmax(-1)).flatten().tolist():
                         flips.append((first + i, s, float(top2[s, 0] - top2[s, 1])))
@@ -81,6 +84,8 @@ def main() -> None:
                   f"{statistics.median(worst):.3g}; rows with any difference {sum(w > 0 for w in worst)}/{len(worst)}); "
                   f"greedy picks that differ {len(flips)}/{len(seqs) * STEPS}"
                   + (f", margins alone {', '.join(f'{m:.3g}' for _, _, m in flips[:8])}" if flips else ""), flush=True)
+            if parted:
+                print(f"    rows that part: {'; '.join(parted[:8])}", flush=True)
 
     gen = Generator(model, tok)  # the engine's own path: CUDA graphs on a GPU (DSV41_CUDA_GRAPHS unset)
     with torch.inference_mode():
