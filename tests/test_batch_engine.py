@@ -224,6 +224,53 @@ def test_cuda_graphs_are_captured_again_after_the_cache_grows(tiny_model):
         tiny_model.to("cpu")
 
 
+def test_graphs_dropped_when_the_cache_grows_leave_their_memory_pool(tiny_model, monkeypatch):
+    """GraphedDecode's bookkeeping on the CPU, torch.cuda's graph API stood in for (the GPU test above captures for
+    real): the first capture at each entry capacity asks for a new memory pool, and the later ones at that capacity
+    share it. The pool of graphs dropped when the stores grew is never asked for again: a pool whose graphs are all
+    released cannot take a capture (CUDA's caching allocator asserts), which left the step eager on the H200."""
+    import contextlib
+
+    from dsv41.model.engine import GraphedDecode
+
+    made, captures = [], []
+
+    class StandInGraph:  # records what GraphedDecode asks of it; replays nothing
+        count = 0
+
+        def __init__(self):
+            StandInGraph.count += 1
+            self.id = StandInGraph.count
+
+        def pool(self):
+            return ("pool of graph", self.id)
+
+        def replay(self):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        captures.append((made[-1].capacity, pool, g.id))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", StandInGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+
+    def graphed(m, cache):
+        made.append(GraphedDecode(m, cache))
+        return made[-1]
+
+    run_rows(tiny_model, prompts(), 60, decode=graphed)  # the replays compute nothing: only the captures count
+    assert made[0].failed is None
+    capacities = [c for c, _, _ in captures]
+    assert len(set(capacities)) >= 2, "the entry stores did not grow between captures"
+    for i, (capacity, pool, _) in enumerate(captures):
+        if i == 0 or capacity != capacities[i - 1]:
+            assert pool is None, f"capture {i}, the first at capacity {capacity}, asked for the pool {pool}"
+        else:  # the pool of the graph captured before it (on CUDA, one pool every graph of that capacity shares)
+            assert pool == ("pool of graph", captures[i - 1][2]), f"capture {i}: {pool}"
+
+
 def test_the_compiled_decode_step_is_opt_in(monkeypatch):
     """DSV41_COMPILE_DECODE=1, and only that, makes the scheduler's CUDA graphs capture the torch.compile'd step."""
     from dsv41.model.engine import compiled_decode_default
