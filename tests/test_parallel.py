@@ -275,7 +275,6 @@ def test_torchrun_generate_on_two_ranks_matches_one_process(small_checkpoint, sp
     assert [d["prompt_tokens"] for d in docs] == [d["prompt_tokens"] for d in ref]
 
 
-@pytest.mark.process
 def test_a_ranks_split_layers_keep_their_forward_in_the_decode_step(tiny_model):
     """The CPU decode step's fused host calls (host.attention_output, host.indexer_decode) compute a module's product
     in place of its forward. A rank's row-parallel wo_b and head-parallel indexer sum over the ranks in theirs, so
@@ -298,6 +297,7 @@ def test_a_ranks_split_layers_keep_their_forward_in_the_decode_step(tiny_model):
         assert indexer._host_select(torch.zeros(1, 1, model.args.dim), None, None, None, None, SharedState()) is None
 
 
+@pytest.mark.process
 def test_torchrun_interactive_reads_stdin_on_rank_0(split_checkpoint):
     r = torchrun(2, "-m", "dsv41_cli", "generate", "--interactive", "--model", str(split_checkpoint), "--mode", "chat",
                  "--temperature", "0", "--max-new-tokens", "4", stdin="Hello\n/exit\n")
