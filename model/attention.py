@@ -299,12 +299,13 @@ class Attention(nn.Module):
         if c.ratio == 1:
             latent = c.norm(c.wkv(x))
         else:
-            # the fp32 projections in the fixed order on the CPU (host.fixed_order_linear): MKL's sgemm sums a row
-            # differently when the step has one row (a GEMV) and when it has more, so a row's group latent, and
-            # from it the row's tokens, would depend on the batch (found 2026-12-03: 1 row of 32 requests)
+            # the fp32 projections in the fixed order on the CPU (host.fixed_order_linear), on a fixed row count
+            # elsewhere: MKL's sgemm and cuBLAS's sum a row differently when the step has one row (a GEMV) and when
+            # it has more, so a row's group latent, and from it the row's tokens, would depend on the batch (found
+            # 2026-12-03 on the CPU: 1 row of 32 requests)
             xf = x.float()
-            kv, score = cache.open_group(self.spec.id, host.fixed_order_linear(xf, c.wkv.weight),
-                                         host.fixed_order_linear(xf, c.wgate.weight))
+            kv, score = cache.open_group(self.spec.id, host.fixed_order_linear(xf, c.wkv.weight, fixed_rows=True),
+                                         host.fixed_order_linear(xf, c.wgate.weight, fixed_rows=True))
             latent = c.norm((kv * score.softmax(dim=1)).sum(dim=1, keepdim=True).to(x.dtype))
         freqs = self.freqs(cache.entry_positions(self.spec.id).unsqueeze(1), x.device, stop=stop)
         keys = INDEX_KEY_CODEC.pack(self.indexer.key_latent(latent, freqs))

@@ -32,8 +32,9 @@ class Gate(nn.Module):
         self.bias_vl = (nn.Parameter(torch.zeros(spec.n_routed_experts, dtype=torch.float32))
                         if args.vision_enabled else None)
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
-        """x [N, d] -> (weights [N, k] fp32, indices [N, k])."""
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, fixed_rows: bool = False):
+        """x [N, d] -> (weights [N, k] fp32, indices [N, k]). fixed_rows: a decode step's rows, whose scores must not
+        depend on the batch (host.fixed_order_linear)."""
         bias = self.bias
         if image_mask is not None and self.bias_vl is not None:
             bias = torch.where(image_mask.unsqueeze(-1), self.bias_vl, bias)
@@ -41,7 +42,7 @@ class Gate(nn.Module):
         # reference.route's torch arithmetic (one kernel on CUDA at inference, two C calls with the GEMM in the CPU
         # decode step: model/kernels/routing.py)
         return routing.gate_route(x, self.weight, bias, self.topk, self.score_func, self.gate_temp,
-                                  self.norm_topk_prob, self.route_scale)
+                                  self.norm_topk_prob, self.route_scale, fixed_rows)
 
 
 class Expert(nn.Module):
@@ -258,7 +259,7 @@ class MoE(nn.Module):
         rows' choices decide which experts run (the rest pad the step: batch_cache.py)."""
         shape = x.shape
         x = x.reshape(-1, self.dim)
-        weights, indices = self.gate(x)
+        weights, indices = self.gate(x, fixed_rows=True)
         n = x.size(0) if rows_in_use is None else rows_in_use
         if self._sums_rows_alone(x):
             y = self._every_row_host(x, weights, indices, n)

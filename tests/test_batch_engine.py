@@ -194,6 +194,52 @@ def test_cuda_graph_replays_the_eager_step(tiny_model, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_on_cuda_a_rows_fp32_gemms_and_logits_do_not_depend_on_the_batch(tiny_model, monkeypatch):
+    """On CUDA with host.FIXED_ROWS set (off by default until measured on a GPU: model/kernels/host.py) the decode
+    step's fp32 GEMMs (the router's scores, the compressor's projections) run on a fixed row count: a row's
+    outputs, and its logits, are the bits it gets alone. cuBLAS sums one row as a GEMV; on an H100 (2026-12-07)
+    that put one router score of one request of 32 an ulp apart alone and in a batch, and turned a greedy token
+    of the bundled model."""
+    from dsv41.model.kernels import host
+
+    monkeypatch.setattr(host, "FIXED_ROWS", 64)
+    seen, recording = [], [False]
+    real = host.fixed_order_linear
+
+    def recorded(x, w, fixed_rows=False):
+        y = real(x, w, fixed_rows)
+        if recording[0]:
+            seen.append(y.reshape(y.size(0), -1).clone())
+        return y
+
+    def decode(m, cache):
+        def step(ids):
+            recording[0] = True
+            try:
+                return m.decode(ids, cache)
+            finally:
+                recording[0] = False
+        return step
+
+    monkeypatch.setattr(host, "fixed_order_linear", recorded)
+    model = tiny_model.to("cuda")
+    try:
+        ids = prompts()
+        together = run_rows(model, ids, 16, decode=decode)
+        calls = list(seen)
+        assert calls, "no fp32 GEMM in the decode step"
+        for i, seq in enumerate(ids):
+            seen.clear()
+            (alone,) = run_rows(model, [seq], 16, decode=decode)
+            assert len(seen) == len(calls)
+            for n, (mine, theirs) in enumerate(zip(seen, calls)):
+                assert torch.equal(mine[0], theirs[i]), f"row of length {len(seq)}, GEMM {n}"
+            assert torch.equal(alone, together[i]), f"row of length {len(seq)}"
+    finally:
+        tiny_model.to("cpu")
+
+
+@pytest.mark.gpu
 def test_cuda_graphs_are_captured_again_after_the_cache_grows(tiny_model):
     """On CUDA: when a row outgrows the entry capacity mid-run and the stores are reallocated, the step is
     captured again, into a new memory pool, and still equals the eager static step bit for bit. (Captured into

@@ -184,6 +184,43 @@ def test_fixed_order_linear_and_its_groups_follow_the_gemm(monkeypatch):
     assert not seen and xr.grad is not None
 
 
+def test_padded_linear_gives_a_row_its_bits_alone_at_any_row_count():
+    """host.padded_linear, a decode step's fp32 GEMMs off the CPU (the router's scores, the compressor's projections,
+    `fixed_rows`): a row's outputs at every row count up to the padding multiple are the bits it gets alone, where a
+    BLAS sums one row (a GEMV) differently from several (cuBLAS; MKL here), and the values are F.linear's. On the
+    CPU fixed_order_linear keeps its fixed order with `fixed_rows`."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 96, generator=g).bfloat16()  # a bf16 weight, widened as the router's is
+    x = torch.randn(64, 96, generator=g)
+    with torch.inference_mode():
+        alone = torch.cat([host.padded_linear(x[i:i + 1], w, 64) for i in range(64)])
+        for n in (2, 5, 16, 17, 33, 63, 64):
+            assert torch.equal(host.padded_linear(x[:n], w, 64), alone[:n]), f"{n} rows"
+        torch.testing.assert_close(alone, torch.nn.functional.linear(x, w.float()))
+        y = host.padded_linear(x[:5].view(5, 1, 96), w, 64)  # the compressor's [R, 1, d]
+        assert y.shape == (5, 1, 40) and torch.equal(y[:, 0], alone[:5])
+        assert host.padded_linear(x, w, 48).shape == (64, 40)  # past the multiple: two of it
+        if host.available():
+            assert torch.equal(host.fixed_order_linear(x[:3], w, fixed_rows=True), host.fixed_order_linear(x[:3], w))
+
+
+def test_fixed_rows_pads_only_where_set_and_off_the_cpu(monkeypatch):
+    """fixed_order_linear(fixed_rows=True) takes padded_linear only with host.FIXED_ROWS set and off the CPU (whose
+    BLAS path pads the whole step instead, BatchCache.MIN_ROWS). Off the CPU here: the meta device (shapes only)."""
+    monkeypatch.setattr(host, "fixed_order_applies", lambda x, w: False)
+    x, w = torch.randn(3, 1, 16), torch.randn(8, 16)
+    for rows in (None, 64):  # the CPU: F.linear, set or not
+        monkeypatch.setattr(host, "FIXED_ROWS", rows)
+        assert torch.equal(host.fixed_order_linear(x, w, fixed_rows=True), torch.nn.functional.linear(x, w))
+    real, calls = host.padded_linear, []
+    monkeypatch.setattr(host, "padded_linear", lambda x, w, rows: calls.append(rows) or real(x, w, rows))
+    xm, wm = x.to("meta"), w.to("meta")
+    for rows, fixed in ((None, True), (64, False), (64, True)):
+        monkeypatch.setattr(host, "FIXED_ROWS", rows)
+        assert host.fixed_order_linear(xm, wm, fixed_rows=fixed).shape == (3, 1, 8)
+    assert calls == [64]
+
+
 # ------------------------------------------------------------------------------------------- mHC mixes, RoPE
 
 

@@ -533,14 +533,41 @@ def fixed_order_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
 
 
-def fixed_order_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+# Off the CPU, a BLAS's fp32 GEMM sums a row in an order it picks by the matrix's row count: cuBLAS runs one row as
+# a GEMV. Measured on an H100 (2026-12-07, benchmarks/results/h100-2026-12-07): in the first layer the router's
+# scores of one request of 32 came out an ulp apart alone and in a batch; that moved a routing weight, and through
+# the layers after it the row's logits by up to 0.52 and one greedy token of 768. With FIXED_ROWS set, a decode
+# step's fp32 GEMMs there (the router's scores, the compressor's projections: `fixed_rows`) run on a multiple of
+# FIXED_ROWS rows, the rows in use and then zero rows: for any batch of up to FIXED_ROWS rows the same GEMM, whose
+# sums for a row read that row only. None (the default): the rows in use only. Off until a GPU run measures what
+# it costs in the decode step and that the rows then come out equal (`device_batch.sh` STEPS=ab with
+# VARIANTS="default;host.FIXED_ROWS=64", and tests/test_batch_engine.py -m gpu); the CPU tests its GEMM
+# (tests/test_host_kernels.py, on MKL, which also sums one row as a GEMV).
+FIXED_ROWS: int | None = None
+
+
+def padded_linear(x: torch.Tensor, w: torch.Tensor, rows: int) -> torch.Tensor:
+    """F.linear(x, w) in fp32 with x's rows (all its dimensions but the last, flattened) padded with zero rows to a
+    multiple of `rows`, whose outputs are dropped: each row's sums by the GEMM of the padded row count."""
+    lead, K = x.shape[:-1], x.size(-1)
+    x2 = x.reshape(-1, K).float()
+    M = x2.size(0)
+    y = F.linear(F.pad(x2, (0, 0, 0, -M % rows)), widened(w))
+    return y[:M].view(*lead, w.size(0))
+
+
+def fixed_order_linear(x: torch.Tensor, w: torch.Tensor, fixed_rows: bool = False) -> torch.Tensor:
     """F.linear(x, w) in fp32, for inference on the CPU with each output summed over the input in a fixed order
     (reference.fixed_order_matmul; fixed_order_matmul above in C): a row's outputs depend neither on how many
     rows are computed with it nor on the CPU's vector width, where MKL's fp32 GEMM changes its summation
     order with the row count (one row is a GEMV). So a decode step computes only its rows in use and each row
     gets the numbers it gets alone (model/batch_cache.py). w [N, K] in any float dtype (widened and transposed
-    once: `transposed`). Elsewhere (CUDA, a graph to record, no C library) it is F.linear in fp32."""
+    once: `transposed`). Elsewhere (CUDA, a graph to record, no C library) it is F.linear in fp32; with
+    `fixed_rows` (a decode step's GEMM) off the CPU on a multiple of FIXED_ROWS rows (`padded_linear`). (The
+    CPU's own BLAS path pads the whole step instead: BatchCache.MIN_ROWS.)"""
     if not fixed_order_applies(x, w):
+        if fixed_rows and FIXED_ROWS and x.device.type != "cpu":
+            return padded_linear(x, w, FIXED_ROWS)
         return F.linear(x.float(), widened(w))
     lead, K = x.shape[:-1], x.size(-1)
     x2 = x.reshape(-1, K).float()

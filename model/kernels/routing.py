@@ -53,9 +53,11 @@ def route(scores: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str =
 
 
 def gate_route(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, topk: int, score_func: str = "sqrtsoftplus",
-               gate_temp: float = 1.0, norm_topk_prob: bool = True, route_scale: float = 1.0):
+               gate_temp: float = 1.0, norm_topk_prob: bool = True, route_scale: float = 1.0,
+               fixed_rows: bool = False):
     """The router with its GEMM (model/moe.py Gate): x [N, d], w [E, d] -> route(x W^T in fp32, ...): the GEMM by
-    host.fixed_order_linear (F.linear off the host path), then `route`. In the CPU decode step (the softplus by
+    host.fixed_order_linear (F.linear off the host path; with `fixed_rows`, a decode step's, on a fixed row count
+    there), then `route`. In the CPU decode step (the softplus by
     ATen's scalar formula: reference.scalar_loop_applies) both are two C calls around torch's sqrt,
     host.gate_route, save for a row whose choice has a tie or a NaN."""
     E = w.size(0)
@@ -66,7 +68,8 @@ def gate_route(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, topk: int, 
         out = host.gate_route(x, w, bias, topk, gate_temp, norm_topk_prob, route_scale)
         if out is not None:
             return out
-    return route(host.fixed_order_linear(x, w), bias, topk, score_func, gate_temp, norm_topk_prob, route_scale)
+    return route(host.fixed_order_linear(x, w, fixed_rows), bias, topk, score_func, gate_temp, norm_topk_prob,
+                 route_scale)
 
 
 @opaque
