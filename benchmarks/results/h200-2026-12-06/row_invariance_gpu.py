@@ -9,7 +9,7 @@ Then the end-to-end count `bench_engine.py` makes on the CPU: the 32 requests (g
 engine at once against each alone, rows token-identical.
 On the CPU (DEVICE=cpu, eager only) every difference must be 0: a check of the script.
 
-    PYTHONPATH=.:benchmarks/.device_deps python benchmarks/results/h200-2026-12-06/row_invariance_gpu.py [STEPS]
+    PYTHONPATH=.:benchmarks/.device_deps [FIXED_ROWS=64] python benchmarks/results/h200-2026-12-06/row_invariance_gpu.py [STEPS]
 """
 
 import os
@@ -26,6 +26,9 @@ from dsv41.model.engine import GenerationConfig, Generator, GraphedDecode, Reque
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 24
 DEVICE = os.environ.get("DEVICE", "cuda")
+if os.environ.get("FIXED_ROWS"):  # (added 2026-12-07) the decode step's fp32 GEMMs on a fixed row count: host.py
+    from dsv41.model.kernels import host
+    host.FIXED_ROWS = int(os.environ["FIXED_ROWS"])
 BATCHES = (2, 8, 32)
 
 
