@@ -299,10 +299,10 @@ class Attention(nn.Module):
         if c.ratio == 1:
             latent = c.norm(c.wkv(x))
         else:
-            # the fp32 projections in the fixed order on the CPU (host.fixed_order_linear), on a fixed row count
-            # elsewhere: MKL's sgemm and cuBLAS's sum a row differently when the step has one row (a GEMV) and when
-            # it has more, so a row's group latent, and from it the row's tokens, would depend on the batch (found
-            # 2026-12-03 on the CPU: 1 row of 32 requests)
+            # the fp32 projections in the fixed order on the CPU (host.fixed_order_linear; elsewhere on a fixed row
+            # count where host.FIXED_ROWS is set): MKL's sgemm and cuBLAS's sum a row differently when the step has
+            # one row (a GEMV) and when it has more, so a row's group latent, and from it the row's tokens, would
+            # depend on the batch (found 2026-12-03 on the CPU: 1 row of 32 requests)
             xf = x.float()
             kv, score = cache.open_group(self.spec.id, host.fixed_order_linear(xf, c.wkv.weight, fixed_rows=True),
                                          host.fixed_order_linear(xf, c.wgate.weight, fixed_rows=True))
