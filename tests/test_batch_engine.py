@@ -194,6 +194,22 @@ def test_cuda_graph_replays_the_eager_step(tiny_model, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(8, 64), (256, 4096), (1024, 4096)], ids=["tiny-router", "router", "compressor"])
+def test_on_cuda_the_padded_fp32_gemm_gives_a_row_its_bits_alone(N, K):
+    """host.padded_linear on cuBLAS (the decode step's fp32 GEMMs with host.FIXED_ROWS set) at the tiny model's
+    router shape and V4.1-Flash's router and compressor shapes: a row's outputs at 2-64 rows are its bits alone."""
+    from dsv41.model.kernels import host
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(N, K, device="cuda", generator=g).bfloat16()
+    x = torch.randn(64, K, device="cuda", generator=g)
+    with torch.inference_mode():
+        alone = torch.cat([host.padded_linear(x[i:i + 1], w, 64) for i in range(64)])
+        for n in (2, 3, 8, 16, 17, 32, 33, 64):
+            assert torch.equal(host.padded_linear(x[:n], w, 64), alone[:n]), f"{n} rows"
+
+
+@pytest.mark.gpu
 def test_on_cuda_a_rows_fp32_gemms_and_logits_do_not_depend_on_the_batch(tiny_model, monkeypatch):
     """On CUDA with host.FIXED_ROWS set (off by default until measured on a GPU: model/kernels/host.py) the decode
     step's fp32 GEMMs (the router's scores, the compressor's projections) run on a fixed row count: a row's
