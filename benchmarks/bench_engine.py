@@ -83,13 +83,14 @@ with torch.inference_mode():
         out = {"decode_tokens_per_s": [r.decode_tokens_per_s for r in results], "output_ids": results[-1].output_ids}
     elif what in ("sequential", "batched"):
         prompts, lengths = workload(n_req)
+        if what == "batched":  # outside the timed runs (this tree's engine; the sequential revision may lack it)
+            from dsv41.model.engine import Request
         walls = []
         for _ in range(runs):  # runs > 1 (the GPU runs): the first pays Triton's compiles and the graphs' captures
             t0 = time.perf_counter()
             if what == "sequential":
                 ids = [gen.generate(p, cfg(n)).output_ids for p, n in zip(prompts, lengths)]
             else:
-                from dsv41.model.engine import Request
                 ids = [r.output_ids for r in gen.generate_many([Request(p, cfg(n)) for p, n in zip(prompts, lengths)],
                                                                max_batch_size=n_req)]
             walls.append(time.perf_counter() - t0)
